@@ -1,0 +1,25 @@
+# The two commands of README.md. Both create ./.venv and install this checkout into it (editable).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CORES ?= all
+
+.PHONY: run test install install-test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -q -e .
+
+install-test: $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
+
+# Runs the pipeline on the built-in default config.yaml.
+run: install
+	$(BIN)/snakemake --cores $(CORES)
+
+# Runs the test suite (fast tests; `make test PYTEST_ARGS="-m slow"` for the slow ones).
+test: install-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)

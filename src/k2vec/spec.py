@@ -1,0 +1,279 @@
+"""Model presets and config expansion: from the validated `config.yaml` to one resolved spec per model.
+
+The JSON schema (`workflow/schemas/config.schema.yaml`) checks types, ranges and unknown keys; this
+module checks what a schema cannot: combinations of values (group size against every quantized input
+dimension, top-k against experts, expert groups, layer counts, rope dims) and fills in every derived
+dimension. Every problem raises `ConfigError` naming the dotted config key at fault.
+
+A resolved case has one section per pipeline stage, so that each stage depends only on what it reads:
+`model` (architecture, seed and derived dims; the weights stage), `quantization` (scheme and the
+resolved list of quantized tensors; the quantize stage), `prompts` and `decoding`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from .errors import ConfigError
+from .schemes import SCHEMES, check_patterns, is_quantized
+from .seeds import rng_for
+from .architecture import ARCH_KEYS, tensor_shapes
+
+K2_YARN = {
+    "type": "yarn",
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+# Kimi-K2 architecture at test-friendly widths. hidden_size and moe_intermediate_size are multiples
+# of 128 and 64, so the same weights also satisfy vLLM's Marlin MoE shape rules. Values not listed in
+# a preset are the K2-Thinking ones (see _K2_COMMON).
+_K2_COMMON: dict[str, Any] = {
+    "n_shared_experts": 1,
+    "rope_theta": 50000.0,
+    "rope_scaling": K2_YARN,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-5,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "seed": 0,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        **_K2_COMMON,
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+    },
+    "small": {
+        **_K2_COMMON,
+        "vocab_size": 2048,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 96,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+    },
+}
+
+_POSITIVE_INT_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
+)
+
+
+def _require(cond: bool, key: str, reason: str) -> None:
+    if not cond:
+        raise ConfigError(key, reason)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def resolve_model(name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """Preset + overrides -> architecture dict (HF DeepseekV3 key names), checked for consistency."""
+    key = f"models.{name}"
+    _require(isinstance(entry, dict), key, "must be a mapping with at least a 'preset' key")
+    preset = entry.get("preset")
+    _require(preset in PRESETS, f"{key}.preset",
+             f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    arch = copy.deepcopy(PRESETS[preset])
+    for k, v in entry.items():
+        if k == "preset":
+            continue
+        _require(k in arch, f"{key}.{k}", f"unknown model setting; known: {sorted(arch)}")
+        arch[k] = copy.deepcopy(v)
+    check_model(arch, key)
+    return {"name": name, "preset": preset, **arch}
+
+
+def check_model(m: dict[str, Any], key: str) -> None:
+    for k in _POSITIVE_INT_KEYS:
+        v = m[k]
+        _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{key}.{k}",
+                 f"must be a positive integer, got {v!r}")
+    q = m["q_lora_rank"]
+    _require(q is None or (isinstance(q, int) and not isinstance(q, bool) and q > 0),
+             f"{key}.q_lora_rank", f"must be null (no query compression) or a positive integer, got {q!r}")
+    E, k, G = m["n_routed_experts"], m["num_experts_per_tok"], m["n_group"]
+    _require(k <= E, f"{key}.num_experts_per_tok",
+             f"top-k {k} exceeds n_routed_experts {E}")
+    _require(E % G == 0, f"{key}.n_group", f"n_group {G} must divide n_routed_experts {E}")
+    _require(E // G >= 2, f"{key}.n_group",
+             f"each expert group needs at least 2 experts (group score = sum of its top 2), "
+             f"but {E} experts / {G} groups = {E // G}")
+    _require(m["topk_group"] <= G, f"{key}.topk_group",
+             f"topk_group {m['topk_group']} exceeds n_group {G}")
+    _require(k <= m["topk_group"] * (E // G), f"{key}.num_experts_per_tok",
+             f"top-k {k} exceeds the {m['topk_group'] * (E // G)} experts in the {m['topk_group']} kept groups")
+    _require(0 <= m["first_k_dense_replace"] <= m["num_hidden_layers"], f"{key}.first_k_dense_replace",
+             f"must be between 0 and num_hidden_layers ({m['num_hidden_layers']}), "
+             f"got {m['first_k_dense_replace']}")
+    _require(m["qk_rope_head_dim"] % 2 == 0, f"{key}.qk_rope_head_dim",
+             f"rotary dims come in pairs; {m['qk_rope_head_dim']} is odd")
+    _require(m["n_shared_experts"] >= 0, f"{key}.n_shared_experts", "must be >= 0")
+    _require(m["rms_norm_eps"] > 0, f"{key}.rms_norm_eps", "must be > 0")
+    _require(m["rope_theta"] > 1, f"{key}.rope_theta", "must be > 1")
+    _require(m["routed_scaling_factor"] > 0, f"{key}.routed_scaling_factor", "must be > 0")
+    rs = m["rope_scaling"]
+    if rs is not None:
+        for field in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+            _require(field in rs, f"{key}.rope_scaling.{field}", "required for YaRN")
+        _require(rs["factor"] >= 1, f"{key}.rope_scaling.factor", "must be >= 1")
+        _require(rs["beta_fast"] >= rs["beta_slow"], f"{key}.rope_scaling.beta_fast",
+                 "must be >= beta_slow (the YaRN correction range would be reversed)")
+
+
+def derived_dims(m: dict[str, Any]) -> dict[str, Any]:
+    L, k = m["num_hidden_layers"], m["first_k_dense_replace"]
+    qk_head_dim = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    rs = m["rope_scaling"]
+    mscale = 1.0
+    if rs is not None and rs["factor"] > 1:
+        mscale = 0.1 * rs.get("mscale_all_dim", 0.0) * math.log(rs["factor"]) + 1.0
+    return {
+        "qk_head_dim": qk_head_dim,
+        "num_key_value_heads": m["num_attention_heads"],
+        "dense_layers": list(range(min(k, L))),
+        "moe_layers": list(range(k, L)),
+        "experts_per_group": m["n_routed_experts"] // m["n_group"],
+        "softmax_scale": qk_head_dim ** -0.5 * mscale * mscale,
+        "n_parameters": sum(math.prod(s) for s in tensor_shapes(m).values()),
+    }
+
+
+# --------------------------------------------------------------------------------------- quantization
+
+
+def resolve_quantization(q: dict[str, Any], model: dict[str, Any], key: str = "quantization") -> dict[str, Any]:
+    scheme = q["scheme"]
+    _require(scheme in SCHEMES, f"{key}.scheme", f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES)}")
+    targets = list(q.get("targets", SCHEMES[scheme]["targets"]))
+    ignore = list(q.get("ignore", SCHEMES[scheme]["ignore"]))
+    for field, patterns in (("targets", targets), ("ignore", ignore)):
+        bad = check_patterns(patterns)
+        _require(bad is None, f"{key}.{field}", f"pattern {bad!r} is not a valid regular expression")
+    g = q["group_size"]
+    shapes = tensor_shapes(model)
+    tensors = {n: s for n, s in shapes.items() if is_quantized(n, targets, ignore)}
+    _require(bool(tensors), f"{key}.targets", "selects no tensor of model "
+             f"'{model['name']}'; the int4 precision would equal fp32")
+    for n, (rows, cols) in tensors.items():
+        _require(cols % g == 0, f"{key}.group_size",
+                 f"group size {g} does not divide the input dimension K={cols} of {n} "
+                 f"(model '{model['name']}'); choose a group size dividing {cols} or change the model")
+        # two 4-bit values per byte: K must be even, which any group size >= 2 already ensures
+    return {
+        "scheme": scheme,
+        "targets": targets,
+        "ignore": ignore,
+        "bits": 4,
+        "symmetric": True,
+        "group_size": g,
+        "scale_dtype": q["scale_dtype"],
+        "tensors": tensors,
+    }
+
+
+# -------------------------------------------------------------------------------------------- prompts
+
+
+def resolve_prompts(p: dict[str, Any], model: dict[str, Any], decoding: dict[str, Any],
+                    key: str = "prompts") -> dict[str, Any]:
+    """Deterministic prompt token ids: each prompt's length and tokens derive from (seed, model, index)."""
+    lo, hi = p["min_length"], p["max_length"]
+    _require(lo <= hi, f"{key}.min_length", f"min_length {lo} exceeds max_length {hi}")
+    total = hi + decoding["max_new_tokens"]
+    _require(total <= model["max_position_embeddings"], f"{key}.max_length",
+             f"max_length + decoding.max_new_tokens = {total} exceeds the model's "
+             f"max_position_embeddings {model['max_position_embeddings']}")
+    V = model["vocab_size"]
+    tokens = []
+    for i in range(p["count"]):
+        rng = rng_for(p["seed"], model["name"], "prompt", i)
+        n = int(rng.integers(lo, hi + 1))
+        tokens.append([int(t) for t in rng.integers(0, V, size=n)])
+    return {"seed": p["seed"], "count": p["count"], "tokens": tokens}
+
+
+# ------------------------------------------------------------------------------------------ decoding
+
+
+def resolve_decoding(d: dict[str, Any], model: dict[str, Any], key: str = "decoding") -> dict[str, Any]:
+    _require(d["top_k"] <= model["vocab_size"], f"{key}.top_k",
+             f"top_k {d['top_k']} exceeds vocab_size {model['vocab_size']} of model '{model['name']}'")
+    dd = d["ddtree"]
+    _require(dd["block_size"] >= 2, f"{key}.ddtree.block_size", "must be at least 2 (root + one draft)")
+    _require(len(set(dd["budgets"])) == len(dd["budgets"]), f"{key}.ddtree.budgets", "has duplicates")
+    _require(len(set(dd["accuracies"])) == len(dd["accuracies"]), f"{key}.ddtree.accuracies", "has duplicates")
+    return copy.deepcopy(d)
+
+
+# ---------------------------------------------------------------------------------------------- cases
+
+
+def expand_config(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """All resolved cases, keyed by model name. Raises ConfigError on the first problem."""
+    models = config.get("models")
+    _require(isinstance(models, dict) and models, "models", "must name at least one model")
+    cases = {}
+    for name, entry in models.items():
+        _require(isinstance(name, str) and name.replace("_", "").replace("-", "").isalnum(),
+                 f"models.{name}", "model names may use letters, digits, '-' and '_' only "
+                 "(they become file names and wildcards)")
+        arch = resolve_model(name, entry)
+        model = {**arch, **derived_dims(arch)}
+        decoding = resolve_decoding(config["decoding"], model)
+        cases[name] = {
+            "model": model,
+            "quantization": resolve_quantization(config["quantization"], arch),
+            "prompts": resolve_prompts(config["prompts"], arch, decoding),
+            "decoding": decoding,
+        }
+    return cases
+
+
+def schema_error(config: dict[str, Any], schema_path: str) -> ConfigError | None:
+    """The most specific JSON-schema violation of `config`, as a ConfigError naming its dotted key."""
+    import jsonschema
+    import yaml
+
+    with open(schema_path) as fh:
+        schema = yaml.safe_load(fh)
+    validator = jsonschema.Draft202012Validator(schema)
+    best = jsonschema.exceptions.best_match(validator.iter_errors(config))
+    if best is None:
+        return None
+    key = ".".join(str(p) for p in best.absolute_path) or "(top level)"
+    return ConfigError(key, best.message)

@@ -1,0 +1,99 @@
+"""Deterministic synthetic fp32 weights for a resolved model spec.
+
+Every tensor is drawn from its own stream, seeded by (model seed, tensor name), so adding, removing
+or reshaping one tensor leaves every other tensor's bytes unchanged.
+
+Initialisation: uniform distributions, scaled by the tensor's own shape only.
+- Linear projections [out, in] (and the router): U(-a, a) with std 1/sqrt(in), so each projection
+  roughly preserves the RMS of its input and activations stay O(1) through every layer (each
+  sublayer sees an RMS-normalised input, and the residual stream grows by about one unit per layer).
+- Embeddings: std 1.
+- lm_head: std LOGIT_STD/sqrt(hidden): logits have a standard deviation of about LOGIT_STD. With
+  logits spread that wide the gap between the two largest of V logits is of order 1, so greedy
+  decoding is decisive (a top-1/top-2 gap under 1e-3 is about a 1-in-1000 event).
+- RMSNorm weights: U(0.75, 1.25), and the router's e_score_correction_bias: U(-0.1, 0.1). Neither is
+  the trivial constant, so an engine that skips a norm weight or the selection bias is caught.
+
+Why uniform and not normal: the values are computed from the raw 64-bit PCG64 stream (stable by
+numpy's policy across versions) with IEEE basic operations only (no log/sin/cos, whose last bit can
+differ between SIMD implementations), so the checkpoint is bit-identical on every machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .atomic import atomic_directory
+from .checkpoint import write_shards
+from .seeds import seed_for
+from .architecture import hf_config, tensor_shapes
+
+LOGIT_STD = 4.0
+NORM_RANGE = (0.75, 1.25)
+BIAS_HALF_WIDTH = 0.1
+_SQRT3 = math.sqrt(3.0)
+
+
+def uniform(seed: int, shape: list[int], low: float, high: float) -> np.ndarray:
+    """float32 values in [low, high) from the top 24 bits of the PCG64 raw stream (exact in float32)."""
+    n = math.prod(shape)
+    raw = np.random.PCG64(seed).random_raw(n)
+    unit = (raw >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)  # exact: 24-bit integers
+    out = unit * np.float32(high - low) + np.float32(low)
+    return out.reshape(shape)
+
+
+def init_range(name: str, shape: list[int]) -> tuple[float, float]:
+    """The (low, high) of a tensor's uniform init, from its name and its own shape only."""
+    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        return NORM_RANGE
+    if name.endswith("e_score_correction_bias"):
+        return (-BIAS_HALF_WIDTH, BIAS_HALF_WIDTH)
+    if name == "model.embed_tokens.weight":
+        std = 1.0
+    elif name == "lm_head.weight":
+        std = LOGIT_STD / math.sqrt(shape[1])
+    else:
+        std = 1.0 / math.sqrt(shape[1])
+    a = std * _SQRT3
+    return (-a, a)
+
+
+def make_tensor(model: dict[str, Any], name: str, shape: list[int]) -> np.ndarray:
+    low, high = init_range(name, shape)
+    return uniform(seed_for(model["seed"], name), shape, low, high)
+
+
+def shard_groups(model: dict[str, Any]) -> list[list[str]]:
+    """Tensor names per shard: one shard per decoder layer, then one for the top-level tensors.
+
+    A shard is the unit held in memory, so memory stays at one layer's weights."""
+    names = list(tensor_shapes(model))
+    layers: list[list[str]] = [[] for _ in range(model["num_hidden_layers"])]
+    top: list[str] = []
+    for n in names:
+        if n.startswith("model.layers."):
+            layers[int(n.split(".")[2])].append(n)
+        else:
+            top.append(n)
+    return layers + [top]
+
+
+def write_checkpoint(model: dict[str, Any], out_dir: str | Path) -> dict:
+    """Write the fp32 HF checkpoint of `model` (a resolved model spec) into `out_dir`, atomically."""
+    shapes = tensor_shapes(model)
+    groups = shard_groups(model)
+
+    def shard(names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+        for n in names:
+            yield n, make_tensor(model, n, shapes[n])
+
+    with atomic_directory(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf_config(model), indent=2, sort_keys=True) + "\n")
+        index = write_shards(tmp, (shard(g) for g in groups), len(groups))
+    return index

@@ -1,0 +1,101 @@
+"""Config expansion: presets, derived dimensions and the cross-field checks a schema cannot make."""
+import copy
+
+import pytest
+
+from k2vec.architecture import tensor_shapes
+from k2vec.errors import ConfigError
+from k2vec.spec import PRESETS, expand_config, schema_error
+from conftest import REPO
+
+SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
+
+
+def test_default_config_expands_with_derived_dims(config):
+    cases = expand_config(config)
+    assert set(cases) == set(config["models"])
+    tiny = cases["tiny"]["model"]
+    assert tiny["qk_head_dim"] == 48
+    assert tiny["dense_layers"] == [0] and tiny["moe_layers"] == [1, 2]
+    assert tiny["experts_per_group"] == 4
+    # K2's softmax scale with YaRN factor 64, mscale_all_dim 1 (notes §3): qk^-0.5 * (0.1 ln 64 + 1)^2
+    assert tiny["softmax_scale"] == pytest.approx(48 ** -0.5 * (0.1 * 4.1588830833596715 + 1) ** 2)
+    assert tiny["n_parameters"] == sum(int(__import__("math").prod(s)) for s in tensor_shapes(tiny).values())
+    q = cases["tiny"]["quantization"]
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in q["tensors"]
+    assert "model.layers.0.mlp.gate_proj.weight" in q["tensors"]  # default scheme: dense MLP too
+    assert not any("self_attn" in n or n == "lm_head.weight" or n.endswith("mlp.gate.weight") for n in q["tensors"])
+
+
+def test_schema_preset_enum_matches_code():
+    import yaml
+    schema = yaml.safe_load(open(SCHEMA))
+    assert sorted(schema["$defs"]["model"]["properties"]["preset"]["enum"]) == sorted(PRESETS)
+    overridable = set(schema["$defs"]["model"]["properties"]) - {"preset"}
+    assert overridable == set(PRESETS["tiny"])
+
+
+def test_k2_checkpoint_scheme_quantizes_only_routed_experts(config):
+    config["quantization"]["scheme"] = "k2-checkpoint"
+    q = expand_config(config)["small"]["quantization"]["tensors"]
+    assert q and all(".mlp.experts." in n for n in q)
+    assert len(q) == 3 * 16 * 3  # 3 MoE layers x 16 experts x gate/up/down
+
+
+def test_prompts_are_deterministic_and_in_vocab(config):
+    a = expand_config(config)
+    b = expand_config(copy.deepcopy(config))
+    assert a["small"]["prompts"] == b["small"]["prompts"]
+    toks = a["small"]["prompts"]["tokens"]
+    assert len(toks) == config["prompts"]["count"]
+    assert all(config["prompts"]["min_length"] <= len(t) <= config["prompts"]["max_length"] for t in toks)
+    assert all(0 <= x < 2048 for t in toks for x in t)
+    # Adding a prompt leaves the others unchanged (seeds from names, not call order).
+    config["prompts"]["count"] += 1
+    c = expand_config(config)["small"]["prompts"]["tokens"]
+    assert c[:-1] == toks
+
+
+def test_q_lora_null_gives_q_proj(config):
+    config["models"]["tiny"]["q_lora_rank"] = None
+    shapes = tensor_shapes(expand_config(config)["tiny"]["model"])
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == [4 * 48, 128]
+    assert not any("q_a_proj" in n for n in shapes)
+
+
+@pytest.mark.parametrize("mutate, key", [
+    (lambda c: c["models"]["tiny"].update(num_experts_per_tok=9), "models.tiny.num_experts_per_tok"),
+    (lambda c: c["models"]["tiny"].update(n_group=3), "models.tiny.n_group"),
+    (lambda c: c["models"]["tiny"].update(n_group=8), "models.tiny.n_group"),
+    (lambda c: c["models"]["tiny"].update(topk_group=3), "models.tiny.topk_group"),
+    (lambda c: c["models"]["tiny"].update(first_k_dense_replace=4), "models.tiny.first_k_dense_replace"),
+    (lambda c: c["models"]["tiny"].update(qk_rope_head_dim=15), "models.tiny.qk_rope_head_dim"),
+    (lambda c: c["models"]["tiny"].update(preset="tinny"), "models.tiny.preset"),
+    (lambda c: c["models"]["tiny"].update(hidden=64), "models.tiny.hidden"),
+    (lambda c: c["quantization"].update(group_size=128), "quantization.group_size"),
+    (lambda c: c["quantization"].update(ignore=["re:("]), "quantization.ignore"),
+    (lambda c: c["quantization"].update(targets=["nothing.matches"]), "quantization.targets"),
+    (lambda c: c["prompts"].update(min_length=20), "prompts.min_length"),
+    (lambda c: c["decoding"].update(top_k=100000), "decoding.top_k"),
+    (lambda c: c["decoding"]["ddtree"].update(budgets=[4, 4]), "decoding.ddtree.budgets"),
+])
+def test_cross_field_errors_name_the_key(config, mutate, key):
+    mutate(config)
+    with pytest.raises(ConfigError) as err:
+        expand_config(config)
+    assert err.value.key == key
+    assert str(err.value).startswith(f"config key '{key}':")
+
+
+@pytest.mark.parametrize("mutate, key", [
+    (lambda c: c.pop("decoding"), "(top level)"),
+    (lambda c: c.update(extra=1), "(top level)"),
+    (lambda c: c["prompts"].update(count="four"), "prompts.count"),
+    (lambda c: c["models"]["tiny"].update(hidden_size=-128), "models.tiny.hidden_size"),
+    (lambda c: c["quantization"].update(scale_dtype="float16"), "quantization.scale_dtype"),
+])
+def test_schema_errors_name_the_key(config, mutate, key):
+    assert schema_error(config, SCHEMA) is None
+    mutate(config)
+    err = schema_error(config, SCHEMA)
+    assert err is not None and err.key == key

@@ -1,0 +1,17 @@
+# Synthetic fp32 weights: an HF DeepseekV3 checkpoint per model (docs in k2vec/weights.py).
+
+
+rule weights:
+    input:
+        model="results/cases/{model}/model.json",
+        code=sources("k2vec.weights", "k2vec.cases", "k2vec.stage"),
+    output:
+        directory("results/models/{model}/fp32"),
+    log:
+        "results/logs/weights/{model}.log",
+    benchmark:
+        "results/benchmarks/weights/{model}.tsv"
+    conda:
+        "../envs/pipeline.yaml"
+    script:
+        "../scripts/make_weights.py"

@@ -1,0 +1,9 @@
+"""Synthetic fp32 HF checkpoint for one model."""
+from k2vec.cases import read_json
+from k2vec.stage import stage_logging
+from k2vec.weights import write_checkpoint
+
+with stage_logging(snakemake.log[0], "weights") as log:
+    model = read_json(snakemake.input.model)
+    index = write_checkpoint(model, snakemake.output[0])
+    log.info("%s: %d tensors, %d bytes", model["name"], len(index["weight_map"]), index["metadata"]["total_size"])
