@@ -1,0 +1,1 @@
+"""Engines under test: the invocation contract, the failure-isolating runner, and the numpy engine."""
