@@ -1,0 +1,427 @@
+"""The quantize stage: fp32 checkpoint -> INT4 tensor files, and their export as a compressed-tensors checkpoint.
+
+An int4 directory (docs/int4-format.md) holds, per quantized weight `<name>` (e.g.
+`model.layers.1.mlp.experts.0.down_proj.weight`):
+  <name>.qw   packed codes, uint8 [N, K/2], "int4-offset8-lownibble-first" (= LE bytes of the int32 words)
+  <name>.sc   scales [N, K/group_size], raw little-endian in the scale dtype: float32, or bfloat16 bits
+and `index.json` (shapes, group size, scale dtype, packing, byte lengths, sha256 of every file, and the
+names of the tensors left unquantized, which stay in the fp32 checkpoint). Every stage holds one tensor
+(plus its packed output) in memory at a time and writes its directory atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .atomic import atomic_directory
+from .checkpoint import INDEX_NAME, Checkpoint
+from .quant import (BITS, GROUP_SIZES, PACKING, QMAX, QMIN, SCALE_DTYPES, ZERO_SCALE, QuantError, bf16_bits,
+                    dequantize, from_bf16_bits, quantize_packed, unpack)
+from .schemes import is_linear, is_quantized
+
+INT4_INDEX = "index.json"
+FORMAT = "k2vec-int4"
+FORMAT_VERSION = 1
+SPEC_KEYS = ("scheme", "targets", "ignore", "bits", "symmetric", "group_size", "scale_dtype", "tensors")
+# .sc encoding per scale dtype: the scale dtype's own little-endian bytes, so the export copies them as-is.
+SCALE_FILE_DTYPE = {"float32": "<f4", "bfloat16": "<u2"}
+SCALE_ENCODING = {"float32": "float32-le", "bfloat16": "bfloat16-bits-le"}
+SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16"}
+_NUMPY_TO_ST = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64", np.dtype(np.float16): "F16",
+                np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int8): "I8",
+                np.dtype(np.uint8): "U8"}
+_COPY_CHUNK = 1 << 24  # bytes per write when streaming a tensor out of an mmap
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def _sha256(data: memoryview | bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- spec
+
+
+def _check_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(spec, Mapping):
+        raise QuantError(f"quant_spec must be a dict, got {type(spec).__name__}")
+    missing = [k for k in SPEC_KEYS if k not in spec]
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if missing or unknown:
+        raise QuantError(f"quant_spec: missing keys {missing}, unknown keys {unknown}; "
+                         f"expected exactly {list(SPEC_KEYS)}")
+    if spec["bits"] != BITS or isinstance(spec["bits"], bool):
+        raise QuantError(f"quant_spec['bits'] = {spec['bits']!r}: only 4-bit quantization is implemented")
+    if spec["symmetric"] is not True:
+        raise QuantError(f"quant_spec['symmetric'] = {spec['symmetric']!r}: only symmetric quantization is implemented")
+    g = spec["group_size"]
+    if isinstance(g, bool) or g not in GROUP_SIZES:
+        raise QuantError(f"quant_spec['group_size'] = {g!r}: choose one of {GROUP_SIZES}")
+    if spec["scale_dtype"] not in SCALE_DTYPES:
+        raise QuantError(f"quant_spec['scale_dtype'] = {spec['scale_dtype']!r}: choose one of {SCALE_DTYPES}")
+    if not isinstance(spec["scheme"], str):
+        raise QuantError(f"quant_spec['scheme'] must be a string, got {spec['scheme']!r}")
+    for key in ("targets", "ignore"):
+        if not isinstance(spec[key], (list, tuple)) or not all(isinstance(p, str) for p in spec[key]):
+            raise QuantError(f"quant_spec['{key}'] must be a list of pattern strings, got {spec[key]!r}")
+    tensors = spec["tensors"]
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise QuantError("quant_spec['tensors'] must be a non-empty dict tensor name -> [N, K]")
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, shape in tensors.items():
+        if (not isinstance(shape, (list, tuple)) or len(shape) != 2
+                or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in shape)):
+            raise QuantError(f"quant_spec['tensors'][{name!r}] = {shape!r}: expected [N, K] positive integers")
+        if shape[1] % g:
+            raise QuantError(f"quant_spec['tensors'][{name!r}]: K={shape[1]} is not divisible by group_size {g}")
+        if not name.endswith(".weight") or "/" in name or name.startswith(".") or "\0" in name:
+            raise QuantError(f"quant_spec['tensors']: {name!r} is not a '<module>.weight' tensor name usable as a "
+                             f"file name")
+        shapes[name] = (int(shape[0]), int(shape[1]))
+    return {"scheme": spec["scheme"], "targets": list(spec["targets"]), "ignore": list(spec["ignore"]),
+            "bits": BITS, "symmetric": True, "group_size": int(g), "scale_dtype": spec["scale_dtype"],
+            "tensors": dict(sorted(shapes.items()))}
+
+
+def _check_against_checkpoint(ckpt: Checkpoint, spec: dict[str, Any]) -> None:
+    tensors = spec["tensors"]
+    absent = sorted(set(tensors) - set(ckpt))
+    if absent:
+        raise QuantError(f"quant_spec lists {len(absent)} tensors missing from {ckpt.directory}: {absent[:5]}; "
+                         f"the spec was resolved for another model")
+    selected = {n for n in ckpt if is_quantized(n, spec["targets"], spec["ignore"])}
+    if selected != set(tensors):
+        extra, lacking = sorted(set(tensors) - selected), sorted(selected - set(tensors))
+        raise QuantError(f"quant_spec['tensors'] disagrees with its targets/ignore patterns over {ckpt.directory}: "
+                         f"listed but not selected {extra[:5]}, selected but not listed {lacking[:5]}; "
+                         f"re-resolve the spec with k2vec.schemes.is_quantized")
+    for name, shape in tensors.items():
+        arr = ckpt[name]
+        if arr.dtype != np.float32 or tuple(arr.shape) != shape:
+            raise QuantError(f"{ckpt.directory}: tensor {name} is {arr.dtype} {list(arr.shape)}, the spec expects "
+                             f"float32 {list(shape)}")
+
+
+# ------------------------------------------------------------------------------------ quantize
+
+
+def _by_shard(directory, ckpt: Checkpoint, names) -> Iterator[tuple[str, Any, Checkpoint]]:
+    """(name, names[name], reader) shard by shard, each shard through a fresh reader: the previous one
+    is dropped with its mmap, so the fp32 pages read stay resident (counted in RSS) for one shard only."""
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(ckpt.weight_map[name], []).append(name)
+    for fname in sorted(by_file):
+        shard = Checkpoint(directory)
+        for name in sorted(by_file[fname]):
+            yield name, names[name], shard
+
+
+def _scale_file_bytes(scales: np.ndarray, scale_dtype: str) -> np.ndarray:
+    raw = bf16_bits(scales) if scale_dtype == "bfloat16" else scales
+    return np.ascontiguousarray(raw, dtype=SCALE_FILE_DTYPE[scale_dtype])
+
+
+def _write_array(path: Path, arr: np.ndarray) -> dict[str, Any]:
+    data = memoryview(np.ascontiguousarray(arr)).cast("B")
+    with open(path, "wb") as fh:
+        fh.write(data)
+    return {"file": path.name, "nbytes": data.nbytes, "sha256": _sha256(data)}
+
+
+def quantize_checkpoint(fp32_dir: str | os.PathLike, out_dir: str | os.PathLike, quant_spec: Mapping[str, Any]) -> dict:
+    """Quantize every tensor of `quant_spec["tensors"]` of the fp32 checkpoint into `out_dir`; return the index.
+
+    Output bytes depend only on the inputs (tensor order, JSON key order and formatting are fixed)."""
+    spec = _check_spec(quant_spec)
+    ckpt = Checkpoint(fp32_dir)
+    _check_against_checkpoint(ckpt, spec)
+    g, sd = spec["group_size"], spec["scale_dtype"]
+    entries: dict[str, Any] = {}
+    with atomic_directory(out_dir) as tmp:
+        for name, (n, k), shard in _by_shard(fp32_dir, ckpt, spec["tensors"]):
+            packed, scales = quantize_packed(shard[name], g, sd)
+            qw = _write_array(tmp / f"{name}.qw", packed)
+            sc = _write_array(tmp / f"{name}.sc", _scale_file_bytes(scales, sd))
+            del packed, scales
+            entries[name] = {
+                "shape": [n, k], "group_size": g, "scale_dtype": sd, "packing": PACKING,
+                "qweight": {**qw, "dtype": "uint8", "shape": [n, k // 2]},
+                "scales": {**sc, "dtype": sd, "encoding": SCALE_ENCODING[sd],
+                           "shape": [n, k // g]},
+            }
+        unquantized = {name: {"dtype": str(ckpt[name].dtype), "shape": list(ckpt[name].shape)}
+                       for name in sorted(set(ckpt) - set(entries))}
+        entries = dict(sorted(entries.items()))
+        index = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "quantization": {
+                "scheme": spec["scheme"], "targets": spec["targets"], "ignore": spec["ignore"],
+                "bits": BITS, "symmetric": True, "group_size": g, "scale_dtype": sd,
+                "qmin": QMIN, "qmax": QMAX, "packing": PACKING,
+                "rule": "scale = absmax/7.5 in float32 per (row, group); bf16 scales rounded (RNE) before dividing; "
+                        "zero scale -> eps of the scale dtype; q = round_half_even(clip(w/scale, -8, 7)); "
+                        "w ~= q*scale (compressed-tensors pack-quantized)",
+                "zero_scale": float(ZERO_SCALE[sd]),
+            },
+            "tensors": entries,
+            "unquantized": {
+                "location": "fp32 checkpoint",
+                "note": "these tensors are not quantized; read them from the fp32 checkpoint this directory "
+                        "was made from",
+                "tensors": unquantized,
+            },
+        }
+        (tmp / INT4_INDEX).write_bytes(_json_bytes(index))
+    return index
+
+
+# -------------------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Tensor:
+    """One quantized weight: `packed` and the raw scales are read-only memmaps of the .qw/.sc files."""
+
+    name: str
+    shape: tuple[int, int]
+    group_size: int
+    scale_dtype: str
+    packed: np.ndarray      # uint8 [N, K/2]
+    scales_raw: np.ndarray  # '<f4' or bf16 bits '<u2', [N, K/g]
+    entry: dict
+
+    @property
+    def scales(self) -> np.ndarray:
+        """float32 [N, K/g] (bf16 scales widened exactly)."""
+        if self.scale_dtype == "bfloat16":
+            return from_bf16_bits(self.scales_raw.astype(np.uint16))
+        return self.scales_raw.astype(np.float32)
+
+    def codes(self) -> np.ndarray:
+        return unpack(self.packed, self.shape[1])
+
+    def dequantize(self) -> np.ndarray:
+        return dequantize(self.codes(), self.scales, self.group_size)
+
+
+def _memmap(path: Path, dtype: str, shape: tuple[int, int], nbytes: int) -> np.ndarray:
+    expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if expected != nbytes:
+        raise QuantError(f"{path}: index.json says {nbytes} bytes but shape {list(shape)} of {dtype} needs {expected}")
+    if not path.exists():
+        raise QuantError(f"{path}: file listed in index.json is missing")
+    actual = path.stat().st_size
+    if actual != expected:
+        raise QuantError(f"{path}: {actual} bytes on disk, expected {expected} (truncated or stale file)")
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+
+
+class Int4Checkpoint(Mapping[str, Int4Tensor]):
+    """Read-only mapping quantized tensor name -> Int4Tensor, over an int4 directory."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        path = self.directory / INT4_INDEX
+        if not path.exists():
+            raise QuantError(f"{self.directory}: no {INT4_INDEX}; not an int4 directory (run the quantize stage)")
+        self.index = json.loads(path.read_text())
+        if self.index.get("format") != FORMAT or self.index.get("format_version") != FORMAT_VERSION:
+            raise QuantError(f"{path}: format {self.index.get('format')!r} version "
+                             f"{self.index.get('format_version')!r}, this reader handles {FORMAT!r} "
+                             f"version {FORMAT_VERSION}")
+        self.quantization: dict = self.index["quantization"]
+        self.unquantized: list[str] = sorted(self.index["unquantized"]["tensors"])
+
+    def __getitem__(self, name: str) -> Int4Tensor:
+        if name not in self.index["tensors"]:
+            raise KeyError(name)
+        e = self.index["tensors"][name]
+        n, k = e["shape"]
+        g, sd = e["group_size"], e["scale_dtype"]
+        if e["packing"] != PACKING or sd not in SCALE_DTYPES or g not in GROUP_SIZES:
+            raise QuantError(f"{self.directory}: tensor {name}: unsupported packing/scale dtype/group size "
+                             f"{e['packing']!r}/{sd!r}/{g!r}")
+        packed = _memmap(self.directory / e["qweight"]["file"], "u1", (n, k // 2), e["qweight"]["nbytes"])
+        raw = _memmap(self.directory / e["scales"]["file"], SCALE_FILE_DTYPE[sd], (n, k // g), e["scales"]["nbytes"])
+        return Int4Tensor(name, (n, k), g, sd, packed, raw, e)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index["tensors"])
+
+    def __len__(self) -> int:
+        return len(self.index["tensors"])
+
+    def verify(self) -> None:
+        """Check every file's sha256 against index.json (reads all bytes)."""
+        for name, e in self.index["tensors"].items():
+            for part in ("qweight", "scales"):
+                path = self.directory / e[part]["file"]
+                h = hashlib.sha256()
+                with open(path, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(_COPY_CHUNK), b""):
+                        h.update(chunk)
+                if h.hexdigest() != e[part]["sha256"]:
+                    raise QuantError(f"{path}: sha256 {h.hexdigest()} does not match index.json ({e[part]['sha256']})")
+
+
+def open_int4(int4_dir: str | os.PathLike) -> Int4Checkpoint:
+    return Int4Checkpoint(int4_dir)
+
+
+def load_dequantized(int4_dir: str | os.PathLike, name: str) -> np.ndarray:
+    """float32 [N, K] = code * scale for one quantized tensor."""
+    ckpt = open_int4(int4_dir)
+    if name not in ckpt:
+        hint = " (it is unquantized: read it from the fp32 checkpoint)" if name in ckpt.unquantized else ""
+        raise QuantError(f"{int4_dir}: {name} is not quantized here{hint}")
+    return ckpt[name].dequantize()
+
+
+# ---------------------------------------------------------------------------------------- export
+
+
+@dataclass
+class _StTensor:
+    name: str
+    dtype: str               # safetensors dtype
+    shape: list[int]
+    nbytes: int
+    data: Callable[[], memoryview]  # produces the bytes when the tensor is written (one at a time)
+
+
+def _write_safetensors(path: Path, tensors: list[_StTensor]) -> int:
+    """A safetensors file written tensor by tensor (names sorted, data in that order); returns the data size."""
+    tensors = sorted(tensors, key=lambda t: t.name)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode("utf-8")
+    head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as the safetensors writer pads it
+    with open(path, "wb") as fh:
+        fh.write(len(head).to_bytes(8, "little"))
+        fh.write(head)
+        for t in tensors:
+            data = t.data()
+            if data.nbytes != t.nbytes:
+                raise QuantError(f"{path.name}: tensor {t.name} produced {data.nbytes} bytes, expected {t.nbytes}")
+            for i in range(0, data.nbytes, _COPY_CHUNK):
+                fh.write(data[i:i + _COPY_CHUNK])
+            del data
+    return offset
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(arr)).cast("B")
+
+
+def quantization_config(group_size: int, ignore: list[str]) -> dict[str, Any]:
+    """compressed-tensors `quantization_config` (pack-quantized, symmetric INT4 groups), as in Kimi K2 Thinking."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "kv_cache_scheme": None,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "output_activations": None,
+                "weights": {
+                    "num_bits": BITS, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": group_size, "dynamic": False, "observer": "minmax", "observer_kwargs": {},
+                    "actorder": None, "block_structure": None,
+                },
+            },
+        },
+        "ignore": ignore,
+    }
+
+
+def export_compressed_tensors(fp32_dir: str | os.PathLike, int4_dir: str | os.PathLike,
+                              out_dir: str | os.PathLike) -> dict:
+    """Write an HF checkpoint in compressed-tensors pack-quantized layout; return its config.json dict.
+
+    Shards keep the fp32 checkpoint's file names and grouping. A quantized `<p>.weight` becomes
+    `<p>.weight_packed` (I32 [N, K/8], the .qw bytes), `<p>.weight_scale` (F32 or BF16 [N, K/g], the .sc
+    bytes) and `<p>.weight_shape` (I64 [2]); other tensors are copied unchanged (float32). `ignore` lists
+    every unquantized Linear module by exact name, so the config selects exactly the exported modules
+    whatever an engine's pattern matcher and module naming (see docs/int4-format.md)."""
+    ckpt = Checkpoint(fp32_dir)
+    q = open_int4(int4_dir)
+    names = set(ckpt)
+    if set(q) | set(q.unquantized) != names or set(q) & set(q.unquantized):
+        raise QuantError(f"{int4_dir} was not made from {fp32_dir}: their tensor names differ "
+                         f"(e.g. {sorted(names ^ (set(q) | set(q.unquantized)))[:5]})")
+    for name in q:
+        if list(ckpt[name].shape) != list(q[name].shape):
+            raise QuantError(f"{int4_dir} was not made from {fp32_dir}: {name} is {list(ckpt[name].shape)} in the "
+                             f"checkpoint, {list(q[name].shape)} in the int4 index")
+    group_sizes = {q[n].group_size for n in q}
+    scale_dtypes = {q[n].scale_dtype for n in q}
+    if len(group_sizes) != 1 or len(scale_dtypes) != 1:
+        raise QuantError(f"{int4_dir}: one config group needs one group size and scale dtype, found "
+                         f"{sorted(group_sizes)} / {sorted(scale_dtypes)}")
+    (g,), (sd,) = group_sizes, scale_dtypes
+
+    shards: dict[str, list[str]] = {}
+    for name, fname in ckpt.weight_map.items():
+        shards.setdefault(fname, []).append(name)
+    ignore = sorted(n[: -len(".weight")] for n in q.unquantized
+                    if n.endswith(".weight") and is_linear(n[: -len(".weight")]))
+    config = dict(ckpt.config)
+    config["quantization_config"] = quantization_config(g, ignore)
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    with atomic_directory(out_dir) as tmp:
+        for fname in sorted(shards):
+            src = Checkpoint(fp32_dir)  # a reader per shard: its mmap closes after the shard (bounded RSS)
+            entries: list[_StTensor] = []
+            for name in shards[fname]:
+                if name in q:
+                    t = q[name]
+                    n, k = t.shape
+                    prefix = name[: -len(".weight")]
+                    entries += [
+                        _StTensor(f"{prefix}.weight_packed", "I32", [n, k // 8], n * k // 2,
+                                  lambda t=t: _bytes_of(t.packed)),
+                        _StTensor(f"{prefix}.weight_scale", SAFETENSORS_DTYPE[sd], [n, k // g], t.scales_raw.nbytes,
+                                  lambda t=t: _bytes_of(t.scales_raw)),
+                        _StTensor(f"{prefix}.weight_shape", "I64", [2], 16,
+                                  lambda n=n, k=k: _bytes_of(np.array([n, k], "<i8"))),
+                    ]
+                else:
+                    arr = src[name]
+                    if arr.dtype not in _NUMPY_TO_ST:
+                        raise QuantError(f"{fp32_dir}: tensor {name} has dtype {arr.dtype}, which cannot be copied "
+                                         f"unambiguously (expected float32)")
+                    entries.append(_StTensor(name, _NUMPY_TO_ST[arr.dtype], list(arr.shape), arr.nbytes,
+                                             lambda name=name, src=src: _bytes_of(src[name])))
+                    del arr
+            total += _write_safetensors(tmp / fname, entries)
+            weight_map.update({e.name: fname for e in entries})
+            del src, entries
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_NAME).write_bytes(_json_bytes(index))
+        (tmp / "config.json").write_bytes(_json_bytes(config))
+        # side files (generation_config.json, tokenizer files, ...) travel with the checkpoint unchanged
+        for extra in sorted(Path(fp32_dir).iterdir()):
+            if (extra.is_file() and extra.name not in ("config.json", INDEX_NAME)
+                    and not extra.name.endswith(".safetensors") and not extra.name.startswith(".")):
+                shutil.copyfile(extra, tmp / extra.name)
+    return config

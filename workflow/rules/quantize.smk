@@ -1,0 +1,36 @@
+# INT4 W4A16 quantization (docs/int4-format.md): .qw/.sc per quantized weight, and the same model
+# exported in compressed-tensors' pack-quantized layout for vLLM / SGLang.
+
+
+rule quantize:
+    input:
+        fp32="results/models/{model}/fp32",
+        quantization="results/cases/{model}/quantization.json",
+        code=sources("k2vec.int4_checkpoint", "k2vec.cases", "k2vec.stage"),
+    output:
+        directory("results/models/{model}/int4"),
+    log:
+        "results/logs/quantize/{model}.log",
+    benchmark:
+        "results/benchmarks/quantize/{model}.tsv"
+    conda:
+        "../envs/pipeline.yaml"
+    script:
+        "../scripts/quantize.py"
+
+
+rule export_compressed_tensors:
+    input:
+        fp32="results/models/{model}/fp32",
+        int4="results/models/{model}/int4",
+        code=sources("k2vec.int4_checkpoint", "k2vec.stage"),
+    output:
+        directory("results/models/{model}/compressed-tensors"),
+    log:
+        "results/logs/export_compressed_tensors/{model}.log",
+    benchmark:
+        "results/benchmarks/export_compressed_tensors/{model}.tsv"
+    conda:
+        "../envs/pipeline.yaml"
+    script:
+        "../scripts/export_compressed_tensors.py"
