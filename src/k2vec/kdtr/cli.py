@@ -1,0 +1,188 @@
+"""`python -m k2vec.kdtr {list,inspect,verify,diff}`.
+
+Exit status: 0 fine (diff: identical), 1 a bad bundle (diff: a difference), 2 usage/IO or, for
+diff, a bad bundle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Iterator
+
+import numpy as np
+
+from .format import FLOAT_DTYPES, KdtrError, bf16_to_f32
+from .reader import Bundle, open_bundle
+
+_CHUNK = 1 << 20  # elements compared at a time: diff of two 1 GiB tensors stays in a few MiB
+
+
+def _print_table(b: Bundle, out) -> None:
+    for line in b.lines():
+        print(line, file=out)
+
+
+def _summary(value, width: int = 70) -> str:
+    if isinstance(value, dict):
+        keys = ", ".join(list(value)[:8]) + (", ..." if len(value) > 8 else "")
+        return f"object, {len(value)} keys: {keys}"
+    if isinstance(value, list):
+        return f"array, {len(value)} items"
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def cmd_list(args, out) -> int:
+    with open_bundle(args.file) as b:
+        _print_table(b, out)
+    return 0
+
+
+def cmd_inspect(args, out) -> int:
+    with open_bundle(args.file) as b:
+        if args.table:
+            _print_table(b, out)
+            return 0
+        data = sum(t.nbytes for t in b.tensors)
+        print(f"{args.file}: KDTR v{b.version}, {b.file_size} bytes, alignment {b.alignment}, "
+              f"{len(b)} tensors, {data} data bytes", file=out)
+        print("# name dtype shape offset nbytes crc32", file=out)
+        _print_table(b, out)
+        print("metadata:", file=out)
+        for key, value in b.metadata.items():
+            print(f"  {key}: {_summary(value)}", file=out)
+    return 0
+
+
+def cmd_verify(args, out) -> int:
+    status = 0
+    for path in args.files:
+        try:
+            with open_bundle(path) as b:
+                n = b.verify(workers=args.workers)
+            print(f"{path}: OK, {len(b)} tensors, {n} data bytes", file=out)
+        except (KdtrError, OSError) as e:
+            print(f"{path}: FAILED: {e}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def _flatten(value, prefix: str = "") -> Iterator[tuple[str, object]]:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, list) and value:
+        for i, v in enumerate(value):
+            yield from _flatten(v, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, value
+
+
+def _chunks(x: np.ndarray, dtype: str) -> Iterator[np.ndarray]:
+    flat = x.reshape(-1)
+    for i in range(0, flat.size, _CHUNK):
+        c = flat[i: i + _CHUNK]
+        if dtype == "bf16":
+            c = bf16_to_f32(c)
+        yield c.astype(np.float64) if dtype != "f64" else c
+
+
+def tensor_diff(a: np.ndarray, b: np.ndarray, dtype: str) -> str | None:
+    """One-line description of how two same-shape, same-dtype tensors differ, or None if equal."""
+    ua, ub = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+    nbytes = sum(int(np.count_nonzero(ua[i: i + _CHUNK] != ub[i: i + _CHUNK])) for i in range(0, ua.size, _CHUNK))
+    if nbytes == 0:
+        return None
+    n = a.size
+    if dtype in FLOAT_DTYPES:
+        ndiff = nonfinite = 0
+        max_abs = max_rel = 0.0
+        for ca, cb in zip(_chunks(a, dtype), _chunks(b, dtype)):
+            both_nan = np.isnan(ca) & np.isnan(cb)
+            differ = (ca != cb) & ~both_nan
+            ndiff += int(differ.sum())
+            finite = np.isfinite(ca) & np.isfinite(cb)
+            nonfinite += int((differ & ~finite).sum())
+            fa, fb = ca[differ & finite], cb[differ & finite]
+            if fa.size:
+                d = np.abs(fa - fb)
+                max_abs = max(max_abs, float(d.max()))
+                max_rel = max(max_rel, float((d / np.maximum(np.abs(fa), np.abs(fb))).max()))
+        if ndiff == 0:  # only the bits differ: +0.0 vs -0.0 or NaN payloads
+            return f"0/{n} elements differ in value (bit patterns differ: signed zeros or NaN payloads)"
+        extra = f", {nonfinite} inf/nan mismatches" if nonfinite else ""
+        return f"{ndiff}/{n} elements differ, max_abs {max_abs:.6g}, max_rel {max_rel:.6g}{extra}"
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    nel = sum(int(np.count_nonzero(flat_a[i: i + _CHUNK] != flat_b[i: i + _CHUNK])) for i in range(0, n, _CHUNK))
+    return f"{nel}/{n} elements differ, {nbytes}/{ua.size} bytes differ"
+
+
+def _kind(t) -> str:
+    dt = f"{t.dtype}:{t.packing}" if t.packing else t.dtype
+    return f"{dt} [{','.join(map(str, t.shape))}]"
+
+
+def cmd_diff(args, out) -> int:
+    try:
+        a, b = open_bundle(args.a), open_bundle(args.b)
+    except KdtrError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ndiff = 0
+    with a, b:
+        names = sorted(set(a) | set(b), key=lambda s: s.encode())
+        for name in names:
+            if name not in b:
+                print(f"- {name}: only in A ({_kind(a.info(name))})", file=out)
+            elif name not in a:
+                print(f"+ {name}: only in B ({_kind(b.info(name))})", file=out)
+            elif _kind(a.info(name)) != _kind(b.info(name)):
+                print(f"~ {name}: {_kind(a.info(name))} vs {_kind(b.info(name))}", file=out)
+            else:
+                what = tensor_diff(a[name], b[name], a.info(name).dtype)
+                if what is None:
+                    if args.all:
+                        print(f"= {name}: identical", file=out)
+                    continue
+                print(f"~ {name} {_kind(a.info(name))}: {what}", file=out)
+            ndiff += 1
+        ma, mb = dict(_flatten(a.metadata)), dict(_flatten(b.metadata))
+        mdiff = 0
+        for key in sorted(set(ma) | set(mb)):
+            if key not in mb:
+                print(f"- metadata {key}: only in A ({_summary(ma[key], 50)})", file=out)
+            elif key not in ma:
+                print(f"+ metadata {key}: only in B ({_summary(mb[key], 50)})", file=out)
+            elif json.dumps(ma[key]) != json.dumps(mb[key]):
+                print(f"~ metadata {key}: {_summary(ma[key], 50)} vs {_summary(mb[key], 50)}", file=out)
+            else:
+                continue
+            mdiff += 1
+        print(f"{ndiff} tensor differences, {mdiff} metadata differences", file=out)
+    return 1 if ndiff or mdiff else 0
+
+
+def main(argv: list[str] | None = None, out=None) -> int:
+    out = out or sys.stdout
+    p = argparse.ArgumentParser(prog="python -m k2vec.kdtr", description="Inspect KDTR bundles.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("list", help="canonical tensor table (same bytes as `kdtr_tool list`)")
+    s.add_argument("file")
+    s = sub.add_parser("inspect", help="header summary, tensor table and metadata summary")
+    s.add_argument("file")
+    s.add_argument("--table", action="store_true", help="print only the canonical table")
+    s = sub.add_parser("verify", help="check structure and every checksum")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--workers", type=int, default=1, help="checksum threads (default 1)")
+    s = sub.add_parser("diff", help="per-tensor and metadata differences of bundle A vs B")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--all", action="store_true", help="also list identical tensors")
+    args = p.parse_args(argv)
+    try:
+        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff}[args.cmd](args, out)
+    except (KdtrError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

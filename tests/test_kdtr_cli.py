@@ -1,0 +1,119 @@
+"""`python -m k2vec.kdtr`: list, inspect, verify, diff."""
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from k2vec.kdtr import bf16, f32_to_bf16, int4, write_bundle
+from k2vec.kdtr.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args):
+    out = io.StringIO()
+    rc = main([str(a) for a in args], out=out)
+    return rc, out.getvalue()
+
+
+@pytest.fixture
+def pair(tmp_path):
+    base = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    a = {"same": np.arange(5, dtype=np.int64), "f": base, "i": np.arange(10, dtype=np.int32),
+         "bf": bf16(f32_to_bf16(base)), "shape": np.zeros((2, 2), np.float32), "gone": np.zeros(1, np.uint8),
+         "q": int4(np.zeros(4, np.uint8))}
+    changed = base.copy()
+    changed[1, 2] += 0.25   # 1/11 -> 1/11 + 1/4: abs 0.25, rel 0.25 / max(|a|, |b|) = 0.7333
+    changed[2, 3] = 2.0     # 1 -> 2: abs 1, rel 0.5
+    b = dict(a, f=changed, i=np.where(np.arange(10) == 3, 1000, np.arange(10)).astype(np.int32),
+             bf=bf16(f32_to_bf16(changed)), shape=np.zeros((4,), np.float32), new=np.ones(2, np.float16))
+    del b["gone"]
+    meta_a = {"model": {"name": "tiny", "layers": 2}, "prompts": ["hi", "yo"], "old": True}
+    meta_b = {"model": {"name": "tiny", "layers": 3}, "prompts": ["hi", "yo", "x"], "new": 1}
+    write_bundle(tmp_path / "a.kdtr", a, meta_a, alignment=64)
+    write_bundle(tmp_path / "b.kdtr", b, meta_b, alignment=64)
+    return tmp_path / "a.kdtr", tmp_path / "b.kdtr"
+
+
+def test_list_and_inspect_table_are_the_canonical_lines(pair):
+    a, _ = pair
+    rc, listed = cli("list", a)
+    assert rc == 0
+    lines = listed.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["bf", "f", "gone", "i", "q", "same", "shape"]
+    assert lines[1].split()[1:3] == ["f32", "[3,4]"] and len(lines[1].split()[-1]) == 8
+    assert lines[4].split()[1] == "u8:int4"
+    assert cli("inspect", "--table", a) == (0, listed)
+
+
+def test_inspect_summarises_header_table_and_metadata(pair):
+    rc, text = cli("inspect", pair[0])
+    assert rc == 0
+    assert "KDTR v1" in text and "alignment 64" in text and "7 tensors" in text
+    assert "  model: object, 2 keys: layers, name" in text  # canonical JSON: sorted keys
+    assert "  prompts: array, 2 items" in text and "  old: true" in text
+
+
+def test_verify_exit_status(pair, tmp_path, capsys):
+    rc, text = cli("verify", *pair)
+    assert rc == 0 and text.count(": OK, ") == 2
+    data = bytearray(pair[0].read_bytes())
+    data[-1] ^= 0xFF
+    bad = tmp_path / "bad.kdtr"
+    bad.write_bytes(data)
+    rc, _ = cli("verify", pair[0], bad)
+    assert rc == 1
+    assert f"{bad}: FAILED: " in capsys.readouterr().err
+    assert cli("list", tmp_path / "nope.kdtr")[0] == 1
+
+
+def test_diff_reports_tensors_and_metadata(pair):
+    rc, text = cli("diff", *pair)
+    assert rc == 1
+    lines = text.splitlines()
+    assert "- gone: only in A (u8 [1])" in lines
+    assert "+ new: only in B (f16 [2])" in lines
+    assert "~ shape: f32 [2,2] vs f32 [4]" in lines
+    f = next(ln for ln in lines if ln.startswith("~ f "))
+    assert f.endswith("2/12 elements differ, max_abs 1, max_rel 0.733333")
+    bfl = next(ln for ln in lines if ln.startswith("~ bf "))
+    assert "elements differ" in bfl and "max_abs" in bfl
+    assert "~ i i32 [10]: 1/10 elements differ, 2/40 bytes differ" in lines  # 3 -> 1000 = 0x3e8
+    assert not any(ln.startswith(("~ same", "~ q")) for ln in lines)
+    assert "~ metadata model.layers: 2 vs 3" in lines
+    assert "+ metadata prompts.2: only in B (\"x\")" in lines
+    assert "- metadata old: only in A (true)" in lines and "+ metadata new: only in B (1)" in lines
+    assert lines[-1] == "6 tensor differences, 4 metadata differences"
+
+
+def test_diff_of_identical_bundles_is_clean(pair):
+    rc, text = cli("diff", "--all", pair[0], pair[0])
+    assert rc == 0
+    assert "= f: identical" in text and text.splitlines()[-1] == "0 tensor differences, 0 metadata differences"
+
+
+def test_diff_of_a_bad_bundle_is_status_2(pair, tmp_path):
+    (tmp_path / "x.kdtr").write_bytes(b"KDTR")
+    assert cli("diff", pair[0], tmp_path / "x.kdtr")[0] == 2
+
+
+def test_module_entry_point(pair):
+    r = subprocess.run([sys.executable, "-m", "k2vec.kdtr", "list", str(pair[0])], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")}, timeout=60)
+    assert r.returncode == 0 and r.stdout == cli("list", pair[0])[1]
+
+
+def test_tensor_diff_nan_inf_and_signed_zero():
+    from k2vec.kdtr.cli import tensor_diff
+    a = np.array([np.nan, 1.0, 0.0, 5.0], np.float32)
+    assert tensor_diff(a, a.copy(), "f32") is None
+    assert tensor_diff(a, np.array([np.nan, 1.0, -0.0, 5.0], np.float32), "f32").startswith("0/4 elements differ in value")
+    got = tensor_diff(a, np.array([np.nan, np.inf, 0.0, 4.0], np.float32), "f32")
+    assert got == "2/4 elements differ, max_abs 1, max_rel 0.2, 1 inf/nan mismatches"
+    got = tensor_diff(a, np.array([1.0, 1.0, 0.0, 5.0], np.float32), "f32")
+    assert got == "1/4 elements differ, max_abs 0, max_rel 0, 1 inf/nan mismatches"
