@@ -11,10 +11,17 @@ configfile: os.path.join(workflow.basedir, "config.yaml")
 include: "workflow/rules/common.smk"
 include: "workflow/rules/cases.smk"
 include: "workflow/rules/weights.smk"
+include: "workflow/rules/quantize.smk"
+include: "workflow/rules/golden.smk"
+include: "workflow/rules/bundles.smk"
+include: "workflow/rules/engines.smk"
 
 
 rule all:
     default_target: True
     input:
         expand("results/cases/{model}.json", model=MODELS),
-        expand("results/models/{model}/fp32", model=MODELS),
+        expand("results/models/{model}/int4", model=MODELS),
+        expand("results/models/{model}/compressed-tensors", model=MODELS),
+        expand("results/bundles/{model}-{precision}.kdtr", model=MODELS, precision=PRECISIONS),
+        [f"results/runs/{e}/{m}-{p}-{mode}.json" for e, m, p, mode in RUNS],

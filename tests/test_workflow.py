@@ -67,6 +67,7 @@ def test_dry_run_prints_the_rule_chain(tmp_path):
     jobs = scheduled_jobs(res.stdout)
     n_models = len(default_config()["models"])
     assert jobs["weights"] == n_models and jobs["case"] == n_models and jobs["case_section"] == 4 * n_models
+    assert jobs["quantize"] == n_models and jobs["export_compressed_tensors"] == n_models
     assert not (tmp_path / "results").exists()
 
 
@@ -99,15 +100,20 @@ def test_complete_run_has_nothing_to_do(built_workflow):
     assert dry_run(root, env) == {}
     assert (root / "results/models/tiny/fp32/config.json").exists()
     assert (root / "results/cases/tiny.json").exists()
+    assert (root / "results/models/tiny/int4/index.json").exists()
     for rule_log in ("results/logs/weights/tiny.log", "results/benchmarks/weights/tiny.tsv"):
         assert (root / rule_log).stat().st_size > 0
 
 
 # Editing a package module schedules exactly the stages that run it, and what follows them.
+AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "all": 1}
 CODE_EDITS = [
-    ("k2vec/weights.py", {"weights": 1, "all": 1}),
-    ("k2vec/checkpoint.py", {"weights": 1, "all": 1}),
-    ("k2vec/cases.py", {"case_section": 4, "case": 1, "weights": 1, "all": 1}),
+    ("k2vec/weights.py", {"weights": 1, **AFTER_WEIGHTS}),
+    ("k2vec/checkpoint.py", {"weights": 1, **AFTER_WEIGHTS}),
+    ("k2vec/cases.py", {"case_section": 4, "case": 1, "weights": 1, **AFTER_WEIGHTS}),
+    # Used from the quantize stage on only: the fp32 weights stay.
+    ("k2vec/quant.py", AFTER_WEIGHTS),
+    ("k2vec/int4_checkpoint.py", AFTER_WEIGHTS),
     # Parse-time only: the resolved content is unchanged, so nothing reruns.
     ("k2vec/spec.py", {}),
 ]
@@ -131,11 +137,11 @@ def dry_run_with(root, env, tmp_path, override):
     return dry_run(root, env, "--configfile", str(write_config(tmp_path / "override.yaml", override)))
 
 
-def test_quantization_change_does_not_touch_weights(built_workflow, tmp_path):
+@pytest.mark.parametrize("change", [{"group_size": 64}, {"scheme": "k2-checkpoint"}, {"scale_dtype": "bfloat16"}])
+def test_quantization_change_reruns_quantization_not_weights(built_workflow, tmp_path, change):
     root, env = built_workflow
-    jobs = dry_run_with(root, env, tmp_path, {"quantization": {"group_size": 64}})
-    assert "weights" not in jobs
-    assert jobs["case_section"] == 1 and jobs["case"] == 1
+    jobs = dry_run_with(root, env, tmp_path, {"quantization": change})
+    assert jobs == {"case_section": 1, "case": 1, **AFTER_WEIGHTS}
 
 
 def test_model_change_regenerates_weights(built_workflow, tmp_path):

@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Iterator
 
 
+def _default_mode() -> int:
+    """0o666 less the umask: what open() would have given (mkstemp makes owner-only files)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -30,6 +37,7 @@ def atomic_file(final: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, _default_mode())
         os.replace(tmp, final)
         _fsync_dir(final.parent)
     except BaseException:
@@ -58,6 +66,7 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
             if entry.is_file():
                 with open(entry, "rb") as fh:
                     os.fsync(fh.fileno())
+        os.chmod(tmp, _default_mode() | 0o111)  # mkdtemp makes an owner-only directory
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

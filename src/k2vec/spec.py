@@ -277,3 +277,50 @@ def schema_error(config: dict[str, Any], schema_path: str) -> ConfigError | None
         return None
     key = ".".join(str(p) for p in best.absolute_path) or "(top level)"
     return ConfigError(key, best.message)
+
+
+# -------------------------------------------------------------------------------------------- engines
+
+ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "timeout_s": 600.0,
+                                   "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
+                                   "modes": ["greedy", "ddtree"]}
+_PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
+
+
+def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str, Any]]:
+    """Engine settings with defaults filled in and source globs expanded (relative to `basedir`)."""
+    import glob
+    import os
+    import string
+
+    engines = {}
+    for name, entry in (config.get("engines") or {}).items():
+        key = f"engines.{name}"
+        e = {**copy.deepcopy(ENGINE_DEFAULTS), "models": sorted(config["models"]), **copy.deepcopy(entry)}
+        fields = [f for _, f, _, _ in string.Formatter().parse(e["command"]) if f is not None]
+        unknown = [f for f in fields if f not in _PLACEHOLDERS]
+        _require(not unknown, f"{key}.command", f"unknown placeholder(s) {unknown}; "
+                 f"known: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)}")
+        _require("output" in fields and "bundle" in fields, f"{key}.command",
+                 "must use {bundle} and {output}")
+        for m in e["models"]:
+            _require(m in config["models"], f"{key}.models", f"unknown model {m!r}")
+        files: list[str] = []
+        for pattern in e["sources"]:
+            path = pattern if os.path.isabs(pattern) else os.path.join(basedir, pattern)
+            matched = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+            _require(bool(matched), f"{key}.sources", f"pattern {pattern!r} matches no file")
+            files.extend(matched)
+        e["source_files"] = sorted(set(files))
+        engines[name] = e
+    return engines
+
+
+def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int]) -> list[tuple[str, str, str, str]]:
+    """Every (engine, model, precision, mode) run: greedy, and ddtree-b<budget> per DDTree budget."""
+    runs = []
+    for name, e in engines.items():
+        modes = (["greedy"] if "greedy" in e["modes"] else []) + (
+            [f"ddtree-b{b}" for b in budgets] if "ddtree" in e["modes"] else [])
+        runs.extend((name, m, p, mode) for m in e["models"] for p in e["precisions"] for mode in modes)
+    return runs

@@ -11,12 +11,14 @@ sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
 from k2vec.deps import module_sources
 from k2vec.errors import ConfigError
-from k2vec.spec import expand_config, schema_error
+from k2vec.gpus import detect_devices
+from k2vec.spec import engine_runs, expand_config, resolve_engines, schema_error
 
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
     validate(config, schema=CONFIG_SCHEMA)
     CASES = expand_config(config)
+    ENGINES = resolve_engines(config, workflow.basedir)
 except (WorkflowError, ConfigError) as err:
     # Name the offending key first, whichever check found it.
     if not isinstance(err, ConfigError):
@@ -24,13 +26,37 @@ except (WorkflowError, ConfigError) as err:
     raise WorkflowError(f"Invalid configuration: {err}") from None
 
 MODELS = sorted(CASES)
+PRECISIONS = ["fp32", "int4"]
+RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"])
+# Devices of the GPU slot pool; looked up only when some engine needs GPUs.
+if config["gpus"]["devices"] != "auto":
+    GPU_DEVICES = [str(d) for d in config["gpus"]["devices"]]
+elif any(e["gpus"] for e in ENGINES.values()):
+    GPU_DEVICES = detect_devices()
+else:
+    GPU_DEVICES = []
 
 
 wildcard_constraints:
     model="|".join(MODELS),
     section="model|quantization|prompts|decoding",
+    precision="|".join(PRECISIONS),
+    engine="|".join(ENGINES) or "^$",
+    mode=r"greedy|ddtree-b\d+",
 
 
 def sources(*modules):
     """Package files executed by `modules`, declared as inputs so that editing them reruns the stage."""
     return [os.path.relpath(p) for p in module_sources(*modules)]
+
+
+def engine_sources(engine):
+    return [os.path.relpath(p) for p in ENGINES[engine]["source_files"]]
+
+
+def engine_run_inputs(wildcards):
+    """The engine's sources, and its build stamp when it has a build step."""
+    inputs = {"sources": engine_sources(wildcards.engine)}
+    if ENGINES[wildcards.engine]["build"]:
+        inputs["stamp"] = f"results/engines/{wildcards.engine}/build.stamp"
+    return inputs

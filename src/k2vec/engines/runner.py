@@ -13,6 +13,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,7 +24,7 @@ from ..atomic import write_text_atomic
 from ..gpus import lease
 
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
-PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus")
+PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 STDERR_TAIL_LINES = 20
 KILL_GRACE_S = 5.0
 
@@ -84,6 +85,16 @@ def check_result(result: Any, mode: str, expect: Expectations) -> None:
                                     f"(size {expect.vocab_size})")
 
 
+def expectations_from_bundle(path: str) -> Expectations:
+    """What the engine's result must hold, from the bundle's metadata (the engine sees the same)."""
+    from ..kdtr import open_bundle
+
+    meta = open_bundle(path).metadata
+    return Expectations(n_prompts=meta["golden"]["prompts"], max_new_tokens=meta["decoding"]["max_new_tokens"],
+                        vocab_size=meta["model"]["vocab_size"],
+                        accuracies=tuple(meta["golden"]["ddtree"]["accuracies"]))
+
+
 def format_command(template: str, **values: Any) -> str:
     """Fill the placeholders of an engine's command template, shell-quoted."""
     try:
@@ -129,7 +140,7 @@ def _run_with_limit(command: str, env: dict[str, str], stderr_path: Path, timeou
 
 def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str, expect: Expectations,
                gpus: int, devices: Sequence[str], lock_dir: str, timeout_s: float, stderr_path: str,
-               extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+               extra_env: dict[str, str] | None = None, python: str = sys.executable) -> dict[str, Any]:
     """Run the engine and write the final result (ok or failed) atomically to `output`."""
     kind, budget = parse_mode(mode)
     out = Path(output)
@@ -145,7 +156,7 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(assigned)
             cmd = format_command(command, bundle=bundle, mode=kind, budget=budget, output=partial,
-                                 gpus=",".join(assigned))
+                                 gpus=",".join(assigned), python=python)
             record["gpus"] = assigned
             record["command"] = cmd
             rc, wall = _run_with_limit(cmd, env, stderr_file, timeout_s)

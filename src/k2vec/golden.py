@@ -1,0 +1,185 @@
+"""Golden data: what the numpy reference model produces on exactly the weights an engine sees.
+
+For precision `fp32` those are the fp32 checkpoint's tensors; for `int4`, every quantized weight is
+replaced by its dequantized `.qw`/`.sc` value (code x stored scale, in float32) and every other tensor
+is the fp32 one. The golden file is a KDTR file (docs/kdtr-format.md) rather than an npz: the same
+config gives the same bytes (npz embeds zip timestamps), it is mmapped, checksummed and readable from
+C, and the bundle stage copies its tensors verbatim. Tensor names are listed in docs/golden-format.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from . import __version__
+from .checkpoint import Checkpoint
+from .ddtree import record_drafts
+from .int4_checkpoint import open_int4
+from .kdtr import write_bundle
+from .reference.generate import greedy_generate
+from .reference.model import HF_LATENT_NORM_EPS, ReferenceModel
+from .reference.speculative import DDTreeJob, ddtree_generate
+
+log = logging.getLogger("k2vec.golden")
+
+NEAR_TIE = 1e-3       # a greedy step whose top-1/top-2 logit gap is below this is reported as a near-tie
+DDTREE_TIE = 1e-5     # DDTree must reproduce greedy exactly except after a step with a gap below this
+GOLDEN_ALIGNMENT = 64  # many small tensors: page alignment would mostly be padding
+
+
+class DequantizedWeights(Mapping[str, np.ndarray]):
+    """The fp32 checkpoint with every quantized weight replaced by its dequantized INT4 value."""
+
+    def __init__(self, fp32: Checkpoint, int4_dir: str | Path):
+        self.fp32, self.int4 = fp32, open_int4(int4_dir)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self.int4.index["tensors"]:
+            return self.int4[name].dequantize()
+        return self.fp32[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.fp32)
+
+    def __len__(self) -> int:
+        return len(self.fp32)
+
+
+def open_weights(precision: str, fp32_dir: str | Path, int4_dir: str | Path | None = None) -> Mapping[str, np.ndarray]:
+    fp32 = Checkpoint(fp32_dir)
+    if precision == "fp32":
+        return fp32
+    if precision == "int4":
+        if int4_dir is None:
+            raise ValueError("precision int4 needs the int4 directory")
+        return DequantizedWeights(fp32, int4_dir)
+    raise ValueError(f"unknown precision {precision!r}: expected fp32 or int4")
+
+
+def reference_model(model_spec: dict[str, Any], weights: Mapping[str, np.ndarray]) -> ReferenceModel:
+    return ReferenceModel(model_spec, weights, dtype=np.float64, latent_norm_eps=HF_LATENT_NORM_EPS)
+
+
+def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precision: str
+                ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """All golden tensors (by name) and the golden metadata for one case and precision."""
+    model_spec, decoding = case["model"], case["decoding"]
+    prompts = case["prompts"]["tokens"]
+    n_new, top_k = decoding["max_new_tokens"], decoding["top_k"]
+    dd = decoding["ddtree"]
+    model = reference_model(model_spec, weights)
+    tensors: dict[str, np.ndarray] = {}
+
+    greedy = greedy_generate(model, prompts, n_new, top_k=top_k)
+    for i, (prompt, g) in enumerate(zip(prompts, greedy)):
+        p = f"golden.p{i}."
+        tensors[f"prompt.p{i}.tokens"] = np.asarray(prompt, np.int32)
+        tensors[p + "tokens"] = g.tokens.astype(np.int32)
+        tensors[p + "topk_ids"] = g.topk_ids.astype(np.int32)
+        tensors[p + "topk_logits"] = g.topk_logits.astype(np.float64)
+        tensors[p + "margins"] = g.margins.astype(np.float64)
+        tensors[p + "fingerprints"] = g.hidden.astype(np.float32)
+        tensors[p + "router_ids"] = g.router_ids.astype(np.int32)
+        tensors[p + "router_margins"] = g.router_margins.astype(np.float64)
+
+    margins = np.concatenate([g.margins for g in greedy])
+    near_ties = int((margins < NEAR_TIE).sum())
+    summary = {
+        "steps": int(margins.size),
+        "near_tie_threshold": NEAR_TIE,
+        "near_tie_steps": near_ties,
+        "near_tie_fraction": near_ties / margins.size,
+        "min_margin": float(margins.min()),
+        "min_router_margin": float(min((g.router_margins.min() for g in greedy if g.router_margins.size),
+                                       default=float("inf"))),
+    }
+    log.info("%s/%s greedy: %d steps, %d near-ties (margin < %g, %.2f%%), min margin %.3g",
+             model_spec["name"], precision, summary["steps"], near_ties, NEAR_TIE,
+             100 * summary["near_tie_fraction"], summary["min_margin"])
+
+    jobs, keys = [], []
+    for a_i, accuracy in enumerate(dd["accuracies"]):
+        for i, (prompt, g) in enumerate(zip(prompts, greedy)):
+            drafts = record_drafts(g.tokens, prompt_len=len(prompt), vocab_size=model_spec["vocab_size"],
+                                   accuracy=accuracy, prompt_key=i, seed=case["prompts"]["seed"],
+                                   block_size=dd["block_size"],
+                                   k_stored=min(max(dd["budgets"]), model_spec["vocab_size"]), n_starts=n_new)
+            tensors[f"drafts.a{a_i}.p{i}.ids"] = drafts.ids.astype(np.int32)
+            tensors[f"drafts.a{a_i}.p{i}.logprobs"] = drafts.logprobs.astype(np.float32)
+            for budget in dd["budgets"]:
+                jobs.append(DDTreeJob(np.asarray(prompt), drafts, budget))
+                keys.append((budget, a_i, accuracy, i))
+    results = ddtree_generate(model, jobs, n_new)
+    lengths: dict[tuple[int, float], list[np.ndarray]] = {}
+    mismatches: list[dict[str, Any]] = []
+    for (budget, a_i, accuracy, i), res in zip(keys, results):
+        tensors.update(_rounds_tensors(f"ddtree.b{budget}.a{a_i}.p{i}.", res))
+        lengths.setdefault((budget, accuracy), []).append(res.acceptance_lengths)
+        mismatches.extend(_lossless_check(res.tokens, greedy[i], budget, accuracy, i))
+    acceptance = {str(b): {str(a): float(np.concatenate(lengths[b, a]).mean()) for a in dd["accuracies"]}
+                  for b in dd["budgets"]}
+    summary["ddtree_mean_acceptance"] = acceptance
+    summary["ddtree_mismatches"] = mismatches
+    for budget, row in acceptance.items():
+        log.info("%s/%s DDTree budget %4s: mean acceptance length %s", model_spec["name"], precision, budget,
+                 "  ".join(f"p={a}: {v:.2f}" for a, v in row.items()))
+    if mismatches:
+        log.warning("DDTree differs from greedy at %d place(s): %s", len(mismatches), mismatches)
+
+    metadata = {
+        "kind": "k2vec-golden",
+        "generator": {"package": "k2vec", "version": __version__},
+        "model": model_spec["name"],
+        "precision": precision,
+        "reference": {"dtype": "float64", "latent_norm_eps": HF_LATENT_NORM_EPS,
+                      "argmax_ties": "lower token id"},
+        "prompts": len(prompts),
+        "max_new_tokens": n_new,
+        "top_k": top_k,
+        "moe_layers": [int(x) for x in greedy[0].moe_layers],
+        "fingerprint": {"kind": "full", "dtype": "f32",
+                        "rows": "step j: the hidden state after each layer for the token fed at step j "
+                                "(the last prompt token, then generated tokens 0..N-2)"},
+        "ddtree": {"block_size": dd["block_size"], "budgets": list(dd["budgets"]),
+                   "accuracies": list(dd["accuracies"]), "drafter": "oracle-with-noise",
+                   "drafter_seed": case["prompts"]["seed"]},
+        "summary": summary,
+    }
+    return tensors, metadata
+
+
+def _rounds_tensors(prefix: str, res) -> dict[str, np.ndarray]:
+    """A DDTree trace as flat arrays with offsets (rounds have different tree sizes)."""
+    sizes = [len(r.node_tokens) for r in res.rounds]
+    accepted = [len(r.accepted) for r in res.rounds]
+    return {
+        prefix + "tokens": res.tokens.astype(np.int32),
+        prefix + "round_start": np.array([r.start for r in res.rounds], np.int32),
+        prefix + "round_bonus": np.array([r.bonus for r in res.rounds], np.int32),
+        prefix + "node_offsets": np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32),
+        prefix + "node_tokens": np.concatenate([r.node_tokens for r in res.rounds]).astype(np.int32),
+        prefix + "node_parents": np.concatenate([r.parents for r in res.rounds]).astype(np.int32),
+        prefix + "node_depths": np.concatenate([r.depths for r in res.rounds]).astype(np.int32),
+        prefix + "accepted_offsets": np.concatenate([[0], np.cumsum(accepted)]).astype(np.int32),
+        prefix + "accepted": np.concatenate([r.accepted for r in res.rounds]).astype(np.int32),
+    }
+
+
+def _lossless_check(ddtree_tokens: np.ndarray, greedy, budget: int, accuracy: float, prompt: int) -> list[dict]:
+    """DDTree at temperature 0 must emit the greedy tokens; a difference is acceptable only right
+    after a step whose greedy margin is below DDTREE_TIE (the tree forward may round differently)."""
+    diff = np.flatnonzero(ddtree_tokens != greedy.tokens)
+    if diff.size == 0:
+        return []
+    step = int(diff[0])
+    return [{"prompt": prompt, "budget": budget, "accuracy": accuracy, "step": step,
+             "greedy_margin": float(greedy.margins[step]),
+             "near_tie": bool(greedy.margins[step] < DDTREE_TIE)}]
+
+
+def write_golden(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, Any]) -> None:
+    write_bundle(path, tensors, metadata, alignment=GOLDEN_ALIGNMENT)

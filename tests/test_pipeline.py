@@ -1,0 +1,222 @@
+"""The whole pipeline on the default config: golden properties, bundles, the numpy engine, GPU slots,
+failure isolation and engine-edit reruns. One run of the default config is shared by every test."""
+import glob
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from k2vec.kdtr import open_bundle
+from conftest import REPO, copy_workflow, default_config, snakemake, write_config
+from test_workflow import scheduled_jobs
+
+FAKE = REPO / "tests" / "engines" / "fake_engine.py"
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = copy_workflow(tmp_path_factory.mktemp("pipeline"))
+    env = {"PYTHONPATH": str(root / "src")}
+    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return root, env
+
+
+def golden(root, model, precision):
+    return open_bundle(root / f"results/golden/{model}/{precision}.kdtr")
+
+
+def cases():
+    cfg = default_config()
+    return [(m, p) for m in cfg["models"] for p in ("fp32", "int4")]
+
+
+# -------------------------------------------------------------------------------- golden data
+
+@pytest.mark.parametrize("model, precision", cases())
+def test_greedy_is_decisive(pipeline, model, precision):
+    s = golden(pipeline[0], model, precision).metadata["summary"]
+    assert s["near_tie_fraction"] < 0.02 and s["steps"] == 4 * 24
+
+
+@pytest.mark.parametrize("model, precision", cases())
+def test_ddtree_lossless_and_acceptance_rises(pipeline, model, precision):
+    g = golden(pipeline[0], model, precision)
+    s = g.metadata["summary"]
+    # Lossless: DDTree emits the greedy tokens, except after a step whose margin is under 1e-5.
+    assert all(m["near_tie"] for m in s["ddtree_mismatches"]), s["ddtree_mismatches"]
+    acc = s["ddtree_mean_acceptance"]
+    budgets = sorted(acc, key=int)
+    accuracies = sorted(acc[budgets[0]], key=float)
+    table = np.array([[acc[b][a] for a in accuracies] for b in budgets])
+    print(f"\n{model}/{precision} mean acceptance (rows: budgets {budgets}, cols: accuracies {accuracies})\n{table}")
+    assert (np.diff(table, axis=0) >= 0).all() and (table[-1] > table[0]).all()  # rises with budget
+    assert (np.diff(table, axis=1) > 0).all()  # rises with drafter accuracy
+
+
+def test_quantization_changes_small_model_tokens(pipeline):
+    a, b = golden(pipeline[0], "small", "fp32"), golden(pipeline[0], "small", "int4")
+    assert any(not np.array_equal(a[f"golden.p{i}.tokens"], b[f"golden.p{i}.tokens"]) for i in range(4))
+
+
+# ------------------------------------------------------------------------------------- bundles
+
+def test_bundles_byte_identical_across_runs(pipeline, tmp_path):
+    root, env = pipeline
+    other = copy_workflow(tmp_path)
+    targets = [f"results/bundles/{m}-{p}.kdtr" for m, p in cases()]
+    res = snakemake("--cores", "2", *targets, snakefile=other / "Snakefile", cwd=other,
+                    env={"PYTHONPATH": str(other / "src")}, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for t in targets:
+        digest = [hashlib.sha256((d / t).read_bytes()).hexdigest() for d in (root, other)]
+        assert digest[0] == digest[1], t
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_c_listing_equals_python_listing(pipeline, tmp_path):
+    tool = tmp_path / "kdtr_tool"
+    subprocess.run(["gcc", "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined",
+                    f"-I{REPO / 'include'}", str(REPO / "tools/kdtr_tool.c"), "-o", str(tool)], check=True)
+    for path in sorted(glob.glob(str(pipeline[0] / "results/bundles/*.kdtr"))):
+        c = subprocess.run([str(tool), "list", path], capture_output=True, text=True)
+        py = subprocess.run([sys.executable, "-m", "k2vec.kdtr", "list", path], capture_output=True, text=True,
+                            env={"PYTHONPATH": str(REPO / "src")})
+        assert c.returncode == 0 and py.returncode == 0, c.stderr + py.stderr
+        assert c.stdout == py.stdout and c.stdout.count("\n") > 100
+        v = subprocess.run([str(tool), "verify", path], capture_output=True, text=True)
+        assert v.returncode == 0, v.stderr
+
+
+def test_int4_bundle_holds_packed_weights_only(pipeline):
+    b = open_bundle(pipeline[0] / "results/bundles/small-int4.kdtr", verify=True)
+    quantized = b.metadata["quantization"]["tensors"]
+    assert quantized and all(q + ".qw" in b and q + ".sc" in b and q not in b for q in quantized)
+    info = {t.name: t for t in b.tensors}
+    assert info[quantized[0] + ".qw"].packing == "int4"
+    assert open_bundle(pipeline[0] / "results/bundles/small-fp32.kdtr").metadata["quantization"] is None
+
+
+# ------------------------------------------------------------------------------- numpy engine
+
+def test_numpy_engine_matches_golden_exactly(pipeline):
+    root = pipeline[0]
+    results = sorted((root / "results/runs/numpy").glob("*.json"))
+    assert len(results) == 2 * 2 * 5
+    for path in results:
+        r = json.loads(path.read_text())
+        assert r["status"] == "ok", (path.name, r.get("reason"))
+        model, precision, mode = path.stem.split("-", 2)
+        g = golden(root, model, precision)
+        for a, run in enumerate(r["runs"]):
+            for i, p in enumerate(run["prompts"]):
+                if mode == "greedy":
+                    assert p["tokens"] == g[f"golden.p{i}.tokens"].tolist(), (path.name, i)
+                    continue
+                pre = f"ddtree.b{mode[len('ddtree-b'):]}.a{a}.p{i}."
+                rounds = p["rounds"]
+                assert p["tokens"] == g[pre + "tokens"].tolist()
+                assert [x["start"] for x in rounds] == g[pre + "round_start"].tolist()
+                assert [x["bonus"] for x in rounds] == g[pre + "round_bonus"].tolist()
+                for field, name in (("tokens", "node_tokens"), ("parents", "node_parents"),
+                                    ("depths", "node_depths"), ("accepted", "accepted")):
+                    assert sum((x[field] for x in rounds), []) == g[pre + name].tolist(), (path.name, field)
+
+
+# ------------------------------------------------------------------ GPU slots, failure isolation
+
+def fake_engines(record_dir, kernel):
+    cmd = f"{{python}} {FAKE} {{behaviour}} {record_dir} --bundle {{bundle}} --mode {{mode}} --budget {{budget}} --output {{output}}"
+    one = {"models": ["tiny"], "precisions": ["fp32"], "modes": ["greedy"]}
+    return {
+        "fakegpu": {"command": cmd.replace("{behaviour}", "ok"), "gpus": 1, "sources": [str(kernel)]},
+        "crash": {"command": cmd.replace("{behaviour}", "crash"), **one},
+        "hang": {"command": cmd.replace("{behaviour}", "hang"), "timeout_s": 2, **one},
+        "badjson": {"command": cmd.replace("{behaviour}", "badjson"), **one},
+        "short": {"command": cmd.replace("{behaviour}", "short"), **one},
+    }
+
+
+@pytest.fixture(scope="module")
+def fake_run(pipeline, tmp_path_factory):
+    root, env = pipeline
+    work = tmp_path_factory.mktemp("fake")
+    records = work / "records"
+    records.mkdir()
+    kernel = work / "gemm_w4a16.cu"
+    kernel.write_text("// a kernel\n")
+    config = default_config()
+    config["engines"] = fake_engines(records, kernel)
+    config["gpus"] = {"devices": [0, 1, 2, 3], "lock_dir": str(work / "locks")}
+    cfg = write_config(work / "fake.yaml", config)
+    res = snakemake("--cores", "8", "--resources", "gpu=4", "--configfile", str(cfg), "--replace-workflow-config",
+                    snakefile=root / "Snakefile", cwd=root, env={**env, "CUDA_VISIBLE_DEVICES": ""}, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return root, env, cfg, records, kernel
+
+
+def test_gpu_slots_all_used_never_shared(fake_run):
+    records = [r for r in (json.loads(p.read_text()) for p in fake_run[3].glob("*.json")) if r["behaviour"] == "ok"]
+    assert len(records) == 20  # tiny, small x fp32, int4 x greedy + 4 DDTree budgets
+    devices = [r["cuda_visible_devices"] for r in records]
+    assert set(devices) == {"0", "1", "2", "3"}
+    for i, a in enumerate(records):
+        for b in records[i + 1:]:
+            if a["cuda_visible_devices"] == b["cuda_visible_devices"]:
+                assert a["end"] <= b["start"] or b["end"] <= a["start"], "one GPU given to two jobs at once"
+    # Concurrency really happened: at some moment several jobs ran together.
+    starts = sorted(r["start"] for r in records)
+    assert any(any(r["start"] <= s < r["end"] for r in records if r["start"] != s) for s in starts)
+
+
+@pytest.mark.parametrize("engine, reason", [
+    ("crash", "exited with code 3"), ("hang", "timed out after 2 s"),
+    ("badjson", "not valid JSON"), ("short", "23 tokens, expected max_new_tokens = 24"),
+])
+def test_failing_engines_give_failed_results(fake_run, engine, reason):
+    root = fake_run[0]
+    out = root / f"results/runs/{engine}"
+    assert [p.name for p in out.iterdir()] == ["tiny-fp32-greedy.json"]  # no partial files
+    r = json.loads((out / "tiny-fp32-greedy.json").read_text())
+    assert r["status"] == "failed" and reason in r["reason"], r["reason"]
+    if engine == "crash":
+        assert "illegal memory access" in r["stderr_tail"]
+    ok = [json.loads(p.read_text())["status"] for p in (root / "results/runs/fakegpu").glob("*.json")]
+    assert ok == ["ok"] * 20
+
+
+def test_kernel_edit_reruns_only_that_engine(fake_run):
+    root, env, cfg, _, kernel = fake_run
+    args = ("--configfile", str(cfg), "--replace-workflow-config")
+    original = kernel.read_text()
+    try:
+        kernel.write_text(original + "// faster now\n")
+        res = snakemake("-n", *args, snakefile=root / "Snakefile", cwd=root, env=env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        jobs = scheduled_jobs(res.stdout)
+        jobs.pop("report", None)
+        assert jobs == {"engine_run": 20, "all": 1}
+        assert all("results/runs/fakegpu/" in line for line in res.stdout.splitlines()
+                   if line.strip().startswith("output: results/runs/"))
+    finally:
+        kernel.write_text(original)
+
+
+def test_one_engine_setting_reruns_only_that_engine(fake_run, tmp_path):
+    root, env, cfg, _, _ = fake_run
+    import yaml
+    config = yaml.safe_load(cfg.read_text())
+    config["engines"]["crash"]["timeout_s"] = 30
+    changed = write_config(tmp_path / "changed.yaml", config)
+    res = snakemake("-n", "--configfile", str(changed), "--replace-workflow-config",
+                    snakefile=root / "Snakefile", cwd=root, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    jobs = scheduled_jobs(res.stdout)
+    jobs.pop("report", None)
+    assert jobs == {"engine_run": 1, "all": 1}
+    assert "output: results/runs/crash/tiny-fp32-greedy.json" in res.stdout

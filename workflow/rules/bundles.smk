@@ -1,0 +1,30 @@
+# KDTR bundles: one self-contained file per (model, precision): weights as the engine sees them
+# (fp32, or packed INT4 + scales + the unquantized fp32 tensors), prompts and golden data.
+
+
+def bundle_inputs(wildcards):
+    inputs = {
+        "fp32": f"results/models/{wildcards.model}/fp32",
+        "golden": f"results/golden/{wildcards.model}/{wildcards.precision}.kdtr",
+    }
+    if wildcards.precision == "int4":
+        inputs["int4"] = f"results/models/{wildcards.model}/int4"
+    return inputs
+
+
+rule bundle:
+    input:
+        unpack(bundle_inputs),
+        model="results/cases/{model}/model.json",
+        decoding="results/cases/{model}/decoding.json",
+        code=sources("k2vec.bundle", "k2vec.cases", "k2vec.stage"),
+    output:
+        "results/bundles/{model}-{precision}.kdtr",
+    log:
+        "results/logs/bundle/{model}-{precision}.log",
+    benchmark:
+        "results/benchmarks/bundle/{model}-{precision}.tsv"
+    conda:
+        "../envs/pipeline.yaml"
+    script:
+        "../scripts/bundle.py"

@@ -1,0 +1,48 @@
+# Engine runs (docs/engine-contract.md): an optional build per engine, then one run per
+# (engine, model, precision, mode), each wrapped by k2vec.engines.runner: time limit, GPU lease,
+# and a result file whatever happens. An engine's sources are inputs of its own jobs only, so
+# editing a kernel reruns exactly that engine's runs and the report.
+
+
+rule engine_build:
+    input:
+        sources=lambda wc: engine_sources(wc.engine),
+        code=sources("k2vec.engines.build", "k2vec.stage"),
+    output:
+        "results/engines/{engine}/build.stamp",
+    params:
+        command=lambda wc: ENGINES[wc.engine]["build"],
+        timeout_s=lambda wc: ENGINES[wc.engine]["build_timeout_s"],
+    log:
+        "results/logs/engines/{engine}/build.log",
+    benchmark:
+        "results/benchmarks/engines/{engine}/build.tsv"
+    conda:
+        "../envs/pipeline.yaml"
+    script:
+        "../scripts/engine_build.py"
+
+
+rule engine_run:
+    input:
+        unpack(engine_run_inputs),
+        bundle="results/bundles/{model}-{precision}.kdtr",
+        code=sources("k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage"),
+    output:
+        "results/runs/{engine}/{model}-{precision}-{mode}.json",
+    params:
+        # The engine's own settings only: changing another engine's settings reruns nothing here.
+        engine=lambda wc: ENGINES[wc.engine],
+        devices=GPU_DEVICES,
+        lock_dir=config["gpus"]["lock_dir"],
+    resources:
+        gpu=lambda wc: ENGINES[wc.engine]["gpus"],
+    log:
+        engine="results/logs/runs/{engine}/{model}-{precision}-{mode}.engine.log",
+        runner="results/logs/runs/{engine}/{model}-{precision}-{mode}.log",
+    benchmark:
+        "results/benchmarks/runs/{engine}/{model}-{precision}-{mode}.tsv"
+    conda:
+        "../envs/pipeline.yaml"
+    script:
+        "../scripts/engine_run.py"

@@ -1,0 +1,30 @@
+# Golden data: the numpy reference model's greedy tokens, top-k logits, margins, per-layer
+# fingerprints, router choices, recorded DDTree drafts and DDTree round traces, on exactly the
+# weights an engine of that precision sees (docs/golden-format.md).
+
+
+def golden_weights(wildcards):
+    weights = {"fp32": f"results/models/{wildcards.model}/fp32"}
+    if wildcards.precision == "int4":
+        weights["int4"] = f"results/models/{wildcards.model}/int4"
+    return weights
+
+
+rule golden:
+    input:
+        unpack(golden_weights),
+        model="results/cases/{model}/model.json",
+        prompts="results/cases/{model}/prompts.json",
+        decoding="results/cases/{model}/decoding.json",
+        code=sources("k2vec.golden", "k2vec.cases", "k2vec.stage"),
+    output:
+        "results/golden/{model}/{precision}.kdtr",
+    log:
+        "results/logs/golden/{model}/{precision}.log",
+    benchmark:
+        "results/benchmarks/golden/{model}/{precision}.tsv"
+    threads: 1
+    conda:
+        "../envs/pipeline.yaml"
+    script:
+        "../scripts/golden.py"

@@ -1,0 +1,24 @@
+"""Run one engine on one bundle through the contract; always writes a result (ok or failed)."""
+import sys
+
+from k2vec.engines.runner import expectations_from_bundle, run_engine
+from k2vec.stage import stage_logging
+
+with stage_logging(snakemake.log.runner, "engine_run") as log:
+    engine = snakemake.params.engine
+    result = run_engine(
+        engine=snakemake.wildcards.engine,
+        command=engine["command"],
+        bundle=snakemake.input.bundle,
+        mode=snakemake.wildcards.mode,
+        output=snakemake.output[0],
+        expect=expectations_from_bundle(snakemake.input.bundle),
+        gpus=engine["gpus"],
+        devices=snakemake.params.devices,
+        lock_dir=snakemake.params.lock_dir,
+        timeout_s=engine["timeout_s"],
+        stderr_path=snakemake.log.engine,
+        python=sys.executable,
+    )
+    log.info("%s %s: %s%s (%.2f s)", result["engine"], result["mode"], result["status"],
+             f" - {result['reason']}" if result["reason"] else "", result.get("wall_s", 0.0))
