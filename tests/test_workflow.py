@@ -106,7 +106,9 @@ def test_complete_run_has_nothing_to_do(built_workflow):
 
 
 # Editing a package module schedules exactly the stages that run it, and what follows them.
-AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "all": 1}
+# On the one-model test config: 2 precisions, 5 modes (greedy + 4 DDTree budgets) for the numpy engine.
+AFTER_GOLDEN = {"bundle": 2, "engine_run": 10, "all": 1}
+AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "golden": 2, **AFTER_GOLDEN}
 CODE_EDITS = [
     ("k2vec/weights.py", {"weights": 1, **AFTER_WEIGHTS}),
     ("k2vec/checkpoint.py", {"weights": 1, **AFTER_WEIGHTS}),
@@ -116,6 +118,11 @@ CODE_EDITS = [
     ("k2vec/int4_checkpoint.py", AFTER_WEIGHTS),
     # Parse-time only: the resolved content is unchanged, so nothing reruns.
     ("k2vec/spec.py", {}),
+    # The reference model: golden data and what follows, and the numpy engine (it shares the math).
+    ("k2vec/reference/model.py", {"golden": 2, **AFTER_GOLDEN}),
+    ("k2vec/bundle.py", AFTER_GOLDEN),
+    # The numpy engine alone: only its runs.
+    ("k2vec/engines/numpy_engine.py", {"engine_run": 10, "all": 1}),
 ]
 
 
@@ -141,7 +148,9 @@ def dry_run_with(root, env, tmp_path, override):
 def test_quantization_change_reruns_quantization_not_weights(built_workflow, tmp_path, change):
     root, env = built_workflow
     jobs = dry_run_with(root, env, tmp_path, {"quantization": change})
-    assert jobs == {"case_section": 1, "case": 1, **AFTER_WEIGHTS}
+    # The fp32 golden, bundle and engine runs stay: only the int4 side depends on quantization.
+    int4_side = {"quantize": 1, "export_compressed_tensors": 1, "golden": 1, "bundle": 1, "engine_run": 5, "all": 1}
+    assert jobs == {"case_section": 1, "case": 1, **int4_side}
 
 
 def test_model_change_regenerates_weights(built_workflow, tmp_path):

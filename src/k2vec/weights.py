@@ -11,8 +11,11 @@ Initialisation: uniform distributions, scaled by the tensor's own shape only.
 - lm_head: std LOGIT_STD/sqrt(hidden): logits have a standard deviation of about LOGIT_STD. With
   logits spread that wide the gap between the two largest of V logits is of order 1, so greedy
   decoding is decisive (a top-1/top-2 gap under 1e-3 is about a 1-in-1000 event).
-- RMSNorm weights: U(0.75, 1.25), and the router's e_score_correction_bias: U(-0.1, 0.1). Neither is
-  the trivial constant, so an engine that skips a norm weight or the selection bias is caught.
+- RMSNorm weights: U(0.75, 1.25), and the router's e_score_correction_bias: U(0, 0.2). Neither is
+  the trivial constant, so an engine that skips a norm weight or the selection bias is caught. The
+  bias is non-negative so every selection score (sigmoid + bias) is positive: implementations that
+  mask dropped expert groups with 0 (DeepSeek's reference, HF 4.x) and with -inf (HF 5.x) then pick
+  the same experts, and the golden routing is unambiguous.
 
 Why uniform and not normal: the values are computed from the raw 64-bit PCG64 stream (stable by
 numpy's policy across versions) with IEEE basic operations only (no log/sin/cos, whose last bit can
@@ -35,7 +38,7 @@ from .architecture import hf_config, tensor_shapes
 
 LOGIT_STD = 4.0
 NORM_RANGE = (0.75, 1.25)
-BIAS_HALF_WIDTH = 0.1
+BIAS_RANGE = (0.0, 0.2)
 _SQRT3 = math.sqrt(3.0)
 
 
@@ -53,7 +56,7 @@ def init_range(name: str, shape: list[int]) -> tuple[float, float]:
     if name.endswith("layernorm.weight") or name == "model.norm.weight":
         return NORM_RANGE
     if name.endswith("e_score_correction_bias"):
-        return (-BIAS_HALF_WIDTH, BIAS_HALF_WIDTH)
+        return BIAS_RANGE
     if name == "model.embed_tokens.weight":
         std = 1.0
     elif name == "lm_head.weight":

@@ -2,16 +2,6 @@
 # (fp32, or packed INT4 + scales + the unquantized fp32 tensors), prompts and golden data.
 
 
-def bundle_inputs(wildcards):
-    inputs = {
-        "fp32": f"results/models/{wildcards.model}/fp32",
-        "golden": f"results/golden/{wildcards.model}/{wildcards.precision}.kdtr",
-    }
-    if wildcards.precision == "int4":
-        inputs["int4"] = f"results/models/{wildcards.model}/int4"
-    return inputs
-
-
 rule bundle:
     input:
         unpack(bundle_inputs),

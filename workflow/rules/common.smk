@@ -60,3 +60,21 @@ def engine_run_inputs(wildcards):
     if ENGINES[wildcards.engine]["build"]:
         inputs["stamp"] = f"results/engines/{wildcards.engine}/build.stamp"
     return inputs
+
+
+def golden_weights(wildcards):
+    """The weights a golden reads: fp32, plus the INT4 files for the int4 precision."""
+    weights = {"fp32": f"results/models/{wildcards.model}/fp32"}
+    if wildcards.precision == "int4":
+        weights["int4"] = f"results/models/{wildcards.model}/int4"
+    return weights
+
+
+def bundle_inputs(wildcards):
+    inputs = {
+        "fp32": f"results/models/{wildcards.model}/fp32",
+        "golden": f"results/golden/{wildcards.model}/{wildcards.precision}.kdtr",
+    }
+    if wildcards.precision == "int4":
+        inputs["int4"] = f"results/models/{wildcards.model}/int4"
+    return inputs

@@ -3,13 +3,6 @@
 # weights an engine of that precision sees (docs/golden-format.md).
 
 
-def golden_weights(wildcards):
-    weights = {"fp32": f"results/models/{wildcards.model}/fp32"}
-    if wildcards.precision == "int4":
-        weights["int4"] = f"results/models/{wildcards.model}/int4"
-    return weights
-
-
 rule golden:
     input:
         unpack(golden_weights),
