@@ -15,6 +15,7 @@ include: "workflow/rules/quantize.smk"
 include: "workflow/rules/golden.smk"
 include: "workflow/rules/bundles.smk"
 include: "workflow/rules/engines.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
@@ -24,4 +25,11 @@ rule all:
         expand("results/models/{model}/int4", model=MODELS),
         expand("results/models/{model}/compressed-tensors", model=MODELS),
         expand("results/bundles/{model}-{precision}.kdtr", model=MODELS, precision=PRECISIONS),
-        [f"results/runs/{e}/{m}-{p}-{mode}.json" for e, m, p, mode in RUNS],
+        "results/report/divergence.html",
+        "results/report/strict.ok" if config["report"]["strict"] else [],
+
+
+onsuccess:
+    summary = "results/report/summary.txt"
+    if os.path.exists(summary):
+        print(open(summary).read())

@@ -198,9 +198,7 @@ def test_kernel_edit_reruns_only_that_engine(fake_run):
         kernel.write_text(original + "// faster now\n")
         res = snakemake("-n", *args, snakefile=root / "Snakefile", cwd=root, env=env)
         assert res.returncode == 0, res.stderr[-2000:]
-        jobs = scheduled_jobs(res.stdout)
-        jobs.pop("report", None)
-        assert jobs == {"engine_run": 20, "all": 1}
+        assert scheduled_jobs(res.stdout) == {"engine_run": 20, "report": 1, "all": 1}
         assert all("results/runs/fakegpu/" in line for line in res.stdout.splitlines()
                    if line.strip().startswith("output: results/runs/"))
     finally:
@@ -216,7 +214,33 @@ def test_one_engine_setting_reruns_only_that_engine(fake_run, tmp_path):
     res = snakemake("-n", "--configfile", str(changed), "--replace-workflow-config",
                     snakefile=root / "Snakefile", cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
-    jobs = scheduled_jobs(res.stdout)
-    jobs.pop("report", None)
-    assert jobs == {"engine_run": 1, "all": 1}
+    assert scheduled_jobs(res.stdout) == {"engine_run": 1, "report": 1, "all": 1}
     assert "output: results/runs/crash/tiny-fp32-greedy.json" in res.stdout
+
+
+# ------------------------------------------------------------------------------------ strict mode
+
+def strict_run(fake_run, tmp_path, engines, near_tie):
+    root, env, cfg, _, _ = fake_run
+    import yaml
+    config = yaml.safe_load(cfg.read_text())
+    config["engines"] = {k: v for k, v in config["engines"].items() if k in engines}
+    config["report"].update(strict=True, near_tie=near_tie)
+    path = write_config(tmp_path / "strict.yaml", config)
+    return snakemake("--cores", "2", "--resources", "gpu=4", "--configfile", str(path),
+                     "--replace-workflow-config", snakefile=root / "Snakefile", cwd=root, env=env, timeout=900)
+
+
+def test_strict_fails_on_real_divergence_and_failure(fake_run, tmp_path):
+    # The `ok` fake engine emits token 0 everywhere: a real divergence; `crash` fails.
+    res = strict_run(fake_run, tmp_path, ["fakegpu", "crash"], near_tie=1e-3)
+    assert res.returncode != 0
+    assert "report.strict" in res.stderr and "crash/tiny-fp32-greedy: failed" in res.stderr
+    assert (fake_run[0] / "results/report/divergence.html").exists()  # the report is still there
+
+
+def test_strict_passes_when_divergences_are_near_ties_only(fake_run, tmp_path):
+    # A near-tie threshold above every golden margin turns each divergence into a near-tie.
+    res = strict_run(fake_run, tmp_path, ["fakegpu"], near_tie=1e9)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "strict: ok" in (fake_run[0] / "results/report/strict.ok").read_text()

@@ -107,7 +107,7 @@ def test_complete_run_has_nothing_to_do(built_workflow):
 
 # Editing a package module schedules exactly the stages that run it, and what follows them.
 # On the one-model test config: 2 precisions, 5 modes (greedy + 4 DDTree budgets) for the numpy engine.
-AFTER_GOLDEN = {"bundle": 2, "engine_run": 10, "all": 1}
+AFTER_GOLDEN = {"bundle": 2, "engine_run": 10, "report": 1, "all": 1}
 AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "golden": 2, **AFTER_GOLDEN}
 CODE_EDITS = [
     ("k2vec/weights.py", {"weights": 1, **AFTER_WEIGHTS}),
@@ -122,7 +122,9 @@ CODE_EDITS = [
     ("k2vec/reference/model.py", {"golden": 2, **AFTER_GOLDEN}),
     ("k2vec/bundle.py", AFTER_GOLDEN),
     # The numpy engine alone: only its runs.
-    ("k2vec/engines/numpy_engine.py", {"engine_run": 10, "all": 1}),
+    ("k2vec/engines/numpy_engine.py", {"engine_run": 10, "report": 1, "all": 1}),
+    # The report alone.
+    ("k2vec/report/metrics.py", {"report": 1, "all": 1}),
 ]
 
 
@@ -149,7 +151,8 @@ def test_quantization_change_reruns_quantization_not_weights(built_workflow, tmp
     root, env = built_workflow
     jobs = dry_run_with(root, env, tmp_path, {"quantization": change})
     # The fp32 golden, bundle and engine runs stay: only the int4 side depends on quantization.
-    int4_side = {"quantize": 1, "export_compressed_tensors": 1, "golden": 1, "bundle": 1, "engine_run": 5, "all": 1}
+    int4_side = {"quantize": 1, "export_compressed_tensors": 1, "golden": 1, "bundle": 1, "engine_run": 5,
+                 "report": 1, "all": 1}
     assert jobs == {"case_section": 1, "case": 1, **int4_side}
 
 
@@ -166,3 +169,10 @@ def test_readme_rule_graph_is_current():
     readme = (REPO / "README.md").read_text()
     block = re.search(r"```mermaid\n(.*?)```", readme, re.S).group(1)
     assert edges(block) == edges(res.stdout)
+
+
+def test_report_plot_list_matches_the_package():
+    from k2vec.report import OUTPUTS
+    smk = (REPO / "workflow/rules/common.smk").read_text()
+    listed = re.search(r"REPORT_PLOTS = (\[.*?\])", smk).group(1)
+    assert sorted(eval(listed)) == sorted(v[:-4] for v in OUTPUTS.values() if v.endswith(".png"))

@@ -26,6 +26,8 @@ except (WorkflowError, ConfigError) as err:
     raise WorkflowError(f"Invalid configuration: {err}") from None
 
 MODELS = sorted(CASES)
+# The report's plot files (k2vec.report.OUTPUTS; a test keeps the two lists equal).
+REPORT_PLOTS = ["match_grid", "logit_error", "first_bad_layer", "acceptance", "format_effect"]
 PRECISIONS = ["fp32", "int4"]
 RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"])
 # Devices of the GPU slot pool; looked up only when some engine needs GPUs.
@@ -78,3 +80,13 @@ def bundle_inputs(wildcards):
     if wildcards.precision == "int4":
         inputs["int4"] = f"results/models/{wildcards.model}/int4"
     return inputs
+
+
+def run_result(engine, model, precision, mode):
+    return f"results/runs/{engine}/{model}-{precision}-{mode}.json"
+
+
+def run_record(engine, model, precision, mode):
+    """What the report needs to know about one engine run."""
+    return {"engine": engine, "model": model, "precision": precision, "mode": mode,
+            "result": run_result(engine, model, precision, mode)}

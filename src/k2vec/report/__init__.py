@@ -1,0 +1,160 @@
+"""The divergence report: engine results judged against the golden data (issue 8).
+
+    from k2vec.report import build_report
+    res = build_report(
+        [{"engine": "myengine", "model": "tiny", "precision": "int4", "mode": "ddtree-b16",
+          "result": "results/engines/myengine/tiny-int4-ddtree-b16.json"}, ...],
+        {("tiny", "fp32"): "results/golden/tiny/fp32.kdtr", ("tiny", "int4"): "results/golden/tiny/int4.kdtr"},
+        "results/report")
+    res.rows            # one row per run x accuracy x prompt (= divergence.csv)
+    res.summary         # = summary.txt
+    res.has_real_divergence_or_failure   # for --strict
+    res.paths           # every file written
+
+Outputs in out_dir: divergence.html (self-contained), divergence.csv, format_effect.csv, summary.txt and
+each plot as PNG (plots.PLOTS). From Snakemake: `script: ".../report.py"` calling
+`k2vec.report.snakemake_main(snakemake)`; from a shell: `python -m k2vec.report --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import pandas as pd
+
+from ..atomic import write_bytes_atomic, write_text_atomic
+from .metrics import ROW_COLUMNS, Metrics, ReportError, compute_metrics
+
+__all__ = ["build_report", "ReportResult", "ReportError", "compute_metrics", "main", "snakemake_main", "OUTPUTS"]
+
+# Fixed output names (relative to out_dir), so a Snakemake rule can declare them.
+OUTPUTS = {
+    "html": "divergence.html", "csv": "divergence.csv", "summary": "summary.txt",
+    "format_csv": "format_effect.csv",
+    "match_grid": "match_grid.png", "logit_error": "logit_error.png", "first_bad_layer": "first_bad_layer.png",
+    "acceptance": "acceptance.png", "format_effect": "format_effect.png",
+}
+
+
+@dataclass
+class ReportResult:
+    rows: pd.DataFrame            # run x accuracy x prompt (divergence.csv)
+    runs: pd.DataFrame            # run x accuracy summary
+    steps: pd.DataFrame           # per row and compared step: logit error, KL
+    acceptance: pd.DataFrame      # DDTree acceptance-length histogram data
+    format_effect: pd.DataFrame   # fp32 vs int4 golden per model x prompt
+    format_steps: pd.DataFrame    # ... per step
+    format_models: pd.DataFrame   # ... per model
+    summary: str
+    has_real_divergence_or_failure: bool
+    paths: dict[str, Path] = field(default_factory=dict)
+
+
+def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, str], str | Path],
+                 out_dir: str | Path, *, near_tie: float = 1e-3, router_near_tie: float = 1e-3,
+                 fingerprint_rtol: float = 1e-3) -> ReportResult:
+    """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`."""
+    from . import plots
+    from .html import render_html, summary_text
+
+    m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
+                                 fingerprint_rtol=fingerprint_rtol)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_steps = dict(zip(m.format_models.get("model", []), m.format_models.get("max_new_tokens", [])))
+    pngs = {
+        "match_grid.png": plots.match_grid(m.rows),
+        "logit_error.png": plots.logit_error(m.rows, m.steps),
+        "first_bad_layer.png": plots.first_bad_layer(m.rows),
+        "acceptance.png": plots.acceptance(m.acceptance),
+        "format_effect.png": plots.format_effect(m.format_effect, m.format_steps, n_steps),
+    }
+    summary = summary_text(m)
+    paths = {key: out / name for key, name in OUTPUTS.items()}
+    for name, png in pngs.items():
+        write_bytes_atomic(out / name, png)
+    write_text_atomic(paths["csv"], m.rows[ROW_COLUMNS].to_csv(index=False))
+    write_text_atomic(paths["format_csv"], m.format_effect.to_csv(index=False))
+    write_text_atomic(paths["summary"], summary)
+    write_text_atomic(paths["html"], render_html(m, pngs, summary))
+    return ReportResult(m.rows, m.runs, m.steps, m.acceptance, m.format_effect, m.format_steps, m.format_models,
+                        summary, m.has_real_divergence_or_failure, paths)
+
+
+# ------------------------------------------------------------------------------------ entry points
+
+
+def _goldens_from(value: Any) -> dict[tuple[str, str], str]:
+    """{(model, precision): path}, or [{"model","precision","path"}], or {"model/precision": path}."""
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if isinstance(k, str):
+                if "/" not in k:
+                    raise ReportError(f"golden key {k!r}: expected 'model/precision' or a (model, precision) tuple")
+                k = tuple(k.split("/", 1))
+            out[(str(k[0]), str(k[1]))] = str(v)
+        return out
+    return {(str(g["model"]), str(g["precision"])): str(g["path"]) for g in value}
+
+
+def snakemake_main(smk: Any) -> ReportResult:
+    """Entry for a Snakemake `script:` (the `snakemake` object).
+
+    params.runs: list of {"engine","model","precision","mode","result"} dicts (result = the JSON path,
+      normally also listed in input); params.goldens: {(model, precision): path} (or
+      [{"model","precision","path"}], or {"model/precision": path}); optional params.near_tie,
+      params.router_near_tie, params.fingerprint_rtol, params.strict (fail the job on a real
+      divergence or a failed run, after writing the outputs).
+    output.html: .../divergence.html; every other output is written next to it (OUTPUTS).
+    log[0] (optional): the stage log.
+    """
+    from ..stage import stage_logging
+
+    def get(key: str, default: Any = None) -> Any:
+        return getattr(smk.params, key, default)
+
+    out_dir = Path(str(getattr(smk.output, "html", None) or smk.output[0])).parent
+
+    def run() -> ReportResult:
+        res = build_report(list(get("runs", [])), _goldens_from(get("goldens", {})), out_dir,
+                           near_tie=float(get("near_tie", 1e-3)), router_near_tie=float(get("router_near_tie", 1e-3)),
+                           fingerprint_rtol=float(get("fingerprint_rtol", 1e-3)))
+        import logging
+        logging.getLogger("k2vec.report").info("%s", res.summary)
+        if get("strict", False) and res.has_real_divergence_or_failure:
+            raise SystemExit("strict: a real divergence or a failed run (see summary.txt)")
+        return res
+
+    if len(getattr(smk, "log", [])):
+        with stage_logging(smk.log[0], "report"):
+            return run()
+    return run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k2vec.report", description="Build the divergence report.")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--golden", nargs=3, action="append", default=[], metavar=("MODEL", "PRECISION", "PATH"))
+    ap.add_argument("--run", nargs=5, action="append", default=[],
+                    metavar=("ENGINE", "MODEL", "PRECISION", "MODE", "RESULT"))
+    ap.add_argument("--near-tie", type=float, default=1e-3)
+    ap.add_argument("--router-near-tie", type=float, default=1e-3)
+    ap.add_argument("--fingerprint-rtol", type=float, default=1e-3)
+    ap.add_argument("--strict", action="store_true", help="exit 1 on a real divergence or a failed run")
+    a = ap.parse_args(argv)
+    runs = [dict(zip(("engine", "model", "precision", "mode", "result"), r)) for r in a.run]
+    goldens = {(m, p): path for m, p, path in a.golden}
+    try:
+        res = build_report(runs, goldens, a.out, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
+                           fingerprint_rtol=a.fingerprint_rtol)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(res.summary)
+    print(f"report: {res.paths['html']}")
+    return 1 if a.strict and res.has_real_divergence_or_failure else 0

@@ -1,0 +1,32 @@
+"""`report.strict: true`: fail the pipeline when a run diverged for real or failed."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ..atomic import write_text_atomic
+from ..errors import K2VecError
+
+FAILING_CLASSES = ("real", "failed")
+
+
+class StrictFailure(K2VecError):
+    pass
+
+
+def check_strict(csv_path: str, ok_path: str) -> None:
+    rows = pd.read_csv(csv_path)
+    # A DDTree tree that differs from the golden trace is a tree-construction bug even when the
+    # emitted tokens (lossless by design) still match.
+    tree_differs = rows["tree_match"].astype(str) == "False"
+    verdict = rows["class"].where(~(tree_differs & (rows["class"] == "exact")), "tree differs")
+    flagged = rows.assign(verdict=verdict)
+    bad = flagged[flagged["verdict"].isin(FAILING_CLASSES + ("tree differs",))]
+    if len(bad):
+        runs = bad.groupby(["engine", "model", "precision", "mode"], sort=True)["verdict"].first()
+        listing = "; ".join(f"{e}/{m}-{p}-{mode}: {c}" for (e, m, p, mode), c in runs.items())
+        raise StrictFailure(f"report.strict: {len(bad)} prompt run(s) with a real divergence, a failure or a "
+                            f"DDTree tree that differs from the golden: {listing} "
+                            f"(see results/report/divergence.html)")
+    near = int((rows["class"].isin(("near-tie", "router-near-tie"))).sum())
+    write_text_atomic(ok_path, f"strict: ok ({len(rows)} prompt runs, {near} near-tie divergence(s))\n")

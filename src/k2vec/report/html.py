@@ -1,0 +1,389 @@
+"""The summary text and the self-contained divergence.html (inline CSS, plots as base64 PNG).
+
+Element ids are stable for tests and links: verdict, summary-text, summary-table, divergence-table,
+tree-table, failure-table, format-effect, format-model-table, format-table, and one figure per plot
+(plots.PLOTS: plot-match-grid, plot-logit-error, plot-first-bad-layer, plot-acceptance,
+plot-format-effect).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from typing import Any, Iterable, Sequence
+
+import pandas as pd
+
+from .. import __version__
+from .metrics import CLASSES, SEVERITY, Metrics
+from .plots import COLORS, PLOTS, row_labels
+
+MAX_SUMMARY_ROWS = 200
+MAX_DETAIL_ROWS = 300
+MAX_TEXT_LINES = 10
+
+
+# ------------------------------------------------------------------------------------------- values
+
+
+def _na(v: Any) -> bool:
+    try:
+        return v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
+    except TypeError:
+        return False
+
+
+def fmt(v: Any, kind: str = "g") -> str:
+    """Numbers for humans; missing values as an en dash."""
+    if _na(v):
+        return "\u2013"
+    if kind == "int":
+        return f"{int(v):,}"
+    if kind == "pct":
+        return f"{100 * float(v):.1f}%"
+    if kind == "e":
+        v = float(v)
+        return "0" if v == 0 else ("inf" if math.isinf(v) else f"{v:.2e}")
+    if kind == "f2":
+        return f"{float(v):.2f}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _step_layer(step: Any, layer: Any, short: bool = True) -> str:
+    if _na(step):
+        return "\u2013"
+    return f"step {int(step)}, L{int(layer)}" if short else f"step {int(step)}, layer {int(layer)}"
+
+
+# -------------------------------------------------------------------------------------------- text
+
+
+def _row_where(r: pd.Series) -> str:
+    acc = "" if _na(r["accuracy"]) else f" p={r['accuracy']:g}"
+    return f"{r['engine']} {r['model']}/{r['precision']} {r['mode']}{acc} prompt {r['prompt']}"
+
+
+def divergence_line(r: pd.Series) -> str:
+    s = (f"{_row_where(r)}: step {int(r['first_step'])}, golden {fmt(r['golden_token'], 'int')} vs engine "
+         f"{fmt(r['engine_token'], 'int')} (ranks {fmt(r['golden_rank_in_engine'])}/{fmt(r['engine_rank_in_golden'])}), "
+         f"margin {fmt(r['margin'], 'e')}")
+    if r["class"] == "router-near-tie":
+        s += (f", router margin {fmt(r['router_margin'], 'e')} at layer {int(r['router_layer'])} "
+              f"position {int(r['router_position'])}")
+    return s
+
+
+def summary_text(m: Metrics) -> str:
+    rows, lines = m.rows, []
+    n_runs = rows["run"].nunique() if len(rows) else 0
+    counts = rows["class"].value_counts()
+    lines.append(f"k2vec divergence report: {n_runs} runs, {rows['engine'].nunique() if len(rows) else 0} engines, "
+                 f"{len(rows)} prompt rows")
+    lines.append("  " + " | ".join(f"{c} {int(counts.get(c, 0))}" for c in CLASSES))
+    verdict = "FAIL: real divergence or failed run" if m.has_real_divergence_or_failure else \
+        "OK: no real divergence, no failed run"
+    lines.append("  " + verdict)
+    for cls in ("real", "router-near-tie", "near-tie"):
+        sub = rows[rows["class"] == cls].sort_values(["run", "prompt"])
+        for _, r in sub.head(MAX_TEXT_LINES).iterrows():
+            lines.append(f"  {cls.upper()}: {divergence_line(r)}")
+        if len(sub) > MAX_TEXT_LINES:
+            lines.append(f"  ... and {len(sub) - MAX_TEXT_LINES} more {cls} rows (divergence.csv)")
+    failed = m.runs[m.runs["status"] != "ok"] if len(m.runs) else m.runs
+    for _, r in failed.drop_duplicates("run").head(MAX_TEXT_LINES).iterrows():
+        lines.append(f"  FAILED: {r['engine']} {r['model']}/{r['precision']} {r['mode']}: {r['reason']}")
+    if len(failed.drop_duplicates("run")) > MAX_TEXT_LINES:
+        lines.append(f"  ... and {len(failed.drop_duplicates('run')) - MAX_TEXT_LINES} more failed runs")
+    fp = rows.dropna(subset=["first_bad_step"])
+    if len(fp):
+        r = fp.sort_values(["first_bad_step", "first_bad_layer"]).iloc[0]
+        lines.append(f"  fingerprints: {len(fp)} rows exceed rtol {m.thresholds['fingerprint_rtol']:g}; earliest "
+                     f"{_row_where(r)} {_step_layer(r['first_bad_step'], r['first_bad_layer'], False)} "
+                     f"(rel err {fmt(r['first_bad_rel_err'], 'e')})")
+    rt = rows.dropna(subset=["router_diff_step"])
+    if len(rt):
+        r = rt.sort_values(["router_diff_step", "router_diff_layer"]).iloc[0]
+        lines.append(f"  router: {len(rt)} rows choose different experts; earliest {_row_where(r)} "
+                     f"{_step_layer(r['router_diff_step'], r['router_diff_layer'], False)}")
+    trees = rows["tree_match"].dropna()
+    if len(trees):
+        bad = rows[rows["tree_match"] == False]  # noqa: E712
+        line = f"  DDTree: {len(bad)} of {len(trees)} trees differ from the golden traces"
+        if len(bad):
+            r = bad.iloc[0]
+            node = "" if _na(r["first_tree_diff_node"]) else f" node {int(r['first_tree_diff_node'])}"
+            line += f"; first: {_row_where(r)} round {int(r['first_tree_diff_round'])}{node}: {r['tree_diff_what']}"
+        lines.append(line)
+    dd = rows[rows["mode"].astype(str).str.startswith("ddtree") & (rows["status"] == "ok")]
+    no_trace = dd[dd["accept_mean_golden"].isna()]
+    no_rounds = dd[dd["accept_mean_golden"].notna() & dd["tree_match"].isna()]
+    if len(no_trace):
+        lines.append(f"  DDTree: no golden trace for {', '.join(sorted(set(no_trace['mode'])))} "
+                     f"(budget not in the golden): {len(no_trace)} rows compared by tokens only")
+    if len(no_rounds):
+        lines.append(f"  DDTree: {len(no_rounds)} rows without rounds in the result: trees not compared")
+    if len(m.runs) and m.runs["accept_mean_engine"].notna().any():
+        a = m.runs.dropna(subset=["accept_mean_engine"])
+        lines.append(f"  DDTree mean acceptance: engines {a['accept_mean_engine'].mean():.3f}, "
+                     f"golden {a['accept_mean_golden'].mean():.3f}")
+    if len(m.runs) and m.runs["tokens_per_s"].notna().any():
+        t = m.runs.drop_duplicates("run")["tokens_per_s"].dropna()
+        lines.append(f"  throughput: {t.median():.1f} tokens/s median over {len(t)} runs (wall clock)")
+    for _, r in m.format_models.iterrows():
+        lines.append(f"  format effect {r['model']} (fp32 vs int4 golden): {r['diverged']} of {r['prompts']} prompts "
+                     f"diverge; same top-1 {100 * r['same_top1_rate']:.1f}% of compared steps; mean KL "
+                     f"{fmt(r['kl_mean'], 'e')}")
+    return "\n".join(lines) + "\n"
+
+
+# -------------------------------------------------------------------------------------------- HTML
+
+
+CSS = """
+:root { --fg:#1f2933; --muted:#616e7c; --line:#e4e7eb; --bg:#f7f8fa; }
+* { box-sizing: border-box; }
+body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, "DejaVu Sans", Arial, sans-serif; color: var(--fg);
+       background: var(--bg); margin: 0; }
+main { max-width: 1800px; margin: 0 auto; padding: 18px 22px 60px; }
+h1 { font-size: 22px; margin: 0 0 4px; }
+h2 { font-size: 17px; margin: 28px 0 8px; padding-bottom: 4px; border-bottom: 2px solid var(--line); }
+.sub { color: var(--muted); margin: 0 0 14px; }
+.card { background: white; border: 1px solid var(--line); border-radius: 8px; padding: 12px 16px; margin: 10px 0;
+        overflow-x: auto; }
+.verdict { border-left: 6px solid; }
+.verdict.ok { border-left-color: #43a047; }
+.verdict.fail { border-left-color: #e53935; }
+.verdict h2 { border: 0; margin: 0 0 6px; padding: 0; }
+pre { font: 12px/1.4 "DejaVu Sans Mono", Menlo, Consolas, monospace; white-space: pre-wrap; margin: 0; }
+table { border-collapse: collapse; width: 100%; font-size: 12.5px; }
+th, td { padding: 4px 7px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; white-space: nowrap; }
+th { background: #f0f2f5; position: sticky; top: 0; font-weight: 600; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.wrap { white-space: normal; min-width: 200px; max-width: 420px; }
+.reason { color: #b71c1c; font-size: 11.5px; margin-top: 2px; }
+tr:hover td { background: #fafbfc; }
+.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 11.5px; font-weight: 600; }
+.bar { display: inline-flex; width: 110px; height: 12px; border-radius: 3px; overflow: hidden; vertical-align: middle;
+       background: #eee; }
+.bar span { display: block; height: 100%; }
+.legend span { margin-right: 10px; }
+figure { margin: 12px 0; background: white; border: 1px solid var(--line); border-radius: 8px; padding: 10px; }
+figure img { max-width: 100%; height: auto; display: block; }
+figcaption { color: var(--muted); font-size: 12.5px; margin-top: 6px; }
+.note { color: var(--muted); font-size: 12.5px; }
+details summary { cursor: pointer; color: #1565c0; }
+dl.defs dt { font-weight: 600; margin-top: 6px; }
+dl.defs dd { margin: 0 0 0 16px; color: #3e4c59; }
+"""
+
+
+def _e(v: Any) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def badge(cls: str) -> str:
+    fg = "#1f2933" if cls in ("near-tie", "exact") else "white"
+    return f'<span class="badge cls-{_e(cls)}" style="background:{COLORS.get(cls, "#999")};color:{fg}">{_e(cls)}</span>'
+
+
+def _class_bar(r: pd.Series, total: int) -> str:
+    parts = "".join(f'<span title="{c}: {int(r[c])}" style="width:{100 * r[c] / total:.2f}%;background:{COLORS[c]}"></span>'
+                    for c in CLASSES if r[c])
+    return f'<span class="bar">{parts}</span>'
+
+
+def _table(table_id: str, header: Sequence[tuple[str, str]], body: Iterable[Sequence[str]]) -> str:
+    """header: (label, css class); body cells are already HTML."""
+    head = "".join(f'<th class="{c}">{_e(h)}</th>' for h, c in header)
+    rows = "".join("<tr>" + "".join(f'<td class="{c}">{cell}</td>' for cell, (_, c) in zip(r, header)) + "</tr>"
+                   for r in body)
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>'
+
+
+def _capped(df: pd.DataFrame, cap: int, what: str) -> tuple[pd.DataFrame, str]:
+    if len(df) <= cap:
+        return df, ""
+    return df.head(cap), f'<p class="note">Showing the first {cap:,} of {len(df):,} {what}; divergence.csv has all.</p>'
+
+
+def _summary_table(m: Metrics) -> str:
+    runs = m.runs
+    if runs.empty:
+        return '<p class="note" id="summary-table">No engine runs.</p>'
+    runs = runs.assign(sev=runs["worst"].map(SEVERITY)).sort_values(["sev", "run", "accuracy"],
+                                                                     ascending=[False, True, True], kind="stable")
+    runs, note = _capped(runs, MAX_SUMMARY_ROWS, "run x accuracy rows (worst first)")
+    header = [("run", "wrap"), ("worst", ""), ("prompts", ""), ("exact", "num"), ("first div. step", "num"),
+              ("max |\u0394logit|", "num"), ("max KL", "num"), ("bad fingerprint", ""),
+              ("router diff step", "num"), ("trees differ", "num"), ("\u03c4 eng / gold", "num"), ("tok/s", "num")]
+    body = []
+    for _, r in runs.iterrows():
+        tau = "\u2013" if _na(r["accept_mean_engine"]) else f"{r['accept_mean_engine']:.2f} / {r['accept_mean_golden']:.2f}"
+        trees = "\u2013" if not r["trees"] else f"{int(r['trees_differ'])} of {int(r['trees'])}"
+        body.append([
+            _e(r["label"]) + ("" if _na(r["reason"]) else f'<div class="reason">{_e(r["reason"])}</div>'),
+            badge(r["worst"]), _class_bar(r, int(r["prompts"])),
+            f"{int(r['exact'])}/{int(r['prompts'])}", fmt(r["first_step"], "int"), fmt(r["logit_abs_max"], "e"),
+            fmt(r["kl_max"], "e"), _step_layer(r["first_bad_step"], r["first_bad_layer"]),
+            fmt(r["router_diff_step"], "int"), trees, tau, fmt(r["tokens_per_s"], "f2"),
+        ])
+    legend = '<p class="legend note">' + "".join(f"<span>{badge(c)}</span>" for c in CLASSES) + "</p>"
+    return legend + _table("summary-table", header, body) + note
+
+
+def _divergence_table(m: Metrics) -> str:
+    rows = m.rows
+    d = rows[rows["class"].isin(["near-tie", "router-near-tie", "real"])]
+    if d.empty:
+        return '<p class="note" id="divergence-table">No token divergence.</p>'
+    d = d.assign(sev=d["class"].map(SEVERITY), label=row_labels(d)).sort_values(
+        ["sev", "run", "accuracy", "prompt"], ascending=[False, True, True, True], kind="stable")
+    d, note = _capped(d, MAX_DETAIL_ROWS, "divergent prompts (worst first)")
+    header = [("run", ""), ("prompt", "num"), ("class", ""), ("step", "num"), ("token golden \u2192 engine", "num"),
+              ("ranks g\u2208e / e\u2208g", "num"), ("golden margin", "num"),
+              ("router near-tie", ""), ("max |\u0394logit|", "num"), ("max KL", "num"),
+              ("first bad fingerprint", ""), ("router differs", "")]
+    body = []
+    for _, r in d.iterrows():
+        router = "\u2013" if _na(r["router_layer"]) else \
+            f"layer {int(r['router_layer'])}, pos {int(r['router_position'])} ({fmt(r['router_margin'], 'e')})"
+        body.append([
+            _e(r["label"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_step"], "int"),
+            f"{fmt(r['golden_token'], 'int')} \u2192 {fmt(r['engine_token'], 'int')}",
+            f'{fmt(r["golden_rank_in_engine"])} / {fmt(r["engine_rank_in_golden"])}', fmt(r["margin"], "e"), router,
+            fmt(r["logit_abs_max"], "e"), fmt(r["kl_max"], "e"),
+            _step_layer(r["first_bad_step"], r["first_bad_layer"]),
+            _step_layer(r["router_diff_step"], r["router_diff_layer"]),
+        ])
+    return _table("divergence-table", header, body) + note
+
+
+def _tree_table(m: Metrics) -> str:
+    rows = m.rows
+    if rows["tree_match"].notna().sum() == 0:
+        return '<p class="note" id="tree-table">No DDTree run returned rounds.</p>'
+    bad = rows[rows["tree_match"] == False]  # noqa: E712
+    n = int(rows["tree_match"].notna().sum())
+    if bad.empty:
+        return f'<p class="note" id="tree-table">All {n} DDTree traces match the golden trees exactly.</p>'
+    bad = bad.assign(label=row_labels(bad))
+    bad, note = _capped(bad, MAX_DETAIL_ROWS, "differing trees")
+    header = [("run", ""), ("prompt", "num"), ("class", ""), ("round", "num"), ("node", "num"), ("what differs", "wrap"),
+              ("\u03c4 engine", "num"), ("\u03c4 golden", "num")]
+    body = [[_e(r["label"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_tree_diff_round"], "int"),
+             fmt(r["first_tree_diff_node"], "int"), _e(r["tree_diff_what"]), fmt(r["accept_mean_engine"], "f2"),
+             fmt(r["accept_mean_golden"], "f2")] for _, r in bad.iterrows()]
+    return f'<p class="note">{len(bad)} of {n} DDTree traces differ from the golden.</p>' + \
+        _table("tree-table", header, body) + note
+
+
+def _failure_table(m: Metrics) -> str:
+    runs = m.runs
+    failed = runs[runs["status"] != "ok"].drop_duplicates("run") if len(runs) else runs
+    if failed.empty:
+        return '<p class="note" id="failure-table">No failed runs.</p>'
+    failed, note = _capped(failed, MAX_DETAIL_ROWS, "failed runs")
+    header = [("engine", ""), ("model/precision", ""), ("mode", ""), ("reason", "wrap"), ("stderr tail", "wrap"),
+              ("result", "")]
+    body = []
+    for _, r in failed.iterrows():
+        tail = r.get("stderr_tail")
+        tail_html = "\u2013" if _na(tail) or not tail else \
+            f"<details><summary>show</summary><pre>{_e(tail)}</pre></details>"
+        body.append([_e(r["engine"]), _e(f"{r['model']}/{r['precision']}"), _e(r["mode"]), _e(r["reason"]),
+                     tail_html, _e(r["result"])])
+    return _table("failure-table", header, body) + note
+
+
+def _format_section(m: Metrics) -> str:
+    out = ['<section id="format-effect"><h2>Format effect (fp32 vs int4 golden)</h2>',
+           '<p class="note">How far INT4 quantization moves the model: the int4 golden compared to the fp32 golden '
+           'as if it were an engine. Both decode their own tokens, so steps are compared up to and including the '
+           'first divergence. Same top-1 = matched steps / compared steps, pooled over prompts.</p>']
+    if m.format_models.empty:
+        out.append('<p class="note" id="format-model-table">No model has both an fp32 and an int4 golden.</p>')
+    else:
+        header = [("model", ""), ("prompts", "num"), ("diverged", "num"), ("same top-1", "num"),
+                  ("mean first div. step", "num"), ("mean KL", "num"), ("max KL", "num"), ("top-k overlap", "num"),
+                  ("max |\u0394logit|", "num")]
+        body = [[_e(r["model"]), str(r["prompts"]), str(r["diverged"]), fmt(r["same_top1_rate"], "pct"),
+                 fmt(r["mean_first_step"], "f2"), fmt(r["kl_mean"], "e"), fmt(r["kl_max"], "e"),
+                 fmt(r["topk_overlap"], "pct"), fmt(r["logit_abs_max"], "e")] for _, r in m.format_models.iterrows()]
+        out.append('<div class="card">' + _table("format-model-table", header, body) + "</div>")
+        header = [("model", ""), ("prompt", "num"), ("class", ""), ("first div. step", "num"),
+                  ("fp32 \u2192 int4 token", "num"), ("fp32 rank in int4", "num"), ("int4 rank in fp32", "num"),
+                  ("fp32 margin", "num"), ("int4 margin", "num"), ("same top-1", "num"), ("mean KL", "num"),
+                  ("max |\u0394logit|", "num"), ("first bad fingerprint", ""), ("router differs", "")]
+        body = []
+        for _, r in m.format_effect.iterrows():
+            body.append([_e(r["model"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_step"], "int"),
+                         f"{fmt(r['fp32_token'], 'int')} \u2192 {fmt(r['int4_token'], 'int')}",
+                         fmt(r["fp32_rank_in_int4"]), fmt(r["int4_rank_in_fp32"]), fmt(r["fp32_margin"], "e"),
+                         fmt(r["int4_margin"], "e"), fmt(r["same_top1"], "pct"), fmt(r["kl_mean"], "e"),
+                         fmt(r["logit_abs_max"], "e"), _step_layer(r["first_bad_step"], r["first_bad_layer"]),
+                         _step_layer(r["router_diff_step"], r["router_diff_layer"])])
+        out.append('<div class="card">' + _table("format-table", header, body) + "</div>")
+    return "\n".join(out)
+
+
+def _figure(name: str, png: bytes) -> str:
+    fid, caption = PLOTS[name]
+    data = base64.b64encode(png).decode("ascii")
+    return (f'<figure id="{fid}"><img alt="{_e(caption)}" src="data:image/png;base64,{data}">'
+            f'<figcaption>{_e(caption)} <span class="note">({_e(name)})</span></figcaption></figure>')
+
+
+def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
+    th = m.thresholds
+    rows = m.rows
+    ok = not m.has_real_divergence_or_failure
+    n_runs = rows["run"].nunique() if len(rows) else 0
+    defs = {
+        "exact": "every generated token equals the golden's.",
+        "near-tie": f"first divergent step's golden top-1 minus top-2 logit &lt; near_tie = {th['near_tie']:g}.",
+        "router-near-tie": f"otherwise, some golden router margin (k-th minus (k+1)-th expert score) &lt; "
+                           f"router_near_tie = {th['router_near_tie']:g} in any MoE layer for a token at or before "
+                           f"the position fed at that step (the smallest is shown).",
+        "real": "a divergence with no near-tie to explain it.",
+        "failed": "the engine run failed (time limit, crash, invalid output); the reason is shown.",
+    }
+    defs_html = "".join(f"<dt>{badge(c)}</dt><dd>{d}</dd>" for c, d in defs.items())
+    parts = [
+        "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        "<title>k2vec divergence report</title>", f"<style>{CSS}</style></head><body><main>",
+        "<h1>k2vec divergence report</h1>",
+        f'<p class="sub">{n_runs} engine runs, {len(rows)} prompt rows. Thresholds: near_tie {th["near_tie"]:g}, '
+        f'router_near_tie {th["router_near_tie"]:g}, fingerprint_rtol {th["fingerprint_rtol"]:g}. '
+        f"k2vec {_e(__version__)}.</p>",
+        f'<section id="verdict" class="card verdict {"ok" if ok else "fail"}">'
+        f'<h2>{"No real divergence or failure" if ok else "Real divergence or failed run"}</h2>'
+        f'<pre id="summary-text">{_e(summary)}</pre></section>',
+        '<section id="summary"><h2>Runs</h2><div class="card">', _summary_table(m), "</div></section>",
+        '<section id="divergences"><h2>Divergent prompts</h2><div class="card">', _divergence_table(m),
+        "</div></section>",
+        '<section id="plots"><h2>Plots</h2>',
+        *(_figure(name, pngs[name]) for name in ("match_grid.png", "logit_error.png", "first_bad_layer.png")),
+        "</section>",
+        '<section id="ddtree"><h2>DDTree</h2><div class="card">', _tree_table(m), "</div>",
+        _figure("acceptance.png", pngs["acceptance.png"]), "</section>",
+        '<section id="failures"><h2>Failed runs</h2><div class="card">', _failure_table(m), "</div></section>",
+        _format_section(m), _figure("format_effect.png", pngs["format_effect.png"]), "</section>",
+        '<section id="definitions"><h2>Definitions</h2><div class="card"><dl class="defs">', defs_html,
+        "<dt>compared steps</dt><dd>steps 0..k for a prompt first diverging at step k (all steps if exact): "
+        "up to k both sides fed the same tokens.</dd>"
+        "<dt>logit error</dt><dd>on the ids in both top-k lists, compared by id: abs and rel error (max, mean, "
+        "p99), NMSE = &Sigma;(e&minus;g)&sup2;/&Sigma;g&sup2;, KL(golden || engine) of the softmax over those ids.</dd>"
+        "<dt>ranks</dt><dd>0-based: the golden token's rank in the engine's top-k, the engine token's rank in the "
+        "golden top-k; &ndash; when absent.</dd>"
+        "<dt>first bad fingerprint</dt><dd>first (step, layer) whose relative L2 error "
+        "||e&minus;g||/||g|| exceeds fingerprint_rtol.</dd>"
+        "<dt>trees</dt><dd>a DDTree round differs at the first node whose token, parent or depth differs (or "
+        "where one tree ends); &tau; = tokens committed per round, root included.</dd>"
+        "</dl></div></section>",
+        "</main></body></html>",
+    ]
+    return "\n".join(parts)

@@ -1,0 +1,62 @@
+"""A perfect engine result built straight from the golden data (for tests and the report bench).
+
+Faults are injected by editing the returned dict: it follows result.schema.json exactly, with
+`status: ok` and the runner's extra keys (engine, mode, budget, wall_s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..engines.runner import parse_mode
+from ..kdtr import open_bundle
+
+
+def perfect_result(golden: str | Path, mode: str, *, engine: str = "perfect", topk: bool = True,
+                   fingerprints: bool = True, router: bool = True, rounds: bool = True,
+                   wall_s: float = 1.0) -> dict[str, Any]:
+    """The result an engine that reproduces `golden` exactly would write for `mode`."""
+    kind, budget = parse_mode(mode)
+    with open_bundle(golden) as b:
+        md = b.metadata
+        n = int(md["max_new_tokens"])
+
+        def prompt(i: int, tokens: np.ndarray) -> dict[str, Any]:
+            p: dict[str, Any] = {"tokens": tokens.tolist()}
+            if topk:
+                p["topk_ids"] = b[f"golden.p{i}.topk_ids"].tolist()
+                p["topk_logits"] = b[f"golden.p{i}.topk_logits"].tolist()
+            if fingerprints:
+                p["fingerprints"] = b[f"golden.p{i}.fingerprints"].tolist()
+            if router:
+                start = len(b[f"prompt.p{i}.tokens"]) - 1
+                ids = b[f"golden.p{i}.router_ids"]
+                p["router_experts"] = ids[:, start:start + n, :].transpose(1, 0, 2).tolist()
+            return p
+
+        if kind == "greedy":
+            runs = [{"drafter": None, "prompts": [prompt(i, b[f"golden.p{i}.tokens"]) for i in range(md["prompts"])]}]
+        else:
+            runs = []
+            for a_i, acc in enumerate(md["ddtree"]["accuracies"]):
+                prompts = []
+                for i in range(md["prompts"]):
+                    pre = f"ddtree.b{budget}.a{a_i}.p{i}."
+                    p = prompt(i, b[pre + "tokens"])
+                    if rounds:
+                        no, ao = b[pre + "node_offsets"], b[pre + "accepted_offsets"]
+                        p["rounds"] = [{
+                            "start": int(b[pre + "round_start"][r]),
+                            "tokens": b[pre + "node_tokens"][no[r]:no[r + 1]].tolist(),
+                            "parents": b[pre + "node_parents"][no[r]:no[r + 1]].tolist(),
+                            "depths": b[pre + "node_depths"][no[r]:no[r + 1]].tolist(),
+                            "accepted": b[pre + "accepted"][ao[r]:ao[r + 1]].tolist(),
+                            "bonus": int(b[pre + "round_bonus"][r]),
+                        } for r in range(len(no) - 1)]
+                    prompts.append(p)
+                runs.append({"drafter": {"accuracy": acc}, "prompts": prompts})
+    return {"format": "k2vec-engine-result", "version": 1, "engine": engine, "mode": mode, "budget": budget,
+            "status": "ok", "reason": None, "wall_s": wall_s, "device": "cpu", "runs": runs}

@@ -1,0 +1,188 @@
+"""divergence.html: self-contained, every table and plot present, and rendered by headless Chromium.
+
+The Chromium tests skip when no chromium binary is installed (CI installs it with apt). Set
+K2VEC_REPORT_SCREENSHOT=/some/path.png to keep the screenshot.
+"""
+
+import base64
+import json
+import os
+import shutil
+import struct
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_report_metrics import flip, make_goldens
+
+from k2vec.kdtr import open_bundle
+from k2vec.report import OUTPUTS, build_report
+from k2vec.report.plots import PLOTS
+from k2vec.report.synthetic import perfect_result
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or \
+    ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+PLOT_IDS = [fid for fid, _ in PLOTS.values()]
+
+
+class _Dom(HTMLParser):
+    """Elements by id, and every <img> with the id of the nearest enclosing element that has one."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.imgs, self.stack, self.tags = {}, [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append((tag, a))
+        if "id" in a:
+            self.ids[a["id"]] = tag
+        if tag == "img":
+            self.imgs.append((next((i for i in reversed(self.stack) if i), None), a))
+        elif tag not in ("meta", "br", "link", "input"):
+            self.stack.append(a.get("id"))
+
+    def handle_endtag(self, tag):
+        if tag != "img" and self.stack:
+            self.stack.pop()
+
+
+def parse(text: str) -> _Dom:
+    d = _Dom()
+    d.feed(text)
+    return d
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def goldens(tmp_path_factory):
+    return make_goldens(tmp_path_factory.mktemp("report-goldens"))   # shared with test_report_metrics
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, goldens):
+    root = tmp_path_factory.mktemp("report-html")
+    fp32 = goldens[("tiny", "fp32")]
+    with open_bundle(fp32) as b:
+        gold = {k: np.array(b[k]) for k in b.keys()}
+    results = {"good greedy": ("greedy", perfect_result(fp32, "greedy"))}
+    bad = perfect_result(fp32, "greedy")
+    flip(bad, 1, 4, gold)
+    results["flipped"] = ("greedy", bad)
+    tree = perfect_result(fp32, "ddtree-b4")
+    rnd = tree["runs"][0]["prompts"][0]["rounds"][0]
+    rnd["tokens"][1] += 1
+    results["tree"] = ("ddtree-b4", tree)
+    results["crash"] = ("ddtree-b1", {"format": "k2vec-engine-result", "version": 1, "status": "failed",
+                                      "reason": "timed out after 600 s (killed)", "stderr_tail": "step 3 ...",
+                                      "runs": []})
+    runs = []
+    for engine, (mode, res) in results.items():
+        path = root / f"{engine.replace(' ', '_')}.json"
+        path.write_text(json.dumps(res))
+        runs.append({"engine": engine, "model": "tiny", "precision": "fp32", "mode": mode, "result": str(path)})
+    return build_report(runs, goldens, root / "out")
+
+
+def test_outputs_are_written_and_plots_embedded(report):
+    for key, name in OUTPUTS.items():
+        assert report.paths[key] == report.paths["html"].parent / name and report.paths[key].stat().st_size > 0
+    text = report.paths["html"].read_text()
+    dom = parse(text)
+    for fid in ["verdict", "summary-text", "summary-table", "divergence-table", "tree-table", "failure-table",
+                "format-effect", "format-model-table", "format-table", *PLOT_IDS]:
+        assert fid in dom.ids, fid
+    by_figure = {fid: a for fid, a in dom.imgs}
+    assert sorted(by_figure) == sorted(PLOT_IDS)
+    for name, (fid, _) in PLOTS.items():
+        src = by_figure[fid]["src"]
+        assert src.startswith("data:image/png;base64,")
+        data = base64.b64decode(src.split(",", 1)[1], validate=True)
+        w, h = png_size(data)
+        assert w > 100 and h > 50
+        assert data == (report.paths["html"].parent / name).read_bytes()   # the standalone PNG is the same
+    # self-contained: no external stylesheet, script or image
+    assert "<link" not in text and "<script" not in text and 'src="http' not in text
+    # summary table: one body row per run x accuracy (greedy 1, ddtree-b4 2, failed ddtree-b1 2, greedy 1)
+    summary = text.split('id="summary-table"', 1)[1].split("</table>", 1)[0]
+    assert summary.count("<tr>") - 1 == len(report.runs) == 6
+    assert "timed out after 600 s (killed)" in summary
+    assert "Real divergence or failed run" in text and report.has_real_divergence_or_failure
+    div = text.split('id="divergence-table"', 1)[1].split("</table>", 1)[0]
+    assert div.count("<tr>") - 1 == 1 and "flipped" in div
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_chromium_renders_every_plot_and_a_nonblank_page(report, tmp_path):
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,2000"]
+    # a copy with a probe that records each image's decoded size in the DOM once the page has loaded
+    probe = tmp_path / "probe.html"
+    probe.write_text(report.paths["html"].read_text().replace("</body>", (
+        "<script>window.addEventListener('load', () => { document.querySelectorAll('img').forEach("
+        "i => i.setAttribute('data-natural', i.naturalWidth + 'x' + i.naturalHeight)); "
+        "document.body.setAttribute('data-probed', 'yes'); });</script></body>")))
+    out = subprocess.run([*flags, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dom = parse(out.stdout)
+    assert any(t == "body" and a.get("data-probed") == "yes" for t, a in dom.tags)   # the probe ran
+    assert "summary-table" in dom.ids and "divergence-table" in dom.ids
+    seen = {fid: a.get("data-natural") for fid, a in dom.imgs}
+    assert sorted(seen) == sorted(PLOT_IDS)
+    for fid, size in seen.items():
+        w, h = (int(v) for v in size.split("x"))
+        assert w > 100 and h > 50, (fid, size)
+
+    shot = tmp_path / "report.png"
+    out = subprocess.run([*flags, f"--screenshot={shot}", report.paths["html"].as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and shot.exists(), out.stderr[-2000:]
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(shot)
+    assert img.shape[:2] == (2000, 1400)
+    rgb = img[..., :3]
+    assert rgb.std() > 0.05                                   # not a blank page
+    red = (rgb[..., 0] > 0.8) & (rgb[..., 1] < 0.35) & (rgb[..., 2] < 0.35)
+    assert red.sum() > 200                                    # the verdict bar and the "real" badges
+    if os.environ.get("K2VEC_REPORT_SCREENSHOT"):
+        shutil.copy(shot, os.environ["K2VEC_REPORT_SCREENSHOT"])
+
+
+def test_cli_and_snakemake_entry_points(report, goldens, tmp_path):
+    from types import SimpleNamespace
+
+    from k2vec.report import main, snakemake_main
+
+    good = [r for r in report.rows.drop_duplicates("run").itertuples() if r.engine == "good greedy"][0]
+    args = ["--out", str(tmp_path / "cli"), "--run", "good", "tiny", "fp32", "greedy", good.result]
+    for (model, precision), path in goldens.items():
+        args += ["--golden", model, precision, str(path)]
+    assert main(args + ["--strict"]) == 0 and (tmp_path / "cli" / "divergence.html").exists()
+    crash = [r for r in report.rows.drop_duplicates("run").itertuples() if r.engine == "crash"][0]
+    assert main(args + ["--run", "crash", "tiny", "fp32", "ddtree-b1", crash.result]) == 0
+    assert main(args + ["--strict", "--run", "crash", "tiny", "fp32", "ddtree-b1", crash.result]) == 1
+    assert main(["--out", str(tmp_path / "x"), "--run", "good", "tiny", "int4", "greedy", good.result]) == 2
+
+    out = tmp_path / "smk" / "divergence.html"
+    smk = SimpleNamespace(
+        params=SimpleNamespace(runs=[{"engine": "good", "model": "tiny", "precision": "fp32", "mode": "greedy",
+                                      "result": good.result}],
+                               goldens={f"{m}/{p}": str(v) for (m, p), v in goldens.items()}, strict=True),
+        output=SimpleNamespace(html=str(out)), log=[str(tmp_path / "report.log")])
+    res = snakemake_main(smk)
+    assert res.paths["html"] == out and all(p.exists() for p in res.paths.values())
+    assert "stage report done" in (tmp_path / "report.log").read_text()
+    smk.params.runs.append({"engine": "crash", "model": "tiny", "precision": "fp32", "mode": "ddtree-b1",
+                            "result": crash.result})
+    with pytest.raises(SystemExit, match="strict"):
+        snakemake_main(smk)

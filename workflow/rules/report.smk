@@ -1,0 +1,50 @@
+# The divergence report (docs in src/k2vec/report): every engine run judged against the golden
+# data, and the fp32 golden against the int4 one. With `report.strict: true` the `strict_gate`
+# rule fails the pipeline on a real divergence or a failed run, after the report is written.
+
+
+rule report:
+    input:
+        results=[run_result(*run) for run in RUNS],
+        goldens=expand("results/golden/{model}/{precision}.kdtr", model=MODELS, precision=PRECISIONS),
+        code=sources("k2vec.report", "k2vec.stage"),
+    output:
+        html=report("results/report/divergence.html", caption="../report/divergence.rst", category="Divergence"),
+        csv=report("results/report/divergence.csv", caption="../report/divergence_csv.rst", category="Divergence"),
+        format_csv="results/report/format_effect.csv",
+        summary="results/report/summary.txt",
+        plots=report(
+            expand("results/report/{plot}.png", plot=REPORT_PLOTS),
+            caption="../report/plots.rst",
+            category="Plots",
+        ),
+    params:
+        runs=[run_record(*run) for run in RUNS],
+        goldens={f"{m}/{p}": f"results/golden/{m}/{p}.kdtr" for m in MODELS for p in PRECISIONS},
+        near_tie=config["report"]["near_tie"],
+        router_near_tie=config["report"]["router_near_tie"],
+        fingerprint_rtol=config["report"]["fingerprint_rtol"],
+    log:
+        "results/logs/report.log",
+    benchmark:
+        "results/benchmarks/report.tsv"
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../scripts/report.py"
+
+
+rule strict_gate:
+    input:
+        csv="results/report/divergence.csv",
+        code=sources("k2vec.report.gate", "k2vec.stage"),
+    output:
+        "results/report/strict.ok",
+    log:
+        "results/logs/strict_gate.log",
+    benchmark:
+        "results/benchmarks/strict_gate.tsv"
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../scripts/strict_gate.py"
