@@ -244,3 +244,18 @@ def test_strict_passes_when_divergences_are_near_ties_only(fake_run, tmp_path):
     res = strict_run(fake_run, tmp_path, ["fakegpu"], near_tie=1e9)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "strict: ok" in (fake_run[0] / "results/report/strict.ok").read_text()
+
+
+# ------------------------------------------------------------------------------------- the report
+
+def test_default_report_renders_in_chromium(pipeline, tmp_path):
+    from test_report_html import CHROMIUM, render_in_chromium
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    root = pipeline[0]
+    html = root / "results/report/divergence.html"
+    rgb = render_in_chromium(html, tmp_path)
+    green = (rgb[..., 1] > 0.5) & (rgb[..., 0] < 0.4) & (rgb[..., 2] < 0.4)
+    assert green.sum() > 200  # the numpy engine is exact: green badges and bars
+    summary = (root / "results/report/summary.txt").read_text()
+    assert "real 0 | failed 0" in summary and "0 of 192 trees differ" in summary
