@@ -136,7 +136,8 @@ def fake_engines(record_dir, kernel):
     cmd = f"{{python}} {FAKE} {{behaviour}} {record_dir} --bundle {{bundle}} --mode {{mode}} --budget {{budget}} --output {{output}}"
     one = {"models": ["tiny"], "precisions": ["fp32"], "modes": ["greedy"]}
     return {
-        "fakegpu": {"command": cmd.replace("{behaviour}", "ok"), "gpus": 1, "sources": [str(kernel)]},
+        "fakegpu": {"command": cmd.replace("{behaviour}", "ok"), "gpus": 1, "sources": [str(kernel)],
+                    "build": f"echo compiling {kernel.name} && test -s {kernel}"},
         "crash": {"command": cmd.replace("{behaviour}", "crash"), **one},
         "hang": {"command": cmd.replace("{behaviour}", "hang"), "timeout_s": 2, **one},
         "badjson": {"command": cmd.replace("{behaviour}", "badjson"), **one},
@@ -200,11 +201,19 @@ def test_kernel_edit_reruns_only_that_engine(fake_run):
         kernel.write_text(original + "// faster now\n")
         res = snakemake("-n", *args, snakefile=root / "Snakefile", cwd=root, env=env)
         assert res.returncode == 0, res.stderr[-2000:]
-        assert scheduled_jobs(res.stdout) == {"engine_run": 20, "report": 1, "all": 1}
+        assert scheduled_jobs(res.stdout) == {"engine_build": 1, "engine_run": 20, "report": 1, "all": 1}
         assert all("results/runs/fakegpu/" in line for line in res.stdout.splitlines()
                    if line.strip().startswith("output: results/runs/"))
     finally:
         kernel.write_text(original)
+
+
+def test_build_step_ran_once_and_stamped_the_sources(fake_run):
+    root, _, _, _, kernel = fake_run
+    stamp = (root / "results/engines/fakegpu/build.stamp").read_text()
+    assert stamp.startswith("build: echo compiling") and str(kernel) in stamp
+    assert "compiling gemm_w4a16.cu" in (root / "results/logs/engines/fakegpu/build.log").read_text()
+    assert not (root / "results/engines/crash").exists()  # engines without a build step have no stamp
 
 
 def test_one_engine_setting_reruns_only_that_engine(fake_run, tmp_path):
