@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]

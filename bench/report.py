@@ -28,14 +28,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from k2vec.golden import make_golden, open_weights, write_golden
-from k2vec.int4_checkpoint import quantize_checkpoint
 from k2vec.kdtr import open_bundle
 from k2vec.report import build_report
 from k2vec.report.metrics import compute_metrics
-from k2vec.report.synthetic import perfect_result
+from k2vec.report.synthetic import case_goldens, perfect_result
 from k2vec.spec import expand_config
-from k2vec.weights import write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ["greedy", "ddtree-b1", "ddtree-b4", "ddtree-b16", "ddtree-b64"]
@@ -44,15 +41,7 @@ MODES = ["greedy", "ddtree-b1", "ddtree-b4", "ddtree-b16", "ddtree-b64"]
 def make_goldens(root: Path) -> dict[tuple[str, str], Path]:
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg["models"] = {"tiny": {"preset": "tiny"}}
-    case = expand_config(cfg)["tiny"]
-    write_checkpoint(case["model"], root / "fp32")
-    quantize_checkpoint(root / "fp32", root / "int4", case["quantization"])
-    out = {}
-    for precision in ("fp32", "int4"):
-        tensors, md = make_golden(case, open_weights(precision, root / "fp32", root / "int4"), precision)
-        write_golden(root / f"{precision}.kdtr", tensors, md)
-        out[("tiny", precision)] = root / f"{precision}.kdtr"
-    return out
+    return case_goldens(expand_config(cfg)["tiny"], root)
 
 
 def inject(res: dict, fault: str, rng: np.random.Generator) -> None:

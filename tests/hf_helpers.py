@@ -6,7 +6,6 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.numpy import load_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM

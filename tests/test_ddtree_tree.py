@@ -51,7 +51,6 @@ def test_hand_worked_example():
 
 
 def test_smaller_budgets_are_prefixes_and_large_budget_takes_all():
-    full = build_tree((HAND_IDS, HAND_LP), 6)
     for b in range(0, 6):  # K = min(b, 4) shrinks too, yet the first b pops cannot change
         t = build_tree((HAND_IDS, HAND_LP), b)
         assert t.node_token_ids.tolist() == HAND_TOKENS[:b]

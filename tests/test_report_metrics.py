@@ -16,14 +16,11 @@ import yaml
 
 from conftest import REPO
 
-from k2vec.golden import make_golden, open_weights, write_golden
-from k2vec.int4_checkpoint import quantize_checkpoint
 from k2vec.kdtr import open_bundle
 from k2vec.report import build_report
 from k2vec.report.metrics import ROW_COLUMNS, ReportError, compute_metrics
-from k2vec.report.synthetic import perfect_result
+from k2vec.report.synthetic import case_goldens, perfect_result
 from k2vec.spec import expand_config
-from k2vec.weights import write_checkpoint
 
 _GOLDENS: dict[str, dict] = {}
 
@@ -38,16 +35,8 @@ def make_goldens(root: Path) -> dict[tuple[str, str], Path]:
     cfg["prompts"]["count"] = 2
     cfg["decoding"]["max_new_tokens"] = 10
     cfg["decoding"]["ddtree"].update(budgets=[1, 4], accuracies=[0.9, 0.3])
-    case = expand_config(cfg)["tiny"]
-    write_checkpoint(case["model"], root / "fp32")
-    quantize_checkpoint(root / "fp32", root / "int4", case["quantization"])
-    out = {}
-    for precision in ("fp32", "int4"):
-        tensors, metadata = make_golden(case, open_weights(precision, root / "fp32", root / "int4"), precision)
-        write_golden(root / f"{precision}.kdtr", tensors, metadata)
-        out[("tiny", precision)] = root / f"{precision}.kdtr"
-    _GOLDENS["tiny"] = out
-    return out
+    _GOLDENS["tiny"] = case_goldens(expand_config(cfg)["tiny"], root)
+    return _GOLDENS["tiny"]
 
 
 @pytest.fixture(scope="session")

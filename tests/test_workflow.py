@@ -1,9 +1,7 @@
 """The Snakemake workflow as users drive it: bad configs, dry runs, lint, and honest reruns."""
 import re
-from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import REPO, copy_workflow, default_config, snakemake, write_config
 

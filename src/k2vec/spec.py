@@ -19,7 +19,7 @@ from typing import Any
 from .errors import ConfigError
 from .schemes import SCHEMES, check_patterns, is_quantized
 from .seeds import rng_for
-from .architecture import ARCH_KEYS, tensor_shapes
+from .architecture import tensor_shapes
 
 K2_YARN = {
     "type": "yarn",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ddtree import Tree, accept_walk, build_tree, compacted_kv_rows
+from ..ddtree import accept_walk, build_tree, compacted_kv_rows
 from ..ddtree.drafter import RecordedDrafts
 from .generate import top_k_sorted
 from .model import ReferenceError, ReferenceModel, Segment

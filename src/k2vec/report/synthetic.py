@@ -15,6 +15,24 @@ from ..engines.runner import parse_mode
 from ..kdtr import open_bundle
 
 
+def case_goldens(case: dict[str, Any], root: str | Path) -> dict[tuple[str, str], Path]:
+    """The fp32 and int4 goldens of one resolved case, built under `root` without Snakemake
+    (weights, quantization, golden): {(model, precision): golden path}."""
+    from ..golden import make_golden, open_weights, write_golden
+    from ..int4_checkpoint import quantize_checkpoint
+    from ..weights import write_checkpoint
+
+    root = Path(root)
+    write_checkpoint(case["model"], root / "fp32")
+    quantize_checkpoint(root / "fp32", root / "int4", case["quantization"])
+    out = {}
+    for precision in ("fp32", "int4"):
+        tensors, metadata = make_golden(case, open_weights(precision, root / "fp32", root / "int4"), precision)
+        write_golden(root / f"{precision}.kdtr", tensors, metadata)
+        out[(case["model"]["name"], precision)] = root / f"{precision}.kdtr"
+    return out
+
+
 def perfect_result(golden: str | Path, mode: str, *, engine: str = "perfect", topk: bool = True,
                    fingerprints: bool = True, router: bool = True, rounds: bool = True,
                    wall_s: float = 1.0) -> dict[str, Any]:
