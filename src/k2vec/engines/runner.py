@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..atomic import write_text_atomic
-from ..gpus import lease
+from ..gpus import identify, lease
 
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
 PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
@@ -114,9 +114,19 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _run_with_limit(command: str, env: dict[str, str], stderr_path: Path, timeout_s: float) -> tuple[int | None, float]:
-    """Run `command` in its own process group; on timeout kill the whole group. Returns (rc or None, wall)."""
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class Finished:
+    """How the engine process ended: rc None when killed at the time limit; epoch seconds around it."""
+
+    rc: int | None
+    started_at: float
+    ended_at: float
+    wall_s: float
+
+
+def _run_with_limit(command: str, env: dict[str, str], stderr_path: Path, timeout_s: float) -> Finished:
+    """Run `command` in its own process group; on timeout kill the whole group."""
+    started_at, start = time.time(), time.perf_counter()
     with open(stderr_path, "ab") as err:
         proc = subprocess.Popen(["bash", "-c", command], stdout=err, stderr=err, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True)
@@ -135,7 +145,13 @@ def _run_with_limit(command: str, env: dict[str, str], stderr_path: Path, timeou
                     continue
             proc.wait()
             rc = None
-    return rc, time.perf_counter() - start
+    return Finished(rc, started_at, time.time(), time.perf_counter() - start)
+
+
+def _gpu_environment(assigned: Sequence[str]) -> dict[str, str]:
+    """The engine sees exactly its devices, numbered as nvidia-smi numbers them (PCI bus order; CUDA's
+    default order may differ), so the identity recorded for the run is the GPU it really used."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(assigned), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str, expect: Expectations,
@@ -152,15 +168,16 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
     record: dict[str, Any] = {"engine": engine, "bundle": str(bundle), "mode": mode, "budget": budget}
     try:
         with lease(gpus, devices, lock_dir) as assigned:
-            env = {**os.environ, **(extra_env or {})}
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(assigned)
+            env = {**os.environ, **(extra_env or {}), **(_gpu_environment(assigned) if gpus else {})}
             cmd = format_command(command, bundle=bundle, mode=kind, budget=budget, output=partial,
                                  gpus=",".join(assigned), python=python)
             record["gpus"] = assigned
+            # asked before the engine starts, so that a run the GPU made fail still names the GPU
+            record["gpu_devices"], record["gpu_identity_error"] = identify(assigned)
             record["command"] = cmd
-            rc, wall = _run_with_limit(cmd, env, stderr_file, timeout_s)
-        record["wall_s"] = round(wall, 6)
+            done = _run_with_limit(cmd, env, stderr_file, timeout_s)
+        record.update(started_at=done.started_at, ended_at=done.ended_at, wall_s=round(done.wall_s, 6))
+        rc = done.rc
         if rc is None:
             raise InvalidResult(f"timed out after {timeout_s:g} s (killed)")
         if rc != 0:

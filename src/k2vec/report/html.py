@@ -218,7 +218,8 @@ def _summary_table(m: Metrics) -> str:
     runs, note = _capped(runs, MAX_SUMMARY_ROWS, "run x accuracy rows (worst first)")
     header = [("run", "wrap"), ("worst", ""), ("prompts", ""), ("exact", "num"), ("first div. step", "num"),
               ("max |\u0394logit|", "num"), ("max KL", "num"), ("bad fingerprint", ""),
-              ("router diff step", "num"), ("trees differ", "num"), ("\u03c4 eng / gold", "num"), ("tok/s", "num")]
+              ("router diff step", "num"), ("trees differ", "num"), ("\u03c4 eng / gold", "num"), ("tok/s", "num"),
+              ("GPU", "wrap")]
     body = []
     for _, r in runs.iterrows():
         tau = "\u2013" if _na(r["accept_mean_engine"]) else f"{r['accept_mean_engine']:.2f} / {r['accept_mean_golden']:.2f}"
@@ -229,6 +230,7 @@ def _summary_table(m: Metrics) -> str:
             f"{int(r['exact'])}/{int(r['prompts'])}", fmt(r["first_step"], "int"), fmt(r["logit_abs_max"], "e"),
             fmt(r["kl_max"], "e"), _step_layer(r["first_bad_step"], r["first_bad_layer"]),
             fmt(r["router_diff_step"], "int"), trees, tau, fmt(r["tokens_per_s"], "f2"),
+            "\u2013" if _na(r["gpu"]) else _e(r["gpu"]),
         ])
     legend = '<p class="legend note">' + "".join(f"<span>{badge(c)}</span>" for c in CLASSES) + "</p>"
     return legend + _table("summary-table", header, body) + note

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from ..engines.runner import parse_mode
+from ..gpus import short_uuid
 from ..kdtr import KdtrError, open_bundle
 
 CLASSES = ("exact", "near-tie", "router-near-tie", "real", "failed")
@@ -43,7 +44,7 @@ ROW_COLUMNS = [
     "router_diff_step", "router_diff_layer",
     "tree_match", "first_tree_diff_round", "first_tree_diff_node", "tree_diff_what",
     "accept_mean_engine", "accept_mean_golden", "tokens_per_s", "decode_tokens_per_s", "wall_s",
-    "device", "reason", "result",
+    "device", "gpu", "gpu_uuid", "reason", "result",
 ]
 _INT_COLUMNS = [
     "budget", "first_step", "matched_steps", "golden_token", "engine_token", "golden_rank_in_engine",
@@ -189,6 +190,23 @@ def _load_result(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
     return res, None
 
 
+def gpu_identity(res: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+    """(label, UUIDs) of the GPUs a run used, from the runner's `gpu_devices`: 'NVIDIA H200 GPU-1a2b3c4d'
+    per device for the report, full UUIDs for grouping failures by GPU; (None, None) for CPU runs."""
+    devices = (res or {}).get("gpu_devices")
+    if not isinstance(devices, list) or not devices:
+        return None, None
+    labels, uuids = [], []
+    for d in devices:
+        d = d if isinstance(d, dict) else {}
+        if d.get("uuid"):
+            labels.append(f"{d.get('name') or 'GPU'} {short_uuid(str(d['uuid']))}")
+            uuids.append(str(d["uuid"]))
+        else:
+            labels.append(f"GPU {d.get('id')} (unidentified: {(res or {}).get('gpu_identity_error') or 'no UUID'})")
+    return "; ".join(labels), ";".join(uuids) or None
+
+
 def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden) -> tuple[list[_Item], dict[str, Any]]:
     """The rows of one run entry and its run-level facts (status, throughput)."""
     kind, budget = parse_mode(spec["mode"])
@@ -200,6 +218,7 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden) -> tuple[list[_Item
     base = {"run": r_i, "engine": spec["engine"], "model": spec["model"], "precision": spec["precision"],
             "mode": spec["mode"], "budget": budget if kind == "ddtree" else None,
             "result": str(spec["result"]), "device": (res or {}).get("device")}
+    base["gpu"], base["gpu_uuid"] = gpu_identity(res)
     accs: list[float | None] = [None] if kind == "greedy" else list(g.accuracies)
     items: list[_Item] = []
 
@@ -693,7 +712,7 @@ def _run_summary(rows: pd.DataFrame, stderr: dict[int, str | None]) -> pd.DataFr
         trees=("tree_match", "count"), trees_differ=("tree_bad", "sum"),
         accept_mean_engine=("accept_mean_engine", "mean"), accept_mean_golden=("accept_mean_golden", "mean"),
         tokens_per_s=("tokens_per_s", "first"), decode_tokens_per_s=("decode_tokens_per_s", "first"),
-        wall_s=("wall_s", "first"), device=("device", "first"), reason=("reason", "first"), result=("result", "first"),
+        wall_s=("wall_s", "first"), device=("device", "first"), gpu=("gpu", "first"), reason=("reason", "first"), result=("result", "first"),
     )
     agg = agg.join(counts[list(CLASSES)]).reset_index()
     agg["worst"] = np.asarray(CLASSES, dtype=object)[agg["worst"].to_numpy()]
