@@ -1,8 +1,20 @@
 # k2vec: config expansion -> synthetic fp32 weights -> INT4 -> golden -> KDTR bundles -> engine runs -> report.
 # Stages live in workflow/rules/<stage>.smk; their logic in the k2vec package under src/.
+import sys
+
 from snakemake.utils import min_version
 
 min_version("9.0")
+
+sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+
+from k2vec import workdir
+
+# A plain rerun after a kill: drop the Snakemake lock and the temporaries that dead runs left here
+# (a live run's are kept, so a second concurrent run is still refused). Snakemake checks its lock
+# after parsing, so this cannot wait for `onstart`.
+for message in workdir.claim().messages():
+    print(message, file=sys.stderr)
 
 
 configfile: os.path.join(workflow.basedir, "config.yaml")
