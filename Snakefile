@@ -6,7 +6,13 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
-sys.path.insert(0, os.path.join(workflow.basedir, "src"))
+# Whatever the environment's install points at, the package that runs is this checkout's: here, in
+# every stage script and in engine commands (jobs inherit PYTHONPATH, which precedes site-packages).
+CHECKOUT_SRC = os.path.join(workflow.basedir, "src")
+sys.path.insert(0, CHECKOUT_SRC)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [CHECKOUT_SRC, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != CHECKOUT_SRC)]
+)
 
 from k2vec import workdir
 
