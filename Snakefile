@@ -8,18 +8,16 @@ min_version("9.0")
 
 # Whatever the environment's install points at, the package that runs is this checkout's: here, in
 # every stage script and in engine commands (jobs inherit PYTHONPATH, which precedes site-packages).
-CHECKOUT_SRC = os.path.join(workflow.basedir, "src")
-sys.path.insert(0, CHECKOUT_SRC)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [CHECKOUT_SRC, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != CHECKOUT_SRC)]
-)
+sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
-from k2vec import workdir
+from k2vec import workflow_setup
+
+workflow_setup.put_checkout_first(os.path.join(workflow.basedir, "src"))
 
 # A plain rerun after a kill: drop the Snakemake lock and the temporaries that dead runs left here
 # (a live run's are kept, so a second concurrent run is still refused). Snakemake checks its lock
 # after parsing, so this cannot wait for `onstart`.
-for message in workdir.claim().messages():
+for message in workflow_setup.claim_working_directory().messages():
     print(message, file=sys.stderr)
 
 

@@ -1,4 +1,5 @@
-"""Make a plain rerun after a killed run work: clear what dead runs left in the working directory.
+"""What the Snakefile sets up when it is parsed: the checkout's package for every job, and a plain
+rerun after a killed run (what dead runs left in the working directory is cleared).
 
 Snakemake writes its lock as `.snakemake/locks/{n}.input.lock` / `{n}.output.lock` (lists of paths,
 no owner) and removes them on exit; a SIGKILLed run leaves them, and Snakemake then refuses every
@@ -14,6 +15,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +46,15 @@ class Cleanup:
             out.append(f"k2vec: removed {len(self.temporaries)} temporary file(s) of killed writes: "
                        f"{', '.join(map(str, self.temporaries))}")
         return out
+
+
+def put_checkout_first(src: str) -> None:
+    """Put `src` first on this process's sys.path and on the PYTHONPATH its jobs inherit: PYTHONPATH
+    entries precede site-packages, so an editable install of another checkout cannot win."""
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]
+    os.environ["PYTHONPATH"] = os.pathsep.join([src, *rest])
+    if not sys.path or sys.path[0] != src:
+        sys.path.insert(0, src)
 
 
 def _hold_owner_file(workdir: Path) -> Path:
@@ -85,7 +96,7 @@ def _live_owners(workdir: Path, mine: Path) -> list[int]:
     return live
 
 
-def claim(workdir: str | os.PathLike = ".", results: str = "results") -> Cleanup:
+def claim_working_directory(workdir: str | os.PathLike = ".", results: str = "results") -> Cleanup:
     """Mark this Snakemake process as alive in `workdir`; remove a dead run's Snakemake lock (only when no
     other Snakemake process of this workflow is alive there) and every temporary whose writer is dead."""
     workdir = Path(workdir)
