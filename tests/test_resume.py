@@ -114,9 +114,12 @@ TIMING_CSV_COLUMNS = ("tokens_per_s", "decode_tokens_per_s", "wall_s")
 
 
 def temporaries(results: Path) -> list[Path]:
-    """Every hidden entry under results/ other than Snakemake's directory timestamps: all of k2vec's
-    temporaries are hidden (`.{name}.{pid}.{random}.tmp`, `.{name}.engine-{pid}.partial`)."""
-    return sorted(p for p in results.rglob(".*") if p.name != ".snakemake_timestamp")
+    """Every hidden entry under results/ other than Snakemake's directory timestamps (all of k2vec's
+    temporaries are hidden: `.{name}.{pid}.{random}.tmp`, `.{name}.engine-{pid}.partial`), and anything
+    named like a temporary."""
+    return sorted(p for p in results.rglob("*")
+                  if (p.name.startswith(".") and p.name != ".snakemake_timestamp")
+                  or p.name.endswith((".tmp", ".partial", ".part")))
 
 
 def comparable(path: Path, rel: str) -> bytes | object:

@@ -29,6 +29,8 @@ _held: dict[Path, int] = {}  # owner file -> open descriptor holding its flock, 
 
 @dataclass
 class Cleanup:
+    """What `claim_working_directory` found and removed, for the messages Snakemake's output shows."""
+
     live_owners: list[int] = field(default_factory=list)
     stale_locks: list[Path] = field(default_factory=list)
     kept_locks: list[Path] = field(default_factory=list)
