@@ -1,14 +1,9 @@
 # Shared set-up: validate the config, expand it into resolved cases, and list the package
 # sources each stage runs (Snakemake does not track modules imported by scripts).
-import sys
-
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-# Parse-time imports come from this checkout; stage scripts import the same files through the
-# editable install that README's commands make (`pip install -e .`).
-sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-
+# k2vec imports come from this checkout's src/, which the Snakefile puts first on sys.path and PYTHONPATH.
 from k2vec.deps import module_sources
 from k2vec.errors import ConfigError
 from k2vec.gpus import detect_devices

@@ -184,7 +184,7 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
             how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
             raise InvalidResult(f"engine {how}")
         if not partial.exists():
-            raise InvalidResult("engine exited 0 but wrote no result file at {output}")
+            raise InvalidResult(f"engine exited 0 but wrote no result file at {partial}")
         try:
             result = json.loads(partial.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
