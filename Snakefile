@@ -5,7 +5,7 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: os.path.join(workflow.basedir, "config.yaml")
+include: "workflow/rules/config.smk"  # configfile: config.yaml, after a strict read of every config file
 
 
 include: "workflow/rules/common.smk"
