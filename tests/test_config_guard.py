@@ -9,6 +9,7 @@ from conftest import copy_workflow, default_config, snakemake, write_config
 from k2vec import budget
 from k2vec.architecture import tensor_shapes
 from k2vec.configfile import ConfigFileError, check_config_file
+from k2vec.configfile import main as configfile_main
 from k2vec.errors import ConfigError
 from k2vec.spec import check_command_template, resolve_model
 
@@ -135,11 +136,13 @@ def test_yaml_syntax_error_in_config_yaml_names_line_and_column(tmp_path):
                      out), out[-2000:]
 
 
-def test_tab_indentation_is_explained(tmp_path):
+def test_tab_indentation_is_explained(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("report:\n\tstrict: true\n")
     with pytest.raises(ConfigFileError, match=r"c\.yaml, line 2, column 1: .*not tabs"):
         check_config_file(cfg)
+    # the command README points to for --configfile files, which Snakemake parses before the workflow
+    assert configfile_main([str(cfg)]) == 1 and "line 2, column 1" in capsys.readouterr().err
 
 
 def test_aliases_are_walked_once(tmp_path):
