@@ -3,7 +3,7 @@
 From each model's resolved dimensions (closed forms, no per-tensor loop: a 100,000-layer model is
 estimated as fast as a 4-layer one) this module bounds, per stage, the peak memory of one job, the
 disk of all outputs and the number of files; `check_budget` refuses a config that cannot fit, naming
-the config key that drives the estimate (the one whose doubling grows it most).
+the config key that drives the estimate (`_driver`).
 
 Where the bytes go (per element of a tensor or of the model's P parameters):
   weights   one shard (a decoder layer, or embed_tokens + lm_head) held as fp32 and copied once more
@@ -28,7 +28,6 @@ process): on tiny, small (the default config's models) and a 115 M-parameter mod
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -39,11 +38,11 @@ from .errors import ConfigError
 from .kdtr.format import ENTRY_SIZE, MAX_DIR_SIZE, align_up
 
 MiB, GiB = 1 << 20, 1 << 30
-# Peak RSS of each stage's process on the `tiny` preset, where data is negligible (bench/budget.py):
-# Python, numpy, safetensors and the modules the stage imports. Rounded up.
 # Allocator slack: glibc keeps freed blocks and fragments, so a peak runs a little over the sum of
 # the arrays alive at once (the golden stage measured 1.06x of that sum on the "medium" model).
 SLACK = 1.2
+# Peak RSS of each stage's process on the `tiny` preset, where data is negligible (bench/budget.py):
+# Python, numpy, safetensors and the modules the stage imports. Rounded up.
 PROCESS_BASE = {"weights": 48 * MiB, "quantize": 48 * MiB, "golden": 112 * MiB, "bundle": 48 * MiB,
                 "engine": 64 * MiB}
 # A plain limit on files per run: each is an inode, a directory entry, an fsync and a Snakemake
