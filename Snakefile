@@ -21,7 +21,7 @@ for message in workflow_setup.claim_working_directory().messages():
     print(message, file=sys.stderr)
 
 
-configfile: os.path.join(workflow.basedir, "config.yaml")
+include: "workflow/rules/config.smk"  # configfile: config.yaml, after a strict read of every config file
 
 
 include: "workflow/rules/common.smk"

@@ -4,6 +4,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 # k2vec imports come from this checkout's src/, which the Snakefile puts first on sys.path and PYTHONPATH.
+from k2vec.budget import check_config
 from k2vec.deps import module_sources
 from k2vec.errors import ConfigError
 from k2vec.gpus import detect_devices
@@ -12,8 +13,12 @@ from k2vec.spec import engine_runs, expand_config, resolve_engines, schema_error
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
     validate(config, schema=CONFIG_SCHEMA)
-    CASES = expand_config(config)
     ENGINES = resolve_engines(config, workflow.basedir)
+    # Resource budget (k2vec.budget): a config whose memory, disk or file count cannot fit here stops
+    # now, before expand_config lists every tensor of every model and before any job.
+    check_config(config, engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"]),
+                 os.path.abspath("results"))
+    CASES = expand_config(config)
 except (WorkflowError, ConfigError) as err:
     # Name the offending key first, whichever check found it.
     if not isinstance(err, ConfigError):
