@@ -4,8 +4,8 @@ A record is a sidecar `<file>.sha256` in `sha256sum` format (`<hex>  <file name>
 checks it too. Goldens, bundles and engine results carry one; checkpoint shards and INT4 files are
 recorded in their directory's index instead. sha256 rather than the CRC-32 KDTR already holds: a CRC
 is checked against a value stored in the same file, so a rewritten file with fresh CRCs passes; the
-sidecar was written by the stage that made the file. Cost: 0.95 s per GB on the 2-core CI machine
-(CRC-32: 0.50 s), see bench/RESULTS.md.
+sidecar was written by the stage that made the file. Cost: 0.92 s per GB on the 2-core CI machine
+(CRC-32: 0.46 s), see bench/RESULTS.md.
 """
 
 from __future__ import annotations
