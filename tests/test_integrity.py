@@ -185,6 +185,13 @@ def test_result_rewritten_after_the_run_is_changed_not_blamed(tmp_path, goldens)
     assert m.has_real_divergence_or_failure   # strict mode does not pass a run it could not judge
 
 
+def test_result_overwritten_with_garbage_is_changed(tmp_path, goldens):
+    m = judge(tmp_path, goldens, perfect_result(goldens[("tiny", "fp32")], "greedy"),
+              tamper=lambda p: p.write_text("{\"runs\": ["))
+    assert (rows_of(m)["class"] == "changed").all()
+    assert rows_of(m)["reason"].str.contains("result changed after the engine runner wrote it").all()
+
+
 def test_result_without_record_is_changed(tmp_path, goldens):
     m = judge(tmp_path, goldens, perfect_result(goldens[("tiny", "fp32")], "greedy"),
               tamper=lambda p: os.unlink(str(p) + ".sha256"))

@@ -38,13 +38,16 @@ class RunChecks:
         self.golden_sha256 = golden_sha256
         self._bundles: dict[str, str] = {}
 
-    def problem(self, spec: Mapping[str, Any], result: Mapping[str, Any]) -> str | None:
-        """Why this run cannot be judged, or None when its result and inputs are as they were written."""
+    def problem(self, spec: Mapping[str, Any], result: Mapping[str, Any] | None) -> str | None:
+        """Why this run cannot be judged, or None when its result and inputs are as they were written.
+        `result`: the loaded JSON, None when it could not be read (garbage written over it is `changed`)."""
+        if not Path(spec["result"]).is_file():
+            return None   # a missing result is a failed run
         try:
             check_record(spec["result"])
         except IntegrityError as err:
             return f"result changed after the engine runner wrote it, not judged: {err}"
-        if result.get("status", "ok") != "ok":
+        if result is None or result.get("status", "ok") != "ok":
             return None   # nothing is judged; its own record is intact
         bundle = (result.get("inputs") or {}).get("bundle")
         if not isinstance(bundle, Mapping):

@@ -204,7 +204,7 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
     if res is not None and status != "ok":
         reason = str(res.get("reason") or f"status {status!r}")
         status = "failed"
-    changed = None if res is None else checks.problem(spec, res)
+    changed = checks.problem(spec, res)
     if changed:
         status, reason = CHANGED, changed
     base = {"run": r_i, "engine": spec["engine"], "model": spec["model"], "precision": spec["precision"],
