@@ -253,10 +253,10 @@ def test_golden_rewritten_with_valid_checksums_is_caught_by_its_record(tmp_path,
 # --------------------------------------------------------------------------- through Snakemake
 
 
-def engine(behaviour: str, target: str = "-") -> dict:
+def engine(behaviour: str, target: str = "-", precisions=("fp32",)) -> dict:
     return {"command": f"{{python}} {TAMPER} {behaviour} {target} --bundle {{bundle}} --mode {{mode}} "
                        f"--output {{output}}",
-            "models": ["tiny"], "precisions": ["fp32"], "modes": ["greedy"], "timeout_s": 60}
+            "models": ["tiny"], "precisions": list(precisions), "modes": ["greedy"], "timeout_s": 60}
 
 
 def tiny_config(engines: dict) -> dict:
@@ -271,14 +271,16 @@ def tiny_config(engines: dict) -> dict:
 
 VICTIM = "results/runs/victim/tiny-fp32-greedy.json"
 BUNDLE = "results/bundles/tiny-fp32.kdtr"
+BUNDLE_INT4 = "results/bundles/tiny-int4.kdtr"
 GOLDEN = "results/golden/tiny/fp32.kdtr"
+VICTIM_ENGINE = engine("exact", precisions=("fp32", "int4"))
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The tiny pipeline, run to the end with one engine that reproduces the golden exactly."""
     root = copy_workflow(tmp_path_factory.mktemp("integrity"))
-    write_config(root / "config.yaml", tiny_config({"victim": engine("exact")}))
+    write_config(root / "config.yaml", tiny_config({"victim": VICTIM_ENGINE}))
     env = {"PYTHONPATH": str(root / "src")}
     res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -291,7 +293,7 @@ def workdir(built, tmp_path, engines: dict | None = None) -> tuple[Path, dict]:
     root = tmp_path / "wf"
     shutil.copytree(built, root, symlinks=True)
     if engines:
-        write_config(root / "config.yaml", tiny_config({"victim": engine("exact"), **engines}))
+        write_config(root / "config.yaml", tiny_config({"victim": VICTIM_ENGINE, **engines}))
     return root, {"PYTHONPATH": str(root / "src")}
 
 
@@ -300,7 +302,7 @@ def smk(root, env, *args):
 
 
 def report_rows(root) -> pd.DataFrame:
-    return pd.read_csv(root / "results/report/divergence.csv").set_index("engine")
+    return pd.read_csv(root / "results/report/divergence.csv").set_index(["engine", "precision"])
 
 
 @pytest.mark.parametrize("damaged, words", [
@@ -325,36 +327,36 @@ def test_damaged_bundle_makes_a_failed_row(built, tmp_path):
     flip_byte(root / BUNDLE, tensor_offset(root / BUNDLE, "golden.p0.tokens"))
     res = smk(root, env, "--forcerun", "engine_run")
     assert res.returncode == 0, res.stderr[-3000:]
-    victim = report_rows(root).loc["victim"]
+    rows = report_rows(root)
+    assert rows.loc[("victim", "int4"), "class"] == "exact"   # the other run goes on
+    victim = rows.loc[("victim", "fp32")]
     assert victim["class"] == "failed"
     assert "the input bundle failed verification, so the engine was not run" in victim["reason"]
     assert re.search(rf"{BUNDLE} is corrupted at byte offset \d+ \(dir\[\d+\]\.crc32\): tensor 'golden\.p0\.tokens'",
                      victim["reason"]), victim["reason"]
 
 
-def test_engine_rewriting_another_result_does_not_get_it_blamed(built, tmp_path):
-    root, env = workdir(built, tmp_path, {"evil": engine("rewrite", VICTIM)})
-    mtime = os.stat(root / VICTIM).st_mtime_ns
+def test_engines_damaging_what_the_judge_reads_are_caught(built, tmp_path):
+    """One run, two hostile engines that keep the timestamps of what they damage: `evil` rewrites the
+    victim's fp32 result with a real divergence; `flipper` flips a byte of the int4 bundle, which the
+    victim's int4 run used before."""
+    root, env = workdir(built, tmp_path, {"evil": engine("rewrite", VICTIM),
+                                          "flipper": engine("flip", BUNDLE_INT4, ["int4"])})
+    stamps = {p: os.stat(root / p).st_mtime_ns for p in (VICTIM, BUNDLE_INT4)}
     res = smk(root, env)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert os.stat(root / VICTIM).st_mtime_ns == mtime   # the rewrite kept its timestamp
+    assert {p: os.stat(root / p).st_mtime_ns for p in stamps} == stamps   # Snakemake saw nothing
     rows = report_rows(root)
-    assert rows.loc["victim", "class"] == "changed"   # judged, it would be a real divergence
+    assert rows.loc[("victim", "fp32"), "class"] == "changed"   # judged, it would be a real divergence
     assert f"result changed after the engine runner wrote it, not judged: {VICTIM}: sha256" in \
-        rows.loc["victim", "reason"]
-    assert rows.loc["evil", "class"] == "exact"
-    assert "CHANGED: victim tiny/fp32 greedy" in (root / "results/report/summary.txt").read_text()
-
-
-def test_engine_flipping_the_shared_bundle_is_named(built, tmp_path):
-    root, env = workdir(built, tmp_path, {"flipper": engine("flip", BUNDLE)})
-    res = smk(root, env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = report_rows(root)
-    assert rows.loc["flipper", "class"] == "failed"
-    assert f"the input bundle {BUNDLE} changed during the run" in rows.loc["flipper", "reason"]
-    assert rows.loc["victim", "class"] == "changed"   # it ran on the bundle before the flip
-    assert f"input bundle {BUNDLE} changed since this run used it" in rows.loc["victim", "reason"]
+        rows.loc[("victim", "fp32"), "reason"]
+    assert rows.loc[("evil", "fp32"), "class"] == "exact"
+    assert rows.loc[("flipper", "int4"), "class"] == "failed"
+    assert f"the input bundle {BUNDLE_INT4} changed during the run" in rows.loc[("flipper", "int4"), "reason"]
+    assert rows.loc[("victim", "int4"), "class"] == "changed"
+    assert f"input bundle {BUNDLE_INT4} changed since this run used it" in rows.loc[("victim", "int4"), "reason"]
+    summary = (root / "results/report/summary.txt").read_text()
+    assert "CHANGED: victim tiny/fp32 greedy" in summary and "CHANGED: victim tiny/int4 greedy" in summary
 
 
 def test_engine_flipping_the_golden_stops_the_report(built, tmp_path):
@@ -362,6 +364,6 @@ def test_engine_flipping_the_golden_stops_the_report(built, tmp_path):
     res = smk(root, env)
     assert res.returncode != 0
     assert re.search(rf"{GOLDEN} is corrupted at byte offset \d+ \(dir\[\d+\]\.crc32\): tensor '",
-                                   res.stderr), res.stderr[-3000:]
+                     res.stderr), res.stderr[-3000:]
     assert "Traceback" not in res.stderr
     assert not (root / "results/report/divergence.csv").exists()
