@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..atomic import write_text_atomic
+from ..digests import IntegrityError, sha256_bytes, sha256_file, verify_kdtr, write_record
 from ..gpus import identify, lease
 
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
@@ -154,10 +155,41 @@ def _gpu_environment(assigned: Sequence[str]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(assigned), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
-def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str, expect: Expectations,
+def verify_bundle(bundle: str) -> str:
+    """The bundle's sha256, after all its KDTR checksums and its sha256 record (written by the bundle
+    stage) have been checked; a damaged bundle makes a failed run, and the engine never sees it."""
+    try:
+        return verify_kdtr(bundle)
+    except IntegrityError as err:
+        raise InvalidResult(f"the input bundle failed verification, so the engine was not run: {err}") from None
+
+
+def check_bundle_unchanged(bundle: str, sha256: str) -> None:
+    """The bundle must leave the run as it entered it: engines share bundles, and the report judges
+    every run that used one by its hash."""
+    try:
+        after = sha256_file(bundle)
+    except OSError as err:
+        after = f"unreadable ({err.strerror})"
+    if after != sha256:
+        raise InvalidResult(f"the input bundle {bundle} changed during the run (sha256 {sha256} before, {after} "
+                            f"after): the engine or another process wrote into it; the result is not trusted")
+
+
+def write_result(output: Path, result: dict[str, Any]) -> None:
+    """The final result and its sha256 record `<output>.sha256`, by which the report notices a result
+    rewritten after the runner wrote it."""
+    text = json.dumps(result, indent=1, sort_keys=True) + "\n"
+    write_text_atomic(output, text)
+    write_record(output, sha256_bytes(text.encode("utf-8")))
+
+
+def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str, expect: Expectations | None,
                gpus: int, devices: Sequence[str], lock_dir: str, timeout_s: float, stderr_path: str,
                extra_env: dict[str, str] | None = None, python: str = sys.executable) -> dict[str, Any]:
-    """Run the engine and write the final result (ok or failed) atomically to `output`."""
+    """Run the engine and write the final result (ok or failed) atomically to `output`.
+
+    `expect`: None reads the expectations from the bundle, once it is verified."""
     kind, budget = parse_mode(mode)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,6 +199,9 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
     stderr_file.write_bytes(b"")
     record: dict[str, Any] = {"engine": engine, "bundle": str(bundle), "mode": mode, "budget": budget}
     try:
+        bundle_sha256 = verify_bundle(bundle)
+        record["inputs"] = {"bundle": {"path": str(bundle), "sha256": bundle_sha256}}
+        expect = expect or expectations_from_bundle(bundle)
         with lease(gpus, devices, lock_dir) as assigned:
             env = {**os.environ, **(extra_env or {}), **(_gpu_environment(assigned) if gpus else {})}
             cmd = format_command(command, bundle=bundle, mode=kind, budget=budget, output=partial,
@@ -178,6 +213,7 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
             done = _run_with_limit(cmd, env, stderr_file, timeout_s)
         record.update(started_at=done.started_at, ended_at=done.ended_at, wall_s=round(done.wall_s, 6))
         rc = done.rc
+        check_bundle_unchanged(bundle, bundle_sha256)
         if rc is None:
             raise InvalidResult(f"timed out after {timeout_s:g} s (killed)")
         if rc != 0:
@@ -196,5 +232,5 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
                  "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": []}
     finally:
         partial.unlink(missing_ok=True)
-    write_text_atomic(out, json.dumps(final, indent=1, sort_keys=True) + "\n")
+    write_result(out, final)
     return final

@@ -94,7 +94,8 @@ def summary_text(m: Metrics) -> str:
             lines.append(f"  ... and {len(sub) - MAX_TEXT_LINES} more {cls} rows (divergence.csv)")
     failed = m.runs[m.runs["status"] != "ok"] if len(m.runs) else m.runs
     for _, r in failed.drop_duplicates("run").head(MAX_TEXT_LINES).iterrows():
-        lines.append(f"  FAILED: {r['engine']} {r['model']}/{r['precision']} {r['mode']}: {r['reason']}")
+        label = "CHANGED" if r["status"] == "changed" else "FAILED"
+        lines.append(f"  {label}: {r['engine']} {r['model']}/{r['precision']} {r['mode']}: {r['reason']}")
     if len(failed.drop_duplicates("run")) > MAX_TEXT_LINES:
         lines.append(f"  ... and {len(failed.drop_duplicates('run')) - MAX_TEXT_LINES} more failed runs")
     fp = rows.dropna(subset=["first_bad_step"])
@@ -351,6 +352,8 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
                            f"the position fed at that step (the smallest is shown).",
         "real": "a divergence with no near-tie to explain it.",
         "failed": "the engine run failed (time limit, crash, invalid output); the reason is shown.",
+        "changed": "not judged: the result, or the bundle or golden it used, changed after the run (its sha256 "
+                   "no longer matches the one recorded when it was written); the reason names the file.",
     }
     defs_html = "".join(f"<dt>{badge(c)}</dt><dd>{d}</dd>" for c, d in defs.items())
     parts = [
