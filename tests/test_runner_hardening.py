@@ -5,13 +5,16 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from test_report_metrics import make_goldens
 from test_runner import EXPECT, fake_engine, good_result
 
-from k2vec.engines.runner import run_engine
+from k2vec.engines import runner
+from k2vec.engines.runner import MAX_RESULT_NESTING, expectations_from_bundle, json_nesting, run_engine
+from k2vec.kdtr.writer import write_bundle
 from k2vec.gpus import identify, short_uuid
 from k2vec.report import build_report
 from k2vec.report.synthetic import perfect_result
@@ -37,12 +40,14 @@ def fake_nvidia_smi(tmp_path, monkeypatch, body: str | None = None) -> None:
     monkeypatch.delenv("SLURM_JOBID", raising=False)
 
 
-def run_on(tmp_path, command, gpus=0, devices=(), timeout_s=10.0):
+def run_on(tmp_path, command, gpus=0, devices=(), timeout_s=10.0, max_result_mb=1.0, expect=EXPECT,
+           bundle="b.kdtr"):
     out = tmp_path / "results" / "run.json"
-    result = run_engine(engine="fake", command=command, bundle="b.kdtr", mode="greedy", output=str(out),
-                        expect=EXPECT, gpus=gpus, devices=list(devices), lock_dir=str(tmp_path / "locks"),
-                        timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"))
+    result = run_engine(engine="fake", command=command, bundle=bundle, mode="greedy", output=str(out),
+                        expect=expect, gpus=gpus, devices=list(devices), lock_dir=str(tmp_path / "locks"),
+                        timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"), max_result_mb=max_result_mb)
     assert json.loads(out.read_text()) == result
+    assert [p.name for p in out.parent.iterdir()] == ["run.json"]   # no partial file left, whatever it was
     return result
 
 
@@ -142,3 +147,131 @@ def test_report_shows_each_runs_gpu(tmp_path):
     summary = rep.paths["html"].read_text().split('id="summary-table"', 1)[1].split("</table>", 1)[0]
     assert "<th" in summary and ">GPU<" in summary
     assert "NVIDIA H200 GPU-9f8e7d6c" in summary and "GPU 5 (unidentified: nvidia-smi not found on PATH)" in summary
+
+
+# ------------------------------------------------------------------- every engine output: ok or failed
+
+
+def dump_with(edit: str) -> str:
+    """Engine body: a good greedy result `r`, edited by `edit`, written with Python's json."""
+    return f"r = {good_result()!r}\n{edit}\njson.dump(r, open(out, 'w'))\n"
+
+
+def raw(text_expr: str) -> str:
+    return f"open(out, 'w').write({text_expr})\n"
+
+
+HEAD = '{"format": "k2vec-engine-result", "version": 1, "runs": [{"drafter": null, "prompts": '
+
+
+@pytest.mark.parametrize("what, body, reason", [
+    ("nested 200,000 deep", raw(f"{HEAD!r} + '[' * 200000 + ']' * 200000 + '}}]}}'"),
+     f"nests arrays/objects 200003 deep (reached at byte {len(HEAD) + 199999}); the limit is {MAX_RESULT_NESTING}"),
+    ("nested 300 deep in a free key", dump_with("r['timing'] = {'x': json.loads('[' * 300 + ']' * 300)}"),
+     "nests arrays/objects 302 deep"),
+    ("5,000-digit integer", raw(f"{HEAD!r} + '[{{\"tokens\": [' + '9' * 5000 + ', 1, 1]}}, {{\"tokens\": [2, 2, 2]}}]}}]}}'"),
+     "holds a number the JSON reader refuses: Exceeds the limit (4300 digits)"),
+    ("output is a directory", "os.mkdir(out); open(os.path.join(out, 'x.json'), 'w').write('{}')", "is a directory"),
+    ("output is a symlink", "os.symlink('/etc/hostname', out)", "is a symbolic link"),
+    ("output is a FIFO", "os.mkfifo(out)", "is not a regular file"),
+    ("NaN logits", dump_with("r['runs'][0]['prompts'][0]['topk_logits'] = [[float('nan')]] * 3"),
+     "result holds NaN: every number must be finite"),
+    ("Infinity logits", dump_with("r['runs'][0]['prompts'][1]['topk_logits'] = [[1.0], [float('-inf')], [0.5]]"),
+     "result holds -Infinity"),
+    ("1e999 logits", raw(f"{HEAD!r} + '[{{\"tokens\": [1, 1, 1], \"topk_logits\": [[1e999]]}}, {{\"tokens\": [2, 2, 2]}}]}}]}}'"),
+     "schema at runs/0/prompts/0/topk_logits/0/0: inf is not a finite number"),
+    ("1e999 in a free key", dump_with("r['timing'] = {'load_s': 1.0, 'mine': 7}") +
+     "t = open(out).read(); open(out, 'w').write(t.replace('7', '1e999'))",
+     "too large for a float (read as infinity)"),
+    ("float token id", dump_with("r['runs'][0]['prompts'][1]['tokens'][2] = 5.0"),
+     "schema at runs/0/prompts/1/tokens/2: 5.0 is not a JSON integer"),
+    ("boolean token id", dump_with("r['runs'][0]['prompts'][0]['tokens'][0] = True"),
+     "schema at runs/0/prompts/0/tokens/0: True is not a JSON integer"),
+    ("float expert id", dump_with("r['runs'][0]['prompts'][0]['router_experts'] = [[[1, 2.0]]] * 3"),
+     "router_experts/0/0/1: 2.0 is not a JSON integer"),
+    ("over the size limit", dump_with("r['device'] = 'x' * (1 << 20)"), "bytes, over the limit of 1,048,576"),
+    ("not UTF-8", "open(out, 'wb').write(b'{\"runs\": \"\\xff\"}')",
+     "not UTF-8 at byte 10"),
+])
+def test_hostile_outputs_become_failed_rows(tmp_path, what, body, reason):
+    r = run_on(tmp_path, fake_engine(tmp_path, body))
+    assert r["status"] == "failed" and reason in r["reason"], r["reason"]
+    assert r["runs"] == []
+
+
+def test_result_of_exactly_the_limit_is_accepted(tmp_path):
+    body = dump_with("") + "size = os.path.getsize(out); r['device'] = 'x' * ((1 << 20) - size + len(r['device']))\n" \
+        "json.dump(r, open(out, 'w'))\nassert os.path.getsize(out) == 1 << 20\n"
+    r = run_on(tmp_path, fake_engine(tmp_path, body))
+    assert r["status"] == "ok", r["reason"]
+
+
+def _depth_by_walk(v, d=0):
+    return max([_depth_by_walk(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)], default=d + 1) \
+        if isinstance(v, (dict, list)) else d
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1 << 20])
+def test_json_nesting_ignores_strings_and_escapes_across_chunks(monkeypatch, chunk):
+    monkeypatch.setattr(runner, "_SCAN_CHUNK", chunk)
+    rng = np.random.default_rng(chunk)
+    pieces = ['[', ']', '{', '}', '"', '\\', '\\"', 'a', '[[[', '\\\\']
+
+    def value(depth):
+        kind = rng.integers(4) if depth < 12 else 3
+        if kind == 0:
+            return [value(depth + 1) for _ in range(rng.integers(0, 3))]
+        if kind == 1:
+            return {"".join(rng.choice(pieces, 3)): value(depth + 1) for _ in range(rng.integers(0, 3))}
+        return "".join(rng.choice(pieces, rng.integers(0, 6)))
+    for _ in range(40):
+        v = value(0)
+        text = json.dumps(v, ensure_ascii=False).encode()
+        got, at = json_nesting(text)
+        assert got == _depth_by_walk(v), text
+        if got:
+            assert text[at:at + 1] in (b"[", b"{")
+    text = b'{"a": "[[[\\"[[[", "b\\\\": [[1]]}'
+    assert json_nesting(text) == (3, text.index(b"[[1") + 1)
+
+
+# ------------------------------------------------------------------------------- the bundle, verified
+
+
+def make_bundle(path) -> None:
+    meta = {"golden": {"prompts": 2, "ddtree": {"accuracies": [0.9, 0.3]}}, "decoding": {"max_new_tokens": 3},
+            "model": {"vocab_size": 100}}
+    write_bundle(path, [("w", np.arange(4096, dtype=np.float32))], meta)
+
+
+def test_verified_bundle_gives_the_expectations(tmp_path):
+    make_bundle(tmp_path / "b.kdtr")
+    assert expectations_from_bundle(tmp_path / "b.kdtr") == EXPECT
+    r = run_on(tmp_path, fake_engine(tmp_path, dump_with("")), expect=None, bundle=str(tmp_path / "b.kdtr"))
+    assert r["status"] == "ok", r["reason"]
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("truncated", "failed verification, the engine was not run"),
+    ("flipped byte", "failed verification, the engine was not run"),
+    ("missing", "failed verification, the engine was not run"),
+    ("not a k2vec bundle", "metadata golden.prompts is None, expected a positive integer"),
+])
+def test_damaged_bundle_is_a_failed_row_and_the_engine_never_starts(tmp_path, damage, reason):
+    b = tmp_path / "b.kdtr"
+    make_bundle(b)
+    data = bytearray(b.read_bytes())
+    if damage == "truncated":
+        b.write_bytes(data[: len(data) - 100])
+    elif damage == "flipped byte":
+        data[-200] ^= 0x01   # inside the tensor data: only its checksum can tell
+        b.write_bytes(bytes(data))
+    elif damage == "missing":
+        b.unlink()
+    else:
+        write_bundle(b, [("w", np.zeros(4, np.float32))], {"x": 1})
+    marker = tmp_path / "engine-ran"
+    r = run_on(tmp_path, fake_engine(tmp_path, f"open({str(marker)!r}, 'w')\n" + dump_with("")), expect=None,
+               bundle=str(b))
+    assert r["status"] == "failed" and reason in r["reason"] and str(b) in r["reason"], r["reason"]
+    assert not marker.exists()
