@@ -45,17 +45,20 @@ def run_on(tmp_path, command, gpus=0, devices=(), timeout_s=10.0, max_result_mb=
     out = tmp_path / "results" / "run.json"
     result = run_engine(engine="fake", command=command, bundle=bundle, mode="greedy", output=str(out),
                         expect=expect, gpus=gpus, devices=list(devices), lock_dir=str(tmp_path / "locks"),
-                        timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"), max_result_mb=max_result_mb)
+                        timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"), max_result_mb=max_result_mb,
+                        scratch_dir=str(tmp_path / "scratch"))
     assert json.loads(out.read_text()) == result
     assert [p.name for p in out.parent.iterdir()] == ["run.json"]   # no partial file left, whatever it was
     return result
 
 
-# An engine that writes a good result and records, beside it, what it saw and when it ran.
-SEES = (f"seen = {{'t': time.time(), 'visible': os.environ.get('CUDA_VISIBLE_DEVICES'), "
-        f"'order': os.environ.get('CUDA_DEVICE_ORDER')}}\n"
-        f"json.dump(seen, open(os.path.join(os.path.dirname(out), '..', 'seen.json'), 'w'))\n"
-        f"time.sleep(0.2)\njson.dump({good_result()!r}, open(out, 'w'))\n")
+def sees(tmp_path) -> str:
+    """An engine that writes a good result and records in tmp_path/seen.json what it saw and when it ran."""
+    return (f"seen = {{'t': time.time(), 'visible': os.environ.get('CUDA_VISIBLE_DEVICES'), "
+            f"'order': os.environ.get('CUDA_DEVICE_ORDER'), 'cwd': os.getcwd(), 'tmp': os.environ['TMPDIR'], "
+            f"'out': out, 'bundle': sys.argv[2] if len(sys.argv) > 2 else None}}\n"
+            f"json.dump(seen, open({str(tmp_path / 'seen.json')!r}, 'w'))\n"
+            f"time.sleep(0.2)\njson.dump({good_result()!r}, open(out, 'w'))\n")
 
 
 # ---------------------------------------------------------------------------- GPU identity and timing
@@ -63,7 +66,7 @@ SEES = (f"seen = {{'t': time.time(), 'visible': os.environ.get('CUDA_VISIBLE_DEV
 
 def test_gpu_run_records_the_physical_gpu_and_its_times(tmp_path, monkeypatch):
     fake_nvidia_smi(tmp_path, monkeypatch)
-    r = run_on(tmp_path, fake_engine(tmp_path, SEES), gpus=1, devices=["1"])
+    r = run_on(tmp_path, fake_engine(tmp_path, sees(tmp_path)), gpus=1, devices=["1"])
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert r["status"] == "ok" and r["gpus"] == ["1"]
     assert r["gpu_devices"] == [{"id": "1", "index": 1, "name": "NVIDIA H200", "uuid": UUID1}]
@@ -275,3 +278,100 @@ def test_damaged_bundle_is_a_failed_row_and_the_engine_never_starts(tmp_path, da
                bundle=str(b))
     assert r["status"] == "failed" and reason in r["reason"] and str(b) in r["reason"], r["reason"]
     assert not marker.exists()
+
+
+# -------------------------------------------------------------------------- through the pipeline
+
+
+HOSTILE = {"deep": "nests arrays/objects 200001 deep", "bigint": "holds a number the JSON reader refuses",
+           "dir": "is a directory", "nanlogits": "result holds NaN", "floattok": "5.0 is not a JSON integer",
+           "huge": "over the limit of 1,048,576"}
+
+
+@pytest.fixture(scope="module")
+def hostile_run(tmp_path_factory):
+    """A tiny config whose engines misbehave in every way, beside a good one, a detaching one and two
+    sandboxed ones (where bubblewrap works): one plain `snakemake` run."""
+    from conftest import REPO, copy_workflow, default_config, snakemake, write_config
+    from k2vec.engines.isolation import sandbox_problem
+
+    root = copy_workflow(tmp_path_factory.mktemp("hostile"))
+    records = root / "records"
+    records.mkdir()
+    config = default_config()
+    numpy_engine = config["engines"]["numpy"]
+    config["models"] = {"tiny": config["models"]["tiny"]}
+    config["prompts"]["count"] = 2
+    config["decoding"]["max_new_tokens"] = 4
+    config["decoding"]["ddtree"].update(budgets=[1], accuracies=[0.9])
+    fake = REPO / "tests" / "engines" / "fake_engine.py"
+    one = {"models": ["tiny"], "precisions": ["fp32"], "modes": ["greedy"]}
+    config["engines"] = {b: {"command": f"{{python}} {fake} {b} {records} --bundle {{bundle}} --mode {{mode}} "
+                                        f"--budget {{budget}} --output {{output}}", **one}
+                         for b in ["ok", "detach", *HOSTILE, *(["escape"] if sandbox_problem() is None else [])]}
+    config["engines"]["huge"]["max_result_mb"] = 1
+    if sandbox_problem() is None:
+        config["engines"]["escape"]["sandbox"] = True
+        config["engines"]["numpy"] = {**numpy_engine, **one, "sandbox": True}
+    write_config(root / "config.yaml", config)
+    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env={"PYTHONPATH": str(root / "src")})
+    assert res.returncode == 0, res.stderr[-4000:]
+    return root, records
+
+
+def result_of(root, engine):
+    files = list((root / "results" / "runs" / engine).iterdir())
+    assert [f.name for f in files] == ["tiny-fp32-greedy.json"]   # nothing else left beside it
+    return json.loads(files[0].read_text())
+
+
+def test_hostile_engines_are_failed_rows_in_the_report_and_the_rest_completes(hostile_run):
+    root, _ = hostile_run
+    rows = pd.read_csv(root / "results" / "report" / "divergence.csv")
+    for engine, reason in HOSTILE.items():
+        r = result_of(root, engine)
+        assert r["status"] == "failed" and reason in r["reason"], (engine, r["reason"])
+        mine = rows[rows["engine"] == engine]
+        assert len(mine) == 2 and (mine["class"] == "failed").all() and mine["reason"].str.contains(reason).all()
+        assert (root / "results" / "scratch" / engine / "tiny-fp32-greedy").is_dir()   # kept for inspection
+    for engine in ("ok", "detach"):
+        assert result_of(root, engine)["status"] == "ok"
+        assert not (root / "results" / "scratch" / engine / "tiny-fp32-greedy").exists()
+    html = (root / "results" / "report" / "divergence.html").read_text()
+    assert "nests arrays/objects 200001 deep" in html and "is a directory" in html
+
+
+def test_detached_process_is_gone_after_the_run(hostile_run):
+    root, records = hostile_run
+    (pid,) = [r["pid"] for r in (json.loads(p.read_text()) for p in records.glob("*.json")) if r["behaviour"] == "detach"]
+    marker = f"1000.{pid}".encode()
+    alive = [p for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(p)]
+    assert alive == []
+    assert result_of(root, "detach")["leftover_processes_killed"] == 1
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def test_sandboxed_engines_write_nothing_outside_and_a_real_engine_still_passes(hostile_run):
+    from k2vec.engines.isolation import sandbox_problem
+
+    if sandbox_problem() is not None:
+        pytest.skip(f"bubblewrap cannot sandbox here: {sandbox_problem()}")
+    root, _ = hostile_run
+    r = result_of(root, "escape")
+    assert r["status"] == "ok" and r["sandbox"] is True
+    log = (root / "results" / "logs" / "runs" / "escape" / "tiny-fp32-greedy.engine.log").read_text()
+    assert log.count("could not write") == 4 and "wrote " not in log, log
+    assert "tampered" not in (root / "src" / "k2vec" / "__init__.py").read_text()
+    assert "tampered" not in (root / "results" / "runs" / "ok" / "tiny-fp32-greedy.json").read_text()
+    assert not (root / "results" / "planted.json").exists()
+    # the numpy engine, sandboxed, still matches the golden exactly
+    assert result_of(root, "numpy")["status"] == "ok"
+    rows = pd.read_csv(root / "results" / "report" / "divergence.csv")
+    assert (rows[rows["engine"] == "numpy"]["class"] == "exact").all() and len(rows[rows["engine"] == "numpy"]) == 2

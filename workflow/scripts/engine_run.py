@@ -17,6 +17,9 @@ with stage_logging(snakemake.log.runner, "engine_run") as log:
         lock_dir=snakemake.params.lock_dir,
         timeout_s=engine["timeout_s"],
         max_result_mb=engine["max_result_mb"],
+        scratch_dir=snakemake.params.scratch,
+        sandbox=engine["sandbox"],
+        results_dir="results",
         stderr_path=snakemake.log.engine,
         python=sys.executable,
     )

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shlex
-import shutil
 import signal
 import stat
 import subprocess
@@ -28,6 +27,7 @@ import numpy as np
 
 from ..atomic import write_text_atomic
 from ..gpus import identify, lease
+from .isolation import Reaper, fresh_scratch, make_read_only, remove_tree, sandbox_command, sandbox_problem
 
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
 PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
@@ -232,14 +232,6 @@ def read_result(path: Path, max_bytes: int) -> Any:
         raise InvalidResult(f"result file holds a number the JSON reader refuses: {err}") from None
 
 
-def _remove(path: Path) -> None:
-    """Remove what the engine left at `path`, whatever it is (a file, a link, a directory tree)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
 def format_command(template: str, **values: Any) -> str:
     """Fill the placeholders of an engine's command template, shell-quoted."""
     try:
@@ -261,19 +253,24 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
 
 @dataclass(frozen=True)
 class Finished:
-    """How the engine process ended: rc None when killed at the time limit; epoch seconds around it."""
+    """How the engine process ended: rc None when killed at the time limit; epoch seconds around it;
+    how many processes it left behind (all killed), and why some could not be, if so."""
 
     rc: int | None
     started_at: float
     ended_at: float
     wall_s: float
+    leftovers: int | None
+    leftover_problem: str | None
 
 
-def _run_with_limit(command: str, env: dict[str, str], stderr_path: Path, timeout_s: float) -> Finished:
-    """Run `command` in its own process group; on timeout kill the whole group."""
-    started_at, start = time.time(), time.perf_counter()
-    with open(stderr_path, "ab") as err:
-        proc = subprocess.Popen(["bash", "-c", command], stdout=err, stderr=err, stdin=subprocess.DEVNULL,
+def _run_with_limit(argv: Sequence[str], env: dict[str, str], cwd: Path, stderr_path: Path,
+                    timeout_s: float) -> Finished:
+    """Run `argv` in its own process group; on timeout kill the whole group. Then kill every process
+    the engine left, in any session or group (the runner adopts them as child subreaper)."""
+    with open(stderr_path, "ab") as err, Reaper() as reaper:
+        started_at, start = time.time(), time.perf_counter()
+        proc = subprocess.Popen(list(argv), stdout=err, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd,
                                 env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
@@ -290,7 +287,9 @@ def _run_with_limit(command: str, env: dict[str, str], stderr_path: Path, timeou
                     continue
             proc.wait()
             rc = None
-    return Finished(rc, started_at, time.time(), time.perf_counter() - start)
+        ended_at, wall = time.time(), time.perf_counter() - start
+        leftovers, problem = reaper.kill_leftovers()
+    return Finished(rc, started_at, ended_at, wall, leftovers, problem)
 
 
 def _gpu_environment(assigned: Sequence[str]) -> dict[str, str]:
@@ -301,33 +300,51 @@ def _gpu_environment(assigned: Sequence[str]) -> dict[str, str]:
 
 def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str,
                gpus: int, devices: Sequence[str], lock_dir: str, timeout_s: float, stderr_path: str,
-               max_result_mb: float, expect: Expectations | None = None,
-               extra_env: dict[str, str] | None = None, python: str = sys.executable) -> dict[str, Any]:
+               max_result_mb: float, scratch_dir: str, sandbox: bool = False, results_dir: str | None = None,
+               expect: Expectations | None = None, extra_env: dict[str, str] | None = None,
+               python: str = sys.executable) -> dict[str, Any]:
     """Run the engine and write the final result (ok or failed) atomically to `output`.
 
-    `max_result_mb`: larger result files are refused before they are read. `expect`: what a valid result holds; None (the pipeline) reads it from the bundle after verifying
-    the bundle's checksums."""
+    The engine runs in `scratch_dir` (wiped first; removed after an ok run, kept after a failed one
+    for inspection) and writes its result there; no process it starts outlives the run. `sandbox`:
+    under bubblewrap, with `results_dir` hidden but for the bundle and the scratch directory.
+    `max_result_mb`: larger result files are refused before they are read. `expect`: what a valid
+    result holds; None (the pipeline) reads it from the bundle after verifying the bundle's checksums."""
     kind, budget = parse_mode(mode)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.engine-{os.getpid()}.partial")
+    scratch = Path(scratch_dir).resolve()
+    dirs = fresh_scratch(scratch)
+    partial = dirs["out"] / "result.json"
+    bundle_path = Path(bundle).resolve()   # the engine's working directory is its scratch directory
     stderr_file = Path(stderr_path)
     stderr_file.parent.mkdir(parents=True, exist_ok=True)
     stderr_file.write_bytes(b"")
-    record: dict[str, Any] = {"engine": engine, "bundle": str(bundle), "mode": mode, "budget": budget}
+    record: dict[str, Any] = {"engine": engine, "bundle": str(bundle), "mode": mode, "budget": budget,
+                              "sandbox": sandbox}
     try:
         if expect is None:
             expect = expectations_from_bundle(bundle)
+        if sandbox and (problem := sandbox_problem()) is not None:
+            raise InvalidResult(f"sandbox: true, but {problem}")
+        if bundle_path.exists():
+            make_read_only(bundle_path)
         with lease(gpus, devices, lock_dir) as assigned:
-            env = {**os.environ, **(extra_env or {}), **(_gpu_environment(assigned) if gpus else {})}
-            cmd = format_command(command, bundle=bundle, mode=kind, budget=budget, output=partial,
+            env = {**os.environ, **(extra_env or {}), **(_gpu_environment(assigned) if gpus else {}),
+                   "TMPDIR": str(dirs["tmp"]), "K2VEC_WORKDIR": os.getcwd()}
+            cmd = format_command(command, bundle=bundle_path, mode=kind, budget=budget, output=partial,
                                  gpus=",".join(assigned), python=python)
+            argv = sandbox_command(cmd, bundle=bundle_path, scratch=scratch, home=dirs["home"],
+                                   hidden=Path(results_dir or scratch).resolve()) if sandbox else ["bash", "-c", cmd]
             record["gpus"] = assigned
             # asked before the engine starts, so that a run the GPU made fail still names the GPU
             record["gpu_devices"], record["gpu_identity_error"] = identify(assigned)
             record["command"] = cmd
-            done = _run_with_limit(cmd, env, stderr_file, timeout_s)
-        record.update(started_at=done.started_at, ended_at=done.ended_at, wall_s=round(done.wall_s, 6))
+            done = _run_with_limit(argv, env, dirs["work"], stderr_file, timeout_s)
+        record.update(started_at=done.started_at, ended_at=done.ended_at, wall_s=round(done.wall_s, 6),
+                      leftover_processes_killed=done.leftovers)
+        if done.leftover_problem is not None:
+            raise InvalidResult(done.leftover_problem)
         rc = done.rc
         if rc is None:
             raise InvalidResult(f"timed out after {timeout_s:g} s (killed)")
@@ -343,9 +360,9 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
             raise InvalidResult("result holds a number too large for a float (read as infinity)") from None
     except InvalidResult as err:
         final = {"format": "k2vec-engine-result", "version": 1, **record, "status": "failed",
-                 "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": []}
+                 "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": [], "scratch_kept": str(scratch)}
         text = json.dumps(final, indent=1, sort_keys=True)
-    finally:
-        _remove(partial)
     write_text_atomic(out, text + "\n")
+    if final["status"] == "ok":
+        remove_tree(scratch)
     return final
