@@ -63,10 +63,14 @@ def fresh_scratch(scratch: Path) -> dict[str, Path]:
 
 def make_read_only(path: Path) -> None:
     """Clear the write bits of an input. This stops engines running as an ordinary user; root ignores
-    permission bits, which is why the sandbox binds inputs read-only and the report re-checks hashes."""
-    mode = path.stat().st_mode
-    if mode & 0o222:
-        path.chmod(stat.S_IMODE(mode) & ~0o222)
+    permission bits, which is why the sandbox binds inputs read-only. Best effort: an input owned by
+    another user stays as it is."""
+    try:
+        mode = path.stat().st_mode
+        if mode & 0o222:
+            path.chmod(stat.S_IMODE(mode) & ~0o222)
+    except OSError:
+        pass
 
 
 # --------------------------------------------------------------------------------- leftover processes

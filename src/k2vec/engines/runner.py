@@ -311,6 +311,8 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
     `max_result_mb`: larger result files are refused before they are read. `expect`: what a valid
     result holds; None (the pipeline) reads it from the bundle after verifying the bundle's checksums."""
     kind, budget = parse_mode(mode)
+    if sandbox and results_dir is None:
+        raise ValueError("sandbox needs results_dir: the directory hidden from the engine")
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(scratch_dir).resolve()
@@ -335,7 +337,7 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
             cmd = format_command(command, bundle=bundle_path, mode=kind, budget=budget, output=partial,
                                  gpus=",".join(assigned), python=python)
             argv = sandbox_command(cmd, bundle=bundle_path, scratch=scratch, home=dirs["home"],
-                                   hidden=Path(results_dir or scratch).resolve()) if sandbox else ["bash", "-c", cmd]
+                                   hidden=Path(str(results_dir)).resolve()) if sandbox else ["bash", "-c", cmd]
             record["gpus"] = assigned
             # asked before the engine starts, so that a run the GPU made fail still names the GPU
             record["gpu_devices"], record["gpu_identity_error"] = identify(assigned)
