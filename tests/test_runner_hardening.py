@@ -1,7 +1,6 @@
 """The run wrapper under hostile conditions, and what it records about each run (GPU identity, times)."""
 import json
 import os
-import sys
 import textwrap
 import time
 

@@ -25,7 +25,6 @@ import sys
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
 
 PR_SET_CHILD_SUBREAPER = 36
 REAP_TIMEOUT_S = 10.0
