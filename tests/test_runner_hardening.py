@@ -122,6 +122,13 @@ def test_missing_nvidia_smi_is_recorded_in_the_result(tmp_path, monkeypatch):
     assert r["gpu_identity_error"] == "nvidia-smi not found on PATH"
 
 
+def test_too_few_devices_is_a_failed_row(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOBID", raising=False)
+    r = run_on(tmp_path, fake_engine(tmp_path, dump_with("")), gpus=2, devices=["0"])
+    assert r["status"] == "failed" and "needs 2 GPU(s) but the pool has 1 (0)" in r["reason"]
+
+
 def test_short_uuid():
     assert short_uuid(UUID0) == "GPU-0a1b2c3d" and short_uuid("MIG-12345678-9abc") == "MIG-12345678"
 

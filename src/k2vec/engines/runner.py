@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..atomic import write_text_atomic
-from ..gpus import identify, lease
+from ..gpus import GpuError, identify, lease
 from .isolation import Reaper, fresh_scratch, make_read_only, remove_tree, sandbox_command, sandbox_problem
 
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
@@ -360,7 +360,7 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
             text = json.dumps(final, indent=1, sort_keys=True, allow_nan=False)
         except ValueError:   # 1e999 read as inf in a key the schema leaves free
             raise InvalidResult("result holds a number too large for a float (read as infinity)") from None
-    except InvalidResult as err:
+    except (InvalidResult, GpuError) as err:   # no devices for it: a failed row too, not a crash
         final = {"format": "k2vec-engine-result", "version": 1, **record, "status": "failed",
                  "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": [], "scratch_kept": str(scratch)}
         text = json.dumps(final, indent=1, sort_keys=True)
