@@ -39,7 +39,8 @@ def run(tmp_path, command, mode="greedy", timeout_s=10.0):
     out = tmp_path / "results" / "run.json"
     result = run_engine(engine="fake", command=command, bundle=tiny_bundle(tmp_path), mode=mode, output=str(out),
                         expect=EXPECT, gpus=0, devices=[], lock_dir=str(tmp_path / "locks"),
-                        timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"))
+                        timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"), max_result_mb=1.0,
+                        scratch_dir=str(tmp_path / "scratch"))
     assert json.loads(out.read_text()) == result
     # Nothing but the final result and its sha256 record is left beside it: no partial file under any name.
     assert sorted(p.name for p in out.parent.iterdir()) == ["run.json", "run.json.sha256"]

@@ -282,9 +282,14 @@ def schema_error(config: dict[str, Any], schema_path: str) -> ConfigError | None
 
 # -------------------------------------------------------------------------------------------- engines
 
+# max_result_mb: the largest legitimate result of the default config is about 2 MB (small model,
+# greedy: 4 prompts x 24 steps of full fingerprints), so a 100-prompt config writes about 51 MB
+# compact or 71 MB indented; anything larger is refused before it is read (docs/engine-contract.md
+# section 5). Configs with wider models or longer decodes raise it per engine.
 ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "timeout_s": 600.0,
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
-                                   "modes": ["greedy", "ddtree"]}
+                                   "modes": ["greedy", "ddtree"], "max_result_mb": 96.0,
+                                   "sandbox": False}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 
 
@@ -337,6 +342,10 @@ def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str,
             _require(bool(matched), f"{key}.sources", f"pattern {pattern!r} matches no file")
             files.extend(matched)
         e["source_files"] = sorted(set(files))
+        if e["sandbox"]:
+            from .engines.isolation import sandbox_problem
+            problem = sandbox_problem()
+            _require(problem is None, f"{key}.sandbox", f"{problem}; or set sandbox: false")
         engines[name] = e
     return engines
 

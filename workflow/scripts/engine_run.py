@@ -12,11 +12,14 @@ with stage_logging(snakemake.log.runner, "engine_run") as log:
         bundle=snakemake.input.bundle,
         mode=snakemake.wildcards.mode,
         output=snakemake.output[0],
-        expect=None,  # read from the bundle once the runner has verified it
         gpus=engine["gpus"],
         devices=snakemake.params.devices,
         lock_dir=snakemake.params.lock_dir,
         timeout_s=engine["timeout_s"],
+        max_result_mb=engine["max_result_mb"],
+        scratch_dir=snakemake.params.scratch,
+        sandbox=engine["sandbox"],
+        results_dir="results",
         stderr_path=snakemake.log.engine,
         python=sys.executable,
     )
