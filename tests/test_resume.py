@@ -15,6 +15,7 @@ import pytest
 
 from conftest import copy_workflow, default_config, write_config
 from k2vec.atomic import HOLD_ENV, HOLD_SIGNAL_ENV, remove_dead_temporaries
+from k2vec.digests import check_record
 
 HOLD_ENGINE_ENV = "K2VEC_TEST_HOLD_ENGINE"
 
@@ -115,25 +116,35 @@ TIMING_CSV_COLUMNS = ("tokens_per_s", "decode_tokens_per_s", "wall_s")
 
 def temporaries(results: Path) -> list[Path]:
     """Every hidden entry under results/ other than Snakemake's directory timestamps (all of k2vec's
-    temporaries are hidden: `.{name}.{pid}.{random}.tmp`, `.{name}.engine-{pid}.partial`), and anything
-    named like a temporary."""
-    return sorted(p for p in results.rglob("*")
-                  if (p.name.startswith(".") and p.name != ".snakemake_timestamp")
-                  or p.name.endswith((".tmp", ".partial", ".part")))
+    temporaries are hidden: `.{name}.{pid}.{random}.tmp`, a scratch directory's `.in-use.{pid}`), and
+    anything named like a temporary."""
+    found = {p.parent if p.name.startswith(".in-use.") else p   # a killed run's scratch directory
+             for p in results.rglob("*")
+             if (p.name.startswith(".") and p.name != ".snakemake_timestamp")
+             or p.name.endswith((".tmp", ".partial", ".part"))}
+    return sorted(found)
 
 
 def comparable(path: Path, rel: str) -> bytes | object:
     """A file's content as compared between runs: its bytes, less timings where it records them.
 
     Not compared: results/logs/ and results/benchmarks/ (timings and timestamps throughout).
-    results/runs/*.json: `wall_s`, `timing`, and the runner's pid in `command` dropped.
+    results/runs/*.json: `wall_s`, `timing`, `started_at`, `ended_at` dropped, the checkout's path in
+    `command` masked; its `.sha256` record
+    (of those timings too) is compared as "matches its result".
     results/report/divergence.csv: the timing columns dropped. summary.txt: the throughput line dropped.
     divergence.html: decimal numbers masked (they are the CSV's, compared above, and its timings)."""
     data = path.read_bytes()
+    if rel.startswith("results/runs/") and rel.endswith(".sha256"):
+        check_record(path.with_name(path.name[: -len(".sha256")]))   # raises unless it matches
+        return "matches its result"
     if rel.startswith("results/runs/"):
         result = json.loads(data)
-        result.pop("wall_s", None), result.pop("timing", None)
-        result["command"] = re.sub(r"engine-\d+\.partial", "engine-PID.partial", result.get("command", ""))
+        for timing in ("wall_s", "timing", "started_at", "ended_at"):
+            result.pop(timing, None)
+        # the command names the bundle and the scratch directory by absolute path: the checkout's differs
+        root = str(path.parents[rel.count("/")])
+        result["command"] = result.get("command", "").replace(root, "ROOT")
         return result
     if rel == "results/report/divergence.csv":
         rows = list(csv.DictReader(io.StringIO(data.decode())))
@@ -201,7 +212,7 @@ def test_sigkill_in_each_stage_in_turn_then_plain_rerun_completes_identically(cl
         log = (root / "held-run.log").read_text()
         if n:  # this run resumed the one killed in the previous stage: its leftovers are gone
             assert "removed the Snakemake lock left by a killed run" in log, log[-3000:]
-            assert "temporary file(s) of killed writes" in log and str(left[0].relative_to(root)) in log
+            assert "temporary file(s) or directories of killed runs" in log and str(left[0].relative_to(root)) in log
             assert not any(p.exists() for p in left)
         kill_group(proc.pid)  # Snakemake and its running job
         if stage == "engine_run":
@@ -215,7 +226,7 @@ def test_sigkill_in_each_stage_in_turn_then_plain_rerun_completes_identically(cl
     res = plain_snakemake(root, "--cores", "2")
     assert res.returncode == 0, res.stderr[-4000:]
     assert "removed the Snakemake lock left by a killed run" in res.stderr
-    assert "temporary file(s) of killed writes" in res.stderr and str(left[0].relative_to(root)) in res.stderr
+    assert "temporary file(s) or directories of killed runs" in res.stderr and str(left[0].relative_to(root)) in res.stderr
     assert temporaries(root / "results") == []
     assert not list((root / ".snakemake/locks").glob("*.lock"))
     resumed = outputs(root)
@@ -251,7 +262,6 @@ def test_only_dead_writers_temporaries_are_removed(tmp_path):
     names = {
         f".fp32.{dead.pid}.ab_12xyz.tmp": False,  # a killed directory write
         f".tiny-int4.kdtr.{dead.pid}.k3j9a0qq.tmp": False,
-        f".tiny-int4-greedy.json.engine-{dead.pid}.partial": False,  # the runner's staging file
         f".tiny-int4.kdtr.{live}.k3j9a0qq.tmp": True,  # a live concurrent writer's
         f".x.{dead.pid}.kdtr.{live}.abcdefgh.tmp": True,  # the pid is the last number but one
         ".snakemake_timestamp": True,
@@ -265,9 +275,18 @@ def test_only_dead_writers_temporaries_are_removed(tmp_path):
             (folder / name / "model-00001.safetensors").write_bytes(b"x")
         else:
             (folder / name).write_bytes(b"x")
+    # Engine scratch directories: a killed runner's goes whole, a live runner's and a failed run's
+    # (kept for inspection, no marker) stay.
+    scratch = tmp_path / "results" / "scratch" / "numpy"
+    for run, marker in (("killed", f".in-use.{dead.pid}"), ("running", f".in-use.{live}"), ("failed", None)):
+        (scratch / run / "out").mkdir(parents=True)
+        (scratch / run / "out" / "result.json").write_bytes(b"{}")
+        if marker:
+            (scratch / run / marker).touch()
     removed = remove_dead_temporaries(tmp_path / "results")
-    assert sorted(p.name for p in removed) == sorted(n for n, keep in names.items() if not keep)
+    assert sorted(p.name for p in removed) == sorted([*(n for n, keep in names.items() if not keep), "killed"])
     assert sorted(p.name for p in folder.iterdir()) == sorted(n for n, keep in names.items() if keep)
+    assert sorted(p.name for p in scratch.iterdir()) == ["failed", "running"]
 
 
 # ------------------------------------------------------------------------------ the checkout's own package

@@ -1,7 +1,9 @@
 """Write files and directories so that nothing half-written ever carries its final name.
 
 A temporary path is `.{final name}.{writer pid}.{random}.tmp` beside its final path: a run killed
-mid-write leaves it behind, and `remove_dead_temporaries` deletes it once its writer is gone.
+mid-write leaves it behind, and `remove_dead_temporaries` deletes it once its writer is gone. A
+working directory (an engine run's scratch directory) is claimed with an in-use marker
+`.in-use.{pid}` inside it: once that process is gone without removing its marker, the directory goes.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-# Temporaries that carry their writer's pid: ours, and the engine runner's result staging file
-# (`.{result}.engine-{runner pid}.partial`, k2vec.engines.runner).
-_TEMPORARY_NAME = re.compile(r"^\..+\.(?:(?P<pid>\d+)\.[a-z0-9_]+\.tmp|engine-(?P<runner_pid>\d+)\.partial)$")
+# Temporaries that carry their writer's pid, and the marker of a directory in use by a process.
+_TEMPORARY_NAME = re.compile(r"^\..+\.(?P<pid>\d+)\.[a-z0-9_]+\.tmp$")
+_IN_USE_NAME = re.compile(r"^\.in-use\.(?P<pid>\d+)$")
 
 # Tests stop a write just before its rename to kill the pipeline there (tests/test_resume.py):
 # a path fragment to match, and a file outside results/ that the held writer creates.
@@ -121,16 +123,31 @@ def _process_alive(pid: int) -> bool:
     return stat[stat.rfind(")") + 2] != "Z"
 
 
+def claim_directory(path: str | os.PathLike) -> Path:
+    """Mark `path` as in use by this process (`.in-use.{pid}`); remove the marker when done with it, or
+    the next `remove_dead_temporaries` after this process dies removes the whole directory."""
+    marker = Path(path, f".in-use.{os.getpid()}")
+    marker.touch()
+    return marker
+
+
 def remove_dead_temporaries(root: str | os.PathLike) -> list[Path]:
-    """Delete the temporaries under `root` whose writer process is gone; a live writer's are kept.
+    """Delete the temporaries under `root` whose writer process is gone, and the directories whose
+    in-use marker names a dead process; a live writer's are kept.
 
     A reused pid keeps a dead writer's temporary until a later sweep: never the other way round.
     """
     removed = []
     for dirpath, dirnames, filenames in os.walk(root):
+        in_use = [m for m in map(_IN_USE_NAME.match, filenames) if m]
+        if in_use and not any(_process_alive(int(m["pid"])) for m in in_use):
+            shutil.rmtree(dirpath, ignore_errors=True)
+            dirnames.clear()
+            removed.append(Path(dirpath))
+            continue
         for name in [*dirnames, *filenames]:
             m = _TEMPORARY_NAME.match(name)
-            if not m or _process_alive(int(m["pid"] or m["runner_pid"])):
+            if not m or _process_alive(int(m["pid"])):
                 continue
             path = Path(dirpath, name)
             if name in dirnames:

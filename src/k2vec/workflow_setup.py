@@ -45,7 +45,7 @@ class Cleanup:
             out.append(f"k2vec: Snakemake process(es) {', '.join(map(str, self.live_owners))} still running in "
                        f"this directory; their lock ({', '.join(map(str, self.kept_locks))}) is kept")
         if self.temporaries:
-            out.append(f"k2vec: removed {len(self.temporaries)} temporary file(s) of killed writes: "
+            out.append(f"k2vec: removed {len(self.temporaries)} temporary file(s) or directories of killed runs: "
                        f"{', '.join(map(str, self.temporaries))}")
         return out
 

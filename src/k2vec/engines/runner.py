@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..atomic import write_text_atomic
+from ..atomic import claim_directory, write_text_atomic
 from ..digests import IntegrityError, sha256_bytes, sha256_file, verify_kdtr, write_record
 from ..gpus import GpuError, identify, lease
 from .isolation import Reaper, fresh_scratch, make_read_only, remove_tree, sandbox_command, sandbox_problem
@@ -346,6 +346,8 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(scratch_dir).resolve()
     dirs = fresh_scratch(scratch)
+    # A runner killed with its job leaves the marker behind: the next start removes the directory.
+    in_use = claim_directory(scratch)
     partial = dirs["out"] / "result.json"
     bundle_path = Path(bundle).resolve()   # the engine's working directory is its scratch directory
     stderr_file = Path(stderr_path)
@@ -399,4 +401,6 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
     write_result(out, text + "\n")
     if final["status"] == "ok":
         remove_tree(scratch)
+    else:
+        in_use.unlink(missing_ok=True)   # kept for inspection until this run's next attempt
     return final
