@@ -83,8 +83,17 @@ def _worker_init(device: str) -> None:
         torch.cuda.set_device(torch.device(device))
 
 
+def install_configs(dense, moe) -> None:
+    """Replace the kernels' per-M config tables (in this process) with the given ones."""
+    if dense:
+        DENSE_CONFIGS[:] = [(bound, cfg) for bound, cfg in dense]
+    if moe:
+        MOE_CONFIGS[:] = [(bound, tuple(cfg)) for bound, cfg in moe]
+
+
 def _run_check(job) -> dict:
-    fn, args, kwargs = job
+    fn, args, kwargs, tables = job
+    install_configs(*tables)
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
     try:
@@ -99,12 +108,13 @@ def _run_check(job) -> dict:
 
 
 def _warm(job) -> str:
-    """Compile one sweep config on this worker's GPU so the timing process finds it in Triton's disk cache."""
-    kind, m, k, n, cfg = job
+    """Compile one sweep candidate on this worker's GPU so the timing process finds it in Triton's disk cache."""
+    kind, m, cfg = job
     device = torch.device(f"cuda:{torch.cuda.current_device()}")
     try:
         gen = verify.generator(device, "warm")
         if kind == "dense":
+            k, n = DENSE_SHAPES[0]
             w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
             w4a16_linear(torch.randn(m, k, device=device, dtype=torch.bfloat16), w, config=cfg)
         else:
@@ -114,7 +124,7 @@ def _warm(job) -> str:
         torch.cuda.synchronize()
         return "ok"
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 # ---------------------------------------------------------------- timing helpers
@@ -218,7 +228,7 @@ def time_dense(device, log, configs=None) -> list[dict]:
         for m in MS:
             xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(r)]
             outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(r)]
-            cfg = (configs or {}).get((k, n, m))
+            cfg = None
             ours = graph_time_us([lambda x=x, w=w, o=o: w4a16_linear(x, w, out=o, config=cfg)
                                   for x, w, o in zip(xs, weights, outs)])
             bf16 = graph_time_us([lambda x=x, w=w: torch.nn.functional.linear(x, w)
@@ -240,7 +250,7 @@ def time_dense(device, log, configs=None) -> list[dict]:
 class K2Layer:
     """384 experts of one K2 MoE layer resident: INT4 (G 32, bf16 scales) and, for the baseline, bf16."""
 
-    def __init__(self, device):
+    def __init__(self, device, with_bf16: bool = True):
         gen = verify.generator(device, "bench moe")
         e, h, i = EXPERTS, HIDDEN, INTER
         self.experts = PackedExperts(
@@ -250,8 +260,9 @@ class K2Layer:
             (torch.rand(e, h, i // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16),
             e, h, i, 32)
         # bf16 weights of the same shapes (random values: timing only)
-        self.w13_bf16 = torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=torch.bfloat16)
-        self.w2_bf16 = torch.randn(e, h, i, generator=gen, device=device, dtype=torch.bfloat16)
+        if with_bf16:
+            self.w13_bf16 = torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=torch.bfloat16)
+            self.w2_bf16 = torch.randn(e, h, i, generator=gen, device=device, dtype=torch.bfloat16)
         self.gen = gen
         self.expert_bytes = (2 * i * h // 2 + h * i // 2) + 2 * (2 * i * h // 32 + h * i // 32)
 
@@ -283,7 +294,7 @@ class K2Layer:
 def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
     rows = []
     for m in MS:
-        cfg = (configs or {}).get(m)
+        cfg = None
         routings = [layer.routing(m) for _ in range(8)]
         used = [int(torch.unique(ids).numel()) for ids, _ in routings]
         nbytes = statistics.mean(used) * layer.expert_bytes
@@ -307,77 +318,85 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
 
 # ---------------------------------------------------------------- sweep
 
-def dense_sweep_configs():
-    out = []
-    for k, n in ((7168, 4096), (2048, 7168), (7168, 2048)):
-        for bn in ((4, 8, 16, 32) if n == 4096 or k == 2048 else (8, 16)):
-            for bk in (256, 512):
-                for warps in (2, 4):
-                    out.append(("dense", 1, k, n, dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                                       num_stages=3)))
-    for k, n in ((7168, 4096), (2048, 7168)):
-        for m in (4, 16, 64):
-            for bm, bn, bk in ((16, 32, 128), (16, 64, 128), (16, 32, 256), (16, 128, 128), (32, 64, 128),
-                               (64, 64, 128)):
-                if bm == 16 or bm == m:
-                    out.append(("dense", m, k, n, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
-                                                       num_stages=3)))
-            if m == 4:
-                out.append(("dense", m, k, n, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)))
-    return out
+def one_row(bn, bk, warps=4):
+    return dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3)
 
 
-def moe_sweep_configs():
-    out = []
-    for m in (1, 4, 16, 64):
-        for bn in (16, 32, 64):
-            for bk in (256, 512):
-                c = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
-                out.append(("moe", m, HIDDEN, INTER, (c, c)))
-        if m >= 4:
-            for bn, bk in ((32, 128), (64, 128), (64, 256), (128, 128)):
-                c = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
-                out.append(("moe", m, HIDDEN, INTER, (c, c)))
-    return out
+def tensor_core(bm, bn, bk, warps=4, stages=3):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def dense_candidates(m: int) -> list[dict]:
+    one = [one_row(bn, bk) for bn in (8, 16, 32, 64) for bk in (256, 512, 1024)] + \
+          [one_row(16, 512, 8), one_row(32, 1024, 8)]
+    if m == 1:
+        return one
+    tc = [tensor_core(16, 32, 128), tensor_core(16, 64, 128), tensor_core(16, 32, 256), tensor_core(16, 64, 256),
+          tensor_core(16, 128, 128), tensor_core(16, 128, 256, 8)]
+    if m >= 32:
+        tc += [tensor_core(m, 64, 128), tensor_core(m, 128, 128, 8)]
+    return tc + ([one_row(16, 512), one_row(32, 512), one_row(16, 1024)] if m <= 8 else [])
+
+
+SWEEP_MOE_MS = (1, 4, 16, 64)
+
+
+def moe_candidates(m: int) -> list[tuple[dict, dict]]:
+    one = [one_row(bn, bk) for bn in (16, 32, 64) for bk in (256, 512, 1024)]
+    tc = [tensor_core(16, 64, 128), tensor_core(16, 64, 256), tensor_core(16, 128, 128)] if m >= 4 else []
+    return [(c, c) for c in one + tc]
+
+
+def warm_jobs():
+    return ([("dense", m, c) for m in MS for c in dense_candidates(m)]
+            + [("moe", m, c) for m in SWEEP_MOE_MS for c in moe_candidates(m)])
 
 
 def run_sweep(device, log, layer: K2Layer) -> dict:
-    best_dense, best_moe, rows = {}, {}, []
-    weights_cache = {}
-    for kind, m, k, n, cfg in dense_sweep_configs():
-        if (k, n) not in weights_cache:
-            gen = verify.generator(device, "sweep", k, n)
-            nbytes = n * k // 2 + n * k // 32 * 2
-            weights_cache[(k, n)] = [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32,
-                                                  "bfloat16", device) for _ in range(copies_for(nbytes))]
-        ws = weights_cache[(k, n)]
-        xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in ws]
-        try:
-            us = graph_time_us([lambda x=x, w=w: w4a16_linear(x, w, config=cfg) for x, w in zip(xs, ws)], batches=3, replays=2)
-        except Exception as exc:
-            log(f"sweep dense {k}x{n} M={m} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
-            continue
-        rows.append(dict(kind=kind, m=m, k=k, n=n, config=cfg, us=us))
-        if (k, n, m) not in best_dense or us < best_dense[(k, n, m)][1]:
-            best_dense[(k, n, m)] = (cfg, us)
-    for kind, m, _, _, cfg in moe_sweep_configs():
+    """Best config per M: dense by the sum of its times over the three K2 shapes, MoE on the K2 layer."""
+    rows = []
+    weights = {}
+    for k, n in DENSE_SHAPES:
+        gen = verify.generator(device, "sweep", k, n)
+        nbytes = n * k // 2 + n * k // 32 * 2
+        weights[(k, n)] = [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16",
+                                        device) for _ in range(copies_for(nbytes))]
+    dense_table = []
+    for m in MS:
+        scores = []
+        for cfg in dense_candidates(m):
+            try:
+                times = []
+                for (k, n), ws in weights.items():
+                    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in ws]
+                    times.append(graph_time_us([lambda x=x, w=w: w4a16_linear(x, w, config=cfg)
+                                                for x, w in zip(xs, ws)], batches=3, replays=2))
+            except Exception as exc:
+                log(f"sweep dense M={m} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            rows.append(dict(kind="dense", m=m, config=cfg, us=times))
+            scores.append((sum(times), times, cfg))
+        total, times, cfg = min(scores, key=lambda t: t[0])
+        log(f"sweep dense M={m}: best {cfg} " + " ".join(f"{t:.1f}" for t in times) + " us")
+        dense_table.append([m if m < MS[-1] else 1 << 62, cfg])
+    moe_table = []
+    for m in SWEEP_MOE_MS:
         routings = [layer.routing(m) for _ in range(8)]
         xs = [torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in routings]
-        try:
-            us = graph_time_us([lambda x=x, rw=rw: fused_moe(x, layer.experts, rw[0], rw[1], config=cfg)
-                                for x, rw in zip(xs, routings)], batches=3, replays=2)
-        except Exception as exc:
-            log(f"sweep moe M={m} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
-            continue
-        rows.append(dict(kind=kind, m=m, config=cfg, us=us))
-        if m not in best_moe or us < best_moe[m][1]:
-            best_moe[m] = (cfg, us)
-    for key, (cfg, us) in sorted(best_dense.items()):
-        log(f"best dense K={key[0]} N={key[1]} M={key[2]}: {us:.1f} us {cfg}")
-    for m, (cfg, us) in sorted(best_moe.items()):
-        log(f"best moe M={m}: {us:.1f} us {cfg}")
-    return {"rows": rows, "best_dense": [[list(k), c, u] for k, (c, u) in best_dense.items()],
-            "best_moe": [[m, c, u] for m, (c, u) in best_moe.items()]}
+        scores = []
+        for cfg in moe_candidates(m):
+            try:
+                us = graph_time_us([lambda x=x, rw=rw: fused_moe(x, layer.experts, rw[0], rw[1], config=cfg)
+                                    for x, rw in zip(xs, routings)], batches=3, replays=1, min_calls=8)
+            except Exception as exc:
+                log(f"sweep moe M={m} {cfg[0]}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            rows.append(dict(kind="moe", m=m, config=cfg, us=us))
+            scores.append((us, cfg))
+        us, cfg = min(scores, key=lambda t: t[0])
+        log(f"sweep moe M={m}: best {cfg[0]} {us:.1f} us")
+        moe_table.append([m if m < SWEEP_MOE_MS[-1] else 1 << 62, cfg])
+    return {"rows": rows, "dense_table": dense_table, "moe_table": moe_table}
 
 
 # ---------------------------------------------------------------- report
@@ -428,17 +447,35 @@ def guarded(log, what, fn, *args):
         return None
 
 
+def profile(device, log) -> None:
+    """One dense M=1 K=7168->N=4096 call and one fused MoE M=1 call on the K2 layer, for ncu."""
+    k, n = 7168, 4096
+    gen = verify.generator(device, "profile")
+    w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    layer = K2Layer(device, with_bf16=False)
+    ids, wts = layer.routing(1)
+    xm = torch.randn(1, HIDDEN, device=device, dtype=torch.bfloat16)
+    for _ in range(2):
+        w4a16_linear(x, w)
+        fused_moe(xm, layer.experts, ids, wts)
+    torch.cuda.synchronize()
+    log("profile calls done")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="pick configs per M first, then measure with them")
+    parser.add_argument("--configs", type=Path, help="configs.json of an earlier sweep to use")
+    parser.add_argument("--profile", action="store_true", help="only the calls to profile (run under ncu)")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--workers", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny correctness only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    log_file = open(args.out / "bench.log", "w")
+    log_file = open(args.out / ("profile.log" if args.profile else "bench.log"), "w")
 
     def log(text: str) -> None:
         print(text, flush=True)
@@ -448,30 +485,45 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     log(f"torch {torch.__version__} triton {triton.__version__} GPUs {gpus} "
         f"{torch.cuda.get_device_name(0) if gpus else 'none'}")
+    tables = [None, None]
+    if args.configs:
+        saved = json.loads(args.configs.read_text())
+        tables = [saved["dense_table"], saved["moe_table"]]
+        install_configs(*tables)
+    if args.profile:
+        profile(torch.device("cuda:0"), log)
+        return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"
-    pool = None
-    correctness_async = warm_async = None
-    if not args.skip_correctness or args.sweep:
-        pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))
-        if args.sweep:
-            warm_async = pool.map_async(_warm, dense_sweep_configs() + moe_sweep_configs(), chunksize=1)
-        if not args.skip_correctness:
-            correctness_async = pool.map_async(_run_check, correctness_jobs(args.smoke), chunksize=1)
+    pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))
+    warm_async = pool.map_async(_warm, warm_jobs(), chunksize=1) if args.sweep else None
     t0 = time.perf_counter()
     results = {}
     device = torch.device("cuda:0") if gpus else None
+    layer = None
     if device is not None and not args.skip_timing:
         torch.cuda.set_device(device)
         results["copy_gbps"] = copy_gbps(device)
         log(f"d2d copy 2 GiB: {results['copy_gbps']:.0f} GB/s (read+write)")
-        results["dense"] = guarded(log, "dense timing", time_dense, device, log) or []
         layer = guarded(log, "K2 layer", K2Layer, device)
-        results["moe"] = (guarded(log, "moe timing", time_moe, device, log, layer) or []) if layer else []
-        if args.sweep:
+        if args.sweep and layer is not None:
             warm = warm_async.get()
             log(f"sweep compiles: {sum(w == 'ok' for w in warm)}/{len(warm)} ok; "
-                + "; ".join(sorted({w for w in warm if w != 'ok'}))[:500])
-            results["sweep"] = guarded(log, "sweep", run_sweep, device, log, layer)
+                + "; ".join(sorted({w for w in warm if w != 'ok'}))[:800])
+            sweep = guarded(log, "sweep", run_sweep, device, log, layer)
+            if sweep:
+                results["sweep"] = sweep
+                tables = [sweep["dense_table"], sweep["moe_table"]]
+                install_configs(*tables)
+                (args.out / "configs.json").write_text(json.dumps({"dense_table": tables[0],
+                                                                    "moe_table": tables[1]}, indent=1))
+                log(f"sweep took {time.perf_counter() - t0:.0f} s")
+    correctness_async = None
+    if not args.skip_correctness:
+        jobs = [(*job, tables) for job in correctness_jobs(args.smoke)]
+        correctness_async = pool.map_async(_run_check, jobs, chunksize=1)
+    if device is not None and not args.skip_timing:
+        results["dense"] = guarded(log, "dense timing", time_dense, device, log) or []
+        results["moe"] = (guarded(log, "moe timing", time_moe, device, log, layer) or []) if layer else []
         log(f"timings took {time.perf_counter() - t0:.0f} s")
     if correctness_async is not None:
         results["correctness"] = correctness_async.get()
@@ -480,9 +532,9 @@ def main() -> None:
             bad = (not r["ok"]) != bool(r.get("flip"))
             if bad or r.get("error"):
                 log(f"  {'UNEXPECTED' if bad else ''} {r}")
-    if pool is not None:
-        pool.close()
-        pool.join()
+    pool.close()
+    pool.join()
+    results["tables"] = {"dense": DENSE_CONFIGS, "moe": MOE_CONFIGS}
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     summary = markdown(results.get("dense"), results.get("moe"), results.get("copy_gbps"), results.get("correctness"))
     (args.out / "summary.md").write_text(summary + "\n")
