@@ -318,33 +318,42 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
 
 # ---------------------------------------------------------------- sweep
 
-def one_row(bn, bk, warps=4):
-    return dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3)
+def one_row(bn, bk, planes=True, groups=True, warps=4):
+    return dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes, SCALE_GROUPS=groups, num_warps=warps,
+                num_stages=3)
 
 
-def tensor_core(bm, bn, bk, warps=4, stages=3):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+def tensor_core(bm, bn, bk, planes=True, warps=4, stages=3):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes, num_warps=warps, num_stages=stages)
+
+
+VARIANTS = ((False, False), (True, False), (True, True))    # (X_PLANES, SCALE_GROUPS)
 
 
 def dense_candidates(m: int) -> list[dict]:
-    one = [one_row(bn, bk) for bn in (8, 16, 32, 64) for bk in (256, 512, 1024)] + \
-          [one_row(16, 512, 8), one_row(32, 1024, 8)]
     if m == 1:
-        return one
-    tc = [tensor_core(16, 32, 128), tensor_core(16, 64, 128), tensor_core(16, 32, 256), tensor_core(16, 64, 256),
-          tensor_core(16, 128, 128), tensor_core(16, 128, 256, 8)]
+        return [one_row(bn, bk, p, g) for bn, bk in ((8, 1024), (16, 1024), (32, 1024), (16, 512), (32, 512),
+                                                     (64, 512)) for p, g in VARIANTS] + \
+               [one_row(32, 1024, warps=8), one_row(64, 1024, warps=8)]
+    tc = [tensor_core(16, 32, 256, False), tensor_core(16, 32, 256), tensor_core(16, 64, 256),
+          tensor_core(16, 32, 128), tensor_core(16, 64, 128), tensor_core(16, 128, 256, warps=8)]
     if m >= 32:
-        tc += [tensor_core(m, 64, 128), tensor_core(m, 128, 128, 8)]
-    return tc + ([one_row(16, 512), one_row(32, 512), one_row(16, 1024)] if m <= 8 else [])
+        tc += [tensor_core(m, 64, 128), tensor_core(m, 64, 256, warps=8)]
+    return tc + ([one_row(16, 1024), one_row(32, 512), one_row(32, 1024)] if m <= 8 else [])
 
 
 SWEEP_MOE_MS = (1, 4, 16, 64)
 
 
 def moe_candidates(m: int) -> list[tuple[dict, dict]]:
-    one = [one_row(bn, bk) for bn in (16, 32, 64) for bk in (256, 512, 1024)]
-    tc = [tensor_core(16, 64, 128), tensor_core(16, 64, 256), tensor_core(16, 128, 128)] if m >= 4 else []
-    return [(c, c) for c in one + tc]
+    if m == 1:
+        cands = [one_row(bn, bk, p, g) for bn, bk in ((16, 1024), (32, 1024), (16, 512), (32, 512), (64, 512))
+                 for p, g in VARIANTS]
+    else:
+        cands = [one_row(16, 1024), one_row(32, 512), one_row(16, 512), one_row(16, 1024, False, False),
+                 tensor_core(16, 64, 256, False), tensor_core(16, 64, 256), tensor_core(16, 128, 256),
+                 tensor_core(16, 32, 256)]
+    return [(c, c) for c in cands]
 
 
 def warm_jobs():

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .int4_layout import _as_tensor, scales_tensor
-from .w4a16 import _int4_tile, check_activation, interpreting, pick_config, tile_config
+from .w4a16 import _int4_tile, check_activation, interpreting, pick_config, tile_config, to_planes
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,10 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                 num_pairs, N, K, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                 X_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, SORTED: tl.constexpr,
                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr):
-    """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p]."""
+                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
+                OUT_PLANES: tl.constexpr):
+    """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
+    OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input."""
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     # block b's expert: from the sorted layout, or (BLOCK_M == 1, unsorted) pair b's own top-k id
@@ -106,15 +108,19 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
     s_e = s_ptr + expert.to(tl.int64) * stride_se
     x_rows = pairs // X_ROW_DIV
     acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
-                     G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE)
+                     G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS)
     if GATED:
         up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
                         s_e + N * stride_sn, stride_sn, offs_n, n_mask, K,
-                        G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE)
+                        G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS)
         acc = acc / (1.0 + tl.exp(-acc)) * up
     if WEIGHTED:
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
-    y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if OUT_PLANES:
+        cols = (offs_n % 8) * (N // 8) + offs_n // 8
+    else:
+        cols = offs_n
+    y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_ym + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
@@ -153,7 +159,7 @@ def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, n, k, num_experts,
-            x_row_div, gated, weighted, sorted_, group_size, cfg):
+            x_row_div, gated, weighted, sorted_, group_size, cfg, out_planes):
     bf16_scales = s.dtype == torch.bfloat16
     s = s.view(torch.int16) if bf16_scales else s
     w = w.view(torch.int32)     # the packed bytes as words (see w4a16._int4_tile)
@@ -161,6 +167,7 @@ def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, 
     _moe_kernel[grid](x, w, s, y, pair_ids, block_expert, route_w, num_pairs, n, k, num_experts,
                       x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
                       X_ROW_DIV=x_row_div, GATED=gated, WEIGHTED=weighted, SORTED=sorted_, G=group_size,
+                      OUT_PLANES=out_planes,
                       BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, **cfg)
 
 
@@ -186,6 +193,8 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     cfg2 = tile_config(cfg2, experts.group_size, interpret)
     if cfg13["BLOCK_M"] != cfg2["BLOCK_M"]:
         raise ValueError("fused_moe: gate/up and down configs must share BLOCK_M (one sorted layout)")
+    if cfg13["X_PLANES"]:
+        x = to_planes(x)
     block_m = cfg13["BLOCK_M"]
     if block_m == 1:
         pair_ids, block_expert, num_blocks, sorted_ = flat_ids, flat_ids, num_pairs, False
@@ -195,10 +204,10 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     inter, hidden = experts.intermediate, experts.hidden
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _launch(x, experts.w13, experts.s13, h, pair_ids, block_expert, route_w, num_pairs, num_blocks, inter, hidden,
-            experts.num_experts, top_k, True, False, sorted_, experts.group_size, cfg13)
+            experts.num_experts, top_k, True, False, sorted_, experts.group_size, cfg13, cfg2["X_PLANES"])
     y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     _launch(h, experts.w2, experts.s2, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, hidden, inter,
-            experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2)
+            experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2, False)
     torch.sum(y.view(m, top_k, hidden), dim=1, out=out) if out.dtype == torch.float32 else \
         out.copy_(y.view(m, top_k, hidden).sum(dim=1))
     return out

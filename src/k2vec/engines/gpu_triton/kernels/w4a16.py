@@ -52,8 +52,12 @@ def _code(words, e: tl.constexpr):
 @triton.jit
 def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BF16_SCALES: tl.constexpr, IEEE: tl.constexpr):
+               BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, :K] @ W[offs_n, :K]^T for one W4A16 weight.
+
+    X_PLANES: x rows are stored plane-major (x[8i + e] at e * K/8 + i), so each plane's loads are
+    contiguous and vectorise; otherwise they are stride-8 gathers. SCALE_GROUPS (one-row path): sum
+    each group's words before scaling, loading [BLOCK_N, groups] scales instead of one per word.
 
     w_ptr: the packed bytes read as int32 words (row stride stride_wn words); word i of a row holds
     elements 8i .. 8i+7, element 8i+e in bits 4e..4e+3, all in group (8i) // G.
@@ -66,8 +70,12 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
     if BLOCK_M == 1:
-        # one row: multiply-and-add on CUDA cores, [BLOCK_N, WORDS] partial sums reduced once at the end
-        acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        # one row: multiply-and-add on CUDA cores, partial sums reduced once at the end
+        GROUPS: tl.constexpr = WORDS // WORDS_PER_GROUP
+        if SCALE_GROUPS:
+            acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             i = k0 // 8 + offs_w
             i_mask = i < k_words
@@ -76,9 +84,17 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             x_mask = row_mask[:, None] & i_mask[None, :]
             part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
             for e in tl.static_range(8):
-                x_e = tl.load(x_rows[:, None] + 8 * i[None, :] + e, mask=x_mask, other=0.0).to(tl.float32)
-                part += _code(words, e) * x_e
-            acc += part * _load_scales(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask, BF16_SCALES)
+                if X_PLANES:
+                    x_e = tl.load(x_rows[:, None] + e * k_words + i[None, :], mask=x_mask, other=0.0)
+                else:
+                    x_e = tl.load(x_rows[:, None] + 8 * i[None, :] + e, mask=x_mask, other=0.0)
+                part += _code(words, e) * x_e.to(tl.float32)
+            if SCALE_GROUPS:
+                g = k0 // G + tl.arange(0, GROUPS)
+                s = _load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & (g < K // G)[None, :], BF16_SCALES)
+                acc += tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
+            else:
+                acc += part * _load_scales(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask, BF16_SCALES)
         return tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
     else:
         # tensor cores: per element plane e, [BLOCK_M, WORDS] x [WORDS, BLOCK_N] (weight transposed by the
@@ -92,7 +108,10 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             s = _load_scales(s_rows[None, :] + (i // WORDS_PER_GROUP)[:, None], mask, BF16_SCALES)
             x_mask = row_mask[:, None] & i_mask[None, :]
             for e in tl.static_range(8):
-                x_e = tl.load(x_rows[:, None] + 8 * i[None, :] + e, mask=x_mask, other=0.0)
+                if X_PLANES:
+                    x_e = tl.load(x_rows[:, None] + e * k_words + i[None, :], mask=x_mask, other=0.0)
+                else:
+                    x_e = tl.load(x_rows[:, None] + 8 * i[None, :] + e, mask=x_mask, other=0.0)
                 w_e = (_code(words, e) * s).to(x_e.dtype)
                 if IEEE:
                     acc = tl.dot(x_e, w_e, acc, input_precision="ieee")
@@ -104,7 +123,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
 @triton.jit
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BF16_SCALES: tl.constexpr, IEEE: tl.constexpr):
+                  BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -112,7 +131,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, str
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
-                     G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE)
+                     G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
@@ -133,7 +152,7 @@ def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
 
 def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
     """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16."""
-    cfg = dict(config)
+    cfg = {"X_PLANES": False, "SCALE_GROUPS": False, **config}
     cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group_size)
     if cfg["BLOCK_M"] > 1:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 16)
@@ -141,6 +160,12 @@ def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
     if interpret:    # the interpreter ignores warps and stages
         cfg.pop("num_warps", None), cfg.pop("num_stages", None)
     return cfg
+
+
+def to_planes(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> plane-major rows: element 8i + e of a row at e * K/8 + i (one small copy of the activations)."""
+    m, k = x.shape
+    return x.view(m, k // 8, 8).transpose(1, 2).reshape(m, k)
 
 
 def check_activation(x: torch.Tensor, k: int, what: str) -> None:
@@ -172,6 +197,8 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     bf16_scales = weight.scales.dtype == torch.bfloat16
     scales = weight.scales.view(torch.int16) if bf16_scales else weight.scales
     words = weight.packed.view(torch.int32)
+    if cfg["X_PLANES"]:
+        x = to_planes(x)
     grid = (triton.cdiv(weight.n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     _w4a16_kernel[grid](x, words, scales, out, m, weight.n, weight.k,
                         x.stride(0), words.stride(0), scales.stride(0), out.stride(0),
