@@ -14,9 +14,15 @@ from kernel_checks import cuda_device, run_interpreted
 GROUPS = (32, 64, 128)
 SCALES = ("float32", "bfloat16")
 # the interpreter runs programs one at a time, so its cost is the number of tile iterations: big tiles, few cases
-ONE_ROW = (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128), dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128))
-SORTED = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128))
-PATHS = {"one-row": ONE_ROW, "sorted": SORTED}
+def both(**cfg):
+    return cfg, cfg    # gate/up and down
+
+
+PATHS = {"one-row": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SCALE_GROUPS=True),
+         "sorted": both(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=True),
+         # the same paths with interleaved activations and per-word scaling
+         "one-row-interleaved": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, X_PLANES=False, SCALE_GROUPS=False),
+         "sorted-interleaved": both(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=False)}
 
 
 def cpu_case(m, g, sd, act, path):
@@ -28,14 +34,16 @@ def cpu_case(m, g, sd, act, path):
 CPU_GRID = ([(1, g, sd, "float32", "one-row") for g in GROUPS for sd in SCALES]
             + [(3, 64, sd, "float32", "one-row") for sd in SCALES]
             + [(16, g, sd, "float16", "sorted") for g in GROUPS for sd in SCALES]
-            + [(m, 32, sd, act, "sorted") for m in (3, 33) for sd in SCALES for act in ("float32", "float16")])
+            + [(m, 32, sd, act, "sorted") for m in (3, 33) for sd in SCALES for act in ("float32", "float16")]
+            + [(m, 64, "bfloat16", "float32", path) for m, path in ((3, "one-row-interleaved"),
+                                                                    (16, "sorted-interleaved"))])
 
 
 @pytest.fixture(scope="module")
 def cpu_results():
     calls = [("check_moe", *cpu_case(m, g, sd, act, PATHS[path])) for m, g, sd, act, path in CPU_GRID]
     flips = [("check_moe", cpu_case(5, 32, "float32", "float32", PATHS[path])[0],
-              {"config": PATHS[path], "flip": flip}) for path in PATHS for flip in ("low", "high")]
+              {"config": PATHS[path], "flip": flip}) for path in ("one-row", "sorted") for flip in ("low", "high")]
     defaults = [("check_moe", cpu_case(m, 32, "bfloat16", "float32", None)[0], {}) for m in (1, 16)]
     results = run_interpreted(calls + flips + defaults)
     n = len(calls)
@@ -76,12 +84,14 @@ GPU_GRID = list(itertools.product((1, 2, 4, 8, 16, 32, 64), GROUPS, SCALES, ("fl
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ("default", "sorted"))
 @pytest.mark.parametrize("case", GPU_GRID, ids=[" ".join(map(str, c)) for c in GPU_GRID])
-def test_gpu_fused_moe_matches_float64(case):
+def test_gpu_fused_moe_matches_float64(case, path):
     from k2vec.engines.gpu_triton.kernels.verify import check_moe
     m, g, sd, act = case
+    config = None if path == "default" else both(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True)
     # 40 experts, 30 used, hidden 9G, intermediate 5G: partial tiles everywhere; top-8 as in K2
-    result = check_moe(m, 40, 9 * g, 5 * g, 8, 30, g, sd, act, device=cuda_device())
+    result = check_moe(m, 40, 9 * g, 5 * g, 8, 30, g, sd, act, device=cuda_device(), config=config)
     assert result.ok, result
 
 

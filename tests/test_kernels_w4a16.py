@@ -15,8 +15,10 @@ SCALES = ("float32", "bfloat16")
 # K = 9 G: several K tiles plus a partial one for every BLOCK_K; N = 37: partial N tiles
 CPU_GRID = [(m, 37, 9 * g, g, sd, act)
             for m, g, sd, act in itertools.product((1, 3, 16, 33), GROUPS, SCALES, ("float32", "float16"))]
-# one-row and tensor-core paths at the same M, and each nibble half
-CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)]
+# one-row and tensor-core paths at the same M with every activation / scale option (the grid runs the defaults)
+CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=planes, SCALE_GROUPS=groups)
+             for planes, groups in ((False, False), (True, False), (True, True))] + \
+            [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=planes) for planes in (False, True)]
 CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip) for m in (1, 16) for flip in ("low", "high")]
 
 
@@ -24,6 +26,7 @@ CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip) for m in (1, 16) for f
 def cpu_results():
     calls = [("check_dense", list(case), {}) for case in CPU_GRID]
     calls += [("check_dense", [3, 37, 288, 32, "bfloat16", "float32"], {"config": cfg}) for cfg in CPU_PATHS]
+    calls += [("check_dense", [3, 37, 576, 64, "float32", "float16"], {"config": cfg}) for cfg in CPU_PATHS]
     calls += [("check_dense", list(case[:-1]), {"flip": case[-1]}) for case in CPU_FLIPS]
     results = run_interpreted(calls)
     return {"grid": results[:len(CPU_GRID)], "paths": results[len(CPU_GRID):-len(CPU_FLIPS)],
@@ -37,7 +40,8 @@ def test_interpreted_dense_matches_float64(cpu_results, index):
     assert result["rel_err"] <= result["tolerance"], result
 
 
-def test_interpreted_both_tile_paths_match(cpu_results):
+def test_interpreted_every_tile_path_matches(cpu_results):
+    assert len(cpu_results["paths"]) == 2 * len(CPU_PATHS)
     for result in cpu_results["paths"]:
         assert result["ok"], result
 

@@ -124,13 +124,12 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-# M upper bound -> tile config of (gate/up, down); BLOCK_M 1 means one pair per program, unsorted.
-MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
-    (4, (dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
-         dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4))),
-    (1 << 62, (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-               dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4))),
-]
+# M upper bound -> tile configs of (gate/up, down); BLOCK_M 1 means one pair per program, unsorted. The H200 sweep
+# (bench/RESULTS.md, 2026-11-30) picked the one-pair path at every M it tried (1, 4, 16, 64; top-8 over 384 experts
+# leaves about one pair per expert up to M=64); the expert-sorted tensor-core path (BLOCK_M 16) stays for callers
+# that route many tokens to few experts.
+_ONE_PAIR = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)
+MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [(1 << 62, (_ONE_PAIR, _ONE_PAIR))]
 
 
 def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

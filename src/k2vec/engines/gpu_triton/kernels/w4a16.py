@@ -136,13 +136,14 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, str
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-# Tile sizes per M bucket (upper bound of M -> BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the last
-# bucket covers any larger M. Tuned on the H200 by bench/w4a16.py (bench/RESULTS.md).
+# Tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M. Chosen by
+# `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md, 2026-11-30): the one-row path up to M=4 (tensor-core tiles
+# of 16 rows waste 12+ rows there), tensor cores above; plane-major x everywhere.
 DENSE_CONFIGS: list[tuple[int, dict]] = [
-    (1, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)),
-    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
-    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
-    (1 << 62, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
+    (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_PLANES=True, SCALE_GROUPS=True, num_warps=8, num_stages=3)),
+    (4, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)),
+    (32, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)),
+    (1 << 62, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)),
 ]
 
 
