@@ -1,0 +1,202 @@
+"""Fused MoE W4A16: all tokens of a forward with their top-k experts, two launches plus a combine.
+
+out[m] = sum_j w[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topk_ids[m, j].
+
+Layout (load-time transform, `pack_experts`): the E experts' packed bytes and scales are stacked, gate and
+up rows concatenated per expert: w13 uint8 [E, 2I, H/2] (rows 0..I-1 gate, I..2I-1 up), w2 uint8
+[E, H, I/2], scales [E, 2I, H/G] and [E, H, I/G]. The bytes are the bundle's own; only their placement
+changes (one copy at load).
+
+Each (token, expert) pair p = m * top_k + j is one row of work. With BLOCK_M == 1 a program takes one pair
+straight from `topk_ids` (no sorting: for decode each expert has about one pair). With BLOCK_M >= 16 the
+pairs are sorted by expert into blocks of BLOCK_M rows padded per expert (pad id = P), each block having
+one expert, so a program loads one weight tile for all its rows; the grid is sized by a bound that depends
+only on M, so nothing synchronises with the host (CUDA-graph capturable).
+
+1. gate/up: h[p] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T), t = p // top_k, h in x.dtype ([P, I]).
+2. down: y[p] = w[p] * (h[p] @ down_e^T), float32 [P, H].
+3. combine: out[m] = sum_j y[m * top_k + j] (a fixed-order sum, deterministic), cast to x.dtype.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .int4_layout import _as_tensor, scales_tensor
+from .w4a16 import _int4_tile, check_activation, interpreting, pick_config, tile_config
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """E experts' gate/up (fused) and down weights, stacked; see the module docstring for the layout."""
+    w13: torch.Tensor       # uint8 [E, 2I, H/2]
+    s13: torch.Tensor       # float32 | bfloat16 [E, 2I, H/G]
+    w2: torch.Tensor        # uint8 [E, H, I/2]
+    s2: torch.Tensor        # float32 | bfloat16 [E, H, I/G]
+    num_experts: int
+    hidden: int
+    intermediate: int
+    group_size: int
+
+
+def _stack(pairs: Sequence, what: str, scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    qws = [_as_tensor(qw) for qw, _ in pairs]
+    scs = [scales_tensor(sc, scale_dtype, f"{what}[{e}].sc") for e, (_, sc) in enumerate(pairs)]
+    for e, (qw, sc) in enumerate(zip(qws, scs)):
+        if qw.dtype != torch.uint8 or qw.shape != qws[0].shape or sc.shape != scs[0].shape:
+            raise ValueError(f"{what}[{e}]: expected uint8 .qw {tuple(qws[0].shape)} and .sc {tuple(scs[0].shape)} "
+                             f"like expert 0, got {qw.dtype} {tuple(qw.shape)} and {tuple(sc.shape)}")
+    return torch.stack(qws), torch.stack(scs)
+
+
+def pack_experts(gate: Sequence, up: Sequence, down: Sequence, group_size: int, scale_dtype: str,
+                 device) -> PackedExperts:
+    """Stack E experts' bundle weights: each list holds E (qw, sc) pairs as `pack_for_gpu` takes them.
+
+    gate/up: W [I, H] (qw [I, H/2], sc [I, H/G]); down: W [H, I] (qw [H, I/2], sc [H, I/G]).
+    """
+    if not (len(gate) == len(up) == len(down) and len(gate) > 0):
+        raise ValueError(f"pack_experts: gate/up/down need the same non-zero number of experts, "
+                         f"got {len(gate)}/{len(up)}/{len(down)}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"pack_experts: group_size must be 32, 64 or 128, got {group_size}")
+    wg, sg = _stack(gate, "gate", scale_dtype)
+    wu, su = _stack(up, "up", scale_dtype)
+    w2, s2 = _stack(down, "down", scale_dtype)
+    e, inter, half_h = wg.shape
+    hidden = half_h * 2
+    expected = {"gate": (wg.shape, sg.shape), "up": (wu.shape, su.shape), "down": (w2.shape, s2.shape)}
+    wanted = {"gate": ((e, inter, hidden // 2), (e, inter, hidden // group_size)),
+              "up": ((e, inter, hidden // 2), (e, inter, hidden // group_size)),
+              "down": ((e, hidden, inter // 2), (e, hidden, inter // group_size))}
+    for what, shapes in expected.items():
+        if tuple(map(tuple, shapes)) != wanted[what] or hidden % group_size or inter % group_size:
+            raise ValueError(f"pack_experts: {what} .qw/.sc shapes {tuple(map(tuple, shapes))} do not fit "
+                             f"hidden {hidden}, intermediate {inter}, group_size {group_size}: want {wanted[what]}")
+    return PackedExperts(torch.cat([wg, wu], dim=1).to(device).contiguous(),
+                         torch.cat([sg, su], dim=1).to(device).contiguous(),
+                         w2.to(device).contiguous(), s2.to(device).contiguous(), e, hidden, inter, group_size)
+
+
+@triton.jit
+def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, route_w_ptr,
+                num_pairs, N, K, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                X_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, SORTED: tl.constexpr,
+                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr):
+    """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p]."""
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    if SORTED:
+        expert = tl.load(block_expert_ptr + pid_b)
+        pairs = tl.load(pair_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    else:   # BLOCK_M == 1: block b is pair b, its expert read from the flat top-k ids
+        expert = tl.load(block_expert_ptr + pid_b)
+        pairs = pid_b + tl.arange(0, BLOCK_M)
+    if expert < E:
+        row_mask = pairs < num_pairs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        w_e = w_ptr + expert.to(tl.int64) * stride_we
+        s_e = s_ptr + expert.to(tl.int64) * stride_se
+        x_rows = pairs // X_ROW_DIV
+        acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
+                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE)
+        if GATED:
+            up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
+                            s_e + N * stride_sn, stride_sn, offs_n, n_mask, K,
+                            G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE)
+            acc = acc / (1.0 + tl.exp(-acc)) * up
+        if WEIGHTED:
+            acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+        y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+# M upper bound -> tile config of (gate/up, down); BLOCK_M 1 means one pair per program, unsorted.
+MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
+    (4, (dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
+         dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4))),
+    (1 << 62, (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+               dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4))),
+]
+
+
+def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair ids grouped by expert, each expert padded to a multiple of block_m (pad id P), and each block's expert.
+
+    Sized by a bound that depends on P only: sum_e ceil(c_e / B) <= (P + min(E, P) * (B - 1)) / B; blocks past the
+    real ones get expert id E (skipped by the kernel). No host synchronisation.
+    """
+    num_pairs = flat_ids.numel()
+    device = flat_ids.device
+    num_blocks = (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+    # scatter_add, not bincount: CUDA bincount reads the max id back to the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat_ids, torch.ones_like(flat_ids))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_e = flat_ids[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=device) - first_of_expert[sorted_e]
+    slot = (block_end - blocks)[sorted_e] * block_m + rank
+    pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    pair_ids[slot] = order.to(torch.int32)
+    block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=device), right=True)
+    return pair_ids, block_expert.to(torch.int32)
+
+
+def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, n, k, num_experts,
+            x_row_div, gated, weighted, sorted_, group_size, cfg):
+    bf16_scales = s.dtype == torch.bfloat16
+    s = s.view(torch.int16) if bf16_scales else s
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), num_blocks)
+    _moe_kernel[grid](x, w, s, y, pair_ids, block_expert, route_w, num_pairs, n, k, num_experts,
+                      x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
+                      X_ROW_DIV=x_row_div, GATED=gated, WEIGHTED=weighted, SORTED=sorted_, G=group_size,
+                      BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, **cfg)
+
+
+def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              out: torch.Tensor | None = None, config: tuple[dict, dict] | None = None) -> torch.Tensor:
+    """out [M, H] in x.dtype; routed_scaling_factor is not applied (fold it into topk_weights)."""
+    check_activation(x, experts.hidden, "fused_moe")
+    m, top_k = topk_ids.shape
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [M={x.shape[0]}, k]")
+    if out is None:
+        out = torch.empty((m, experts.hidden), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x = x.contiguous()
+    flat_ids = topk_ids.reshape(-1).to(torch.int32)
+    route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    num_pairs = flat_ids.numel()
+    cfg13, cfg2 = config or pick_config(MOE_CONFIGS, m)
+    interpret = interpreting()
+    cfg13 = tile_config(cfg13, experts.group_size, interpret)
+    cfg2 = tile_config(cfg2, experts.group_size, interpret)
+    if cfg13["BLOCK_M"] != cfg2["BLOCK_M"]:
+        raise ValueError("fused_moe: gate/up and down configs must share BLOCK_M (one sorted layout)")
+    block_m = cfg13["BLOCK_M"]
+    if block_m == 1:
+        pair_ids, block_expert, num_blocks, sorted_ = flat_ids, flat_ids, num_pairs, False
+    else:
+        pair_ids, block_expert = sort_pairs_by_expert(flat_ids.long(), experts.num_experts, block_m)
+        num_blocks, sorted_ = block_expert.numel(), True
+    inter, hidden = experts.intermediate, experts.hidden
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    _launch(x, experts.w13, experts.s13, h, pair_ids, block_expert, route_w, num_pairs, num_blocks, inter, hidden,
+            experts.num_experts, top_k, True, False, sorted_, experts.group_size, cfg13)
+    y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
+    _launch(h, experts.w2, experts.s2, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, hidden, inter,
+            experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2)
+    torch.sum(y.view(m, top_k, hidden), dim=1, out=out) if out.dtype == torch.float32 else \
+        out.copy_(y.view(m, top_k, hidden).sum(dim=1))
+    return out
