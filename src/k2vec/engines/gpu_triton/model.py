@@ -28,8 +28,7 @@ from torch import Tensor
 from ...errors import K2VecError
 from ...kdtr import bf16_to_f32
 from ...reference.model import Dims, rope_tables
-from .kernels.fused_moe import PackedExperts, fused_moe, pack_experts
-from .kernels.w4a16 import PackedInt4, pack_for_gpu, w4a16_linear
+from .kernels import PackedExperts, PackedInt4, fused_moe, pack_experts, pack_for_gpu, w4a16_linear
 
 
 class GpuEngineError(K2VecError):
