@@ -57,7 +57,16 @@ def device_description(device: torch.device, dtype: str) -> str:
     return f"cpu (torch {torch.__version__}, Triton interpreter, activations {dtype})"
 
 
+def gpu_identity(device: torch.device) -> dict | None:
+    """The physical GPU as the driver names it (the runner records the same from nvidia-smi when it can)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return {"name": props.name, "uuid": f"GPU-{props.uuid}"}
+
+
 def run(bundle_path: str, mode: str, budget: int, dtype: str, device: str) -> dict:
+    started_at = time.time()
     t0 = time.perf_counter()
     torch.set_float32_matmul_precision("highest")  # no TF32: the float32 mode must match the golden
     dev = torch.device(device)
@@ -87,7 +96,10 @@ def run(bundle_path: str, mode: str, budget: int, dtype: str, device: str) -> di
     sync()
     t_end = time.perf_counter()
     return {"format": "k2vec-engine-result", "version": 1, "device": device_description(dev, dtype),
-            "timing": {"load_s": t_load - t0, "decode_s": t_end - t_load}, "runs": runs}
+            "gpu": gpu_identity(dev),
+            "timing": {"load_s": t_load - t0, "decode_s": t_end - t_load,
+                       "started_at": started_at, "ended_at": time.time()},
+            "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
