@@ -33,6 +33,18 @@ mkdir -p /tmp/k2vec-logs
 nvidia-smi --query-gpu=index,name,uuid --format=csv,noheader 2>&1 | tee -a "$LOG"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$LOG"
 
+# Smoke test: one int4 bundle, both precisions, straight through the engine; stop here if it fails.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    smk smoke-bundle --cores 16 results/bundles/tiny-int4.kdtr
+    for dtype in float32 bfloat16; do
+        python3 -m k2vec.engines.gpu_triton --bundle results/bundles/tiny-int4.kdtr --mode ddtree --budget 16 \
+            --dtype $dtype --output /tmp/smoke-$dtype.json 2>&1 | tail -20 | tee -a "$LOG"
+        [ -s /tmp/smoke-$dtype.json ] || { say "smoke test failed ($dtype)"; exit 1; }
+        python3 -c "import json; r = json.load(open('/tmp/smoke-$dtype.json')); print('$dtype', r['device'], r['gpu'], r['timing'])" | tee -a "$LOG"
+    done
+    say "smoke test ok"
+fi
+
 # (a) the default run
 smk a-default --cores 16
 grep -m1 "Provided resources" /tmp/k2vec-logs/a-default.log | tee -a "$LOG"
@@ -41,17 +53,18 @@ cat results/report/summary.txt >> "$LOG" 2>/dev/null
 python3 bench/dispatch.py results/runs --label "(a) default run, every GPU" 2>&1 | tee -a "$LOG"
 tar czf "$OUT/default-run.tar.gz" results/report/divergence.csv results/report/summary.txt results/runs 2>/dev/null
 
-# (b) the same 20 gpu_fp32 runs (Triton cache warm) on one GPU, then on every GPU. `mtime` triggers: the
-# one-GPU config's changed device list must not rerun the other engines' runs.
+# (b) the same 20 gpu_fp32 runs (Triton cache warm) on one GPU, then on every GPU: deleted, then asked for
+# by name (a finished report does not bring back a deleted input by itself).
+RUNS_B=$(echo results/runs/gpu_fp32/{tiny,small}-{fp32,int4}-{greedy,ddtree-b1,ddtree-b4,ddtree-b16,ddtree-b64}.json)
 printf 'gpus:\n  devices: [0]\n' > /tmp/one-gpu.yaml
 if [ "$(left)" -gt 200 ]; then
     rm -rf results/runs/gpu_fp32
-    smk b-one-gpu --cores 16 --rerun-triggers mtime --configfile /tmp/one-gpu.yaml
+    smk b-one-gpu --cores 16 --configfile /tmp/one-gpu.yaml -- $RUNS_B
     rm -rf /tmp/runs-1gpu && mkdir -p /tmp/runs-1gpu && cp -r results/runs/gpu_fp32 /tmp/runs-1gpu/
 fi
 if [ "$(left)" -gt 120 ]; then
     rm -rf results/runs/gpu_fp32
-    smk b-all-gpus --cores 16 --rerun-triggers mtime
+    smk b-all-gpus --cores 16 $RUNS_B
     rm -rf /tmp/runs-2gpu && mkdir -p /tmp/runs-2gpu && cp -r results/runs/gpu_fp32 /tmp/runs-2gpu/
     python3 bench/dispatch.py /tmp/runs-2gpu --engines gpu_fp32 --label "(b) gpu_fp32 on every GPU" \
         --compare /tmp/runs-1gpu --compare-label "(b) gpu_fp32 on GPU 0 alone" 2>&1 | tee -a "$LOG"
@@ -63,7 +76,7 @@ MOE=src/k2vec/engines/gpu_triton/kernels/fused_moe.py
 cp -p "$MOE" /tmp/fused_moe.py.orig
 echo "# an edit" >> "$MOE"
 smk c-edit-dry-run -n
-sed -n '/^Job stats/,/^total/p' /tmp/k2vec-logs/c-edit-dry-run.log | tee -a "$LOG"
+awk '/^Job stats/ {f = 1} f {print} f && /^total/ {exit}' /tmp/k2vec-logs/c-edit-dry-run.log | tee -a "$LOG"
 grep -o "output: results/runs/[a-z0-9_]*/" /tmp/k2vec-logs/c-edit-dry-run.log | sort | uniq -c | tee -a "$LOG"
 cp -p /tmp/fused_moe.py.orig "$MOE"
 # Broken: the MoE launches pass twice the group size, so each weight column is scaled by another group's scale.
