@@ -1,11 +1,27 @@
 # k2vec: config expansion -> synthetic fp32 weights -> INT4 -> golden -> KDTR bundles -> engine runs -> report.
 # Stages live in workflow/rules/<stage>.smk; their logic in the k2vec package under src/.
+import sys
+
 from snakemake.utils import min_version
 
 min_version("9.0")
 
+# Whatever the environment's install points at, the package that runs is this checkout's: here, in
+# every stage script and in engine commands (jobs inherit PYTHONPATH, which precedes site-packages).
+sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
-configfile: os.path.join(workflow.basedir, "config.yaml")
+from k2vec import workflow_setup
+
+workflow_setup.put_checkout_first(os.path.join(workflow.basedir, "src"))
+
+# A plain rerun after a kill: drop the Snakemake lock and the temporaries that dead runs left here
+# (a live run's are kept, so a second concurrent run is still refused). Snakemake checks its lock
+# after parsing, so this cannot wait for `onstart`.
+for message in workflow_setup.claim_working_directory().messages():
+    print(message, file=sys.stderr)
+
+
+include: "workflow/rules/config.smk"  # configfile: config.yaml, after a strict read of every config file
 
 
 include: "workflow/rules/common.smk"

@@ -31,7 +31,7 @@ import yaml
 from k2vec.kdtr import open_bundle
 from k2vec.report import build_report
 from k2vec.report.metrics import compute_metrics
-from k2vec.report.synthetic import case_goldens, perfect_result
+from k2vec.report.synthetic import case_goldens, perfect_result, write_result
 from k2vec.spec import expand_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ def make_runs(goldens, out: Path, n_runs: int, fp_fraction: float, seed: int = 0
         if rng.random() < 0.35:
             inject(res, faults[int(rng.integers(len(faults)))], rng)
         path = out / f"run{i:05d}.json"
-        path.write_text(json.dumps(res))
+        write_result(path, res)
         runs.append({"engine": f"engine{i % 50:02d}", "model": "tiny", "precision": precision, "mode": mode,
                      "result": str(path)})
     return runs
@@ -158,7 +158,7 @@ def demo(out: Path) -> None:
     for i, (engine, prec, mode, res) in enumerate(results):
         res.setdefault("wall_s", float(rng.uniform(0.5, 3)))
         path = tmp / f"{i}-{engine}-{prec}-{mode}.json"
-        path.write_text(json.dumps(res))
+        write_result(path, res)
         runs.append({"engine": engine, "model": "tiny", "precision": prec, "mode": mode, "result": str(path)})
     res = build_report(runs, goldens, out, near_tie=near_tie, router_near_tie=router_tie)
     print(res.summary)

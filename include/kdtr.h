@@ -797,7 +797,9 @@ static inline int kdtr__check_json(kdtr_file *f) {
         }
     }
     KDTR_FREE(j.keys);
-    if (r) return kdtr__fail(f, f->meta_offset + (uint64_t)(j.p - j.s), "metadata", "%s", j.err);
+    /* at the block's start, as the Python reader (whose json module stops elsewhere for some texts) */
+    if (r) return kdtr__fail(f, f->meta_offset, "metadata", "%s at metadata byte %llu", j.err,
+                             (unsigned long long)(j.p - j.s));
     return 0;
 }
 

@@ -5,7 +5,6 @@ K2VEC_REPORT_SCREENSHOT=/some/path.png to keep the screenshot.
 """
 
 import base64
-import json
 import os
 import shutil
 import struct
@@ -21,7 +20,7 @@ from test_report_metrics import flip, make_goldens
 from k2vec.kdtr import open_bundle
 from k2vec.report import OUTPUTS, build_report
 from k2vec.report.plots import PLOTS
-from k2vec.report.synthetic import perfect_result
+from k2vec.report.synthetic import perfect_result, write_result
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or \
     ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
@@ -86,7 +85,7 @@ def report(tmp_path_factory, goldens):
     runs = []
     for engine, (mode, res) in results.items():
         path = root / f"{engine.replace(' ', '_')}.json"
-        path.write_text(json.dumps(res))
+        write_result(path, res)
         runs.append({"engine": engine, "model": "tiny", "precision": "fp32", "mode": mode, "result": str(path)})
     return build_report(runs, goldens, root / "out")
 

@@ -6,7 +6,6 @@ numbers are recomputed here independently of the report code.
 """
 
 import copy
-import json
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from k2vec.kdtr import open_bundle
 from k2vec.report import build_report
 from k2vec.report.metrics import ROW_COLUMNS, ReportError, compute_metrics
 from k2vec.report.synthetic import case_goldens, perfect_result
+from k2vec.report.synthetic import write_result as synthetic_result
 from k2vec.spec import expand_config
 
 _GOLDENS: dict[str, dict] = {}
@@ -52,9 +52,7 @@ def gold(goldens):
 
 
 def write_result(tmp_path: Path, name: str, result: dict) -> str:
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(result))
-    return str(path)
+    return synthetic_result(tmp_path / f"{name}.json", result)
 
 
 def metrics_for(tmp_path, goldens, results: dict[str, tuple[str, dict]], **kw):

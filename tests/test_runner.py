@@ -3,9 +3,12 @@ import json
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
+from k2vec.digests import write_record
 from k2vec.engines.runner import Expectations, check_result, format_command, parse_mode, run_engine
+from k2vec.kdtr import write_bundle
 
 EXPECT = Expectations(n_prompts=2, max_new_tokens=3, vocab_size=100, accuracies=(0.9, 0.3))
 
@@ -24,14 +27,23 @@ def fake_engine(tmp_path, body: str) -> str:
     return f"{sys.executable} {script} {{output}}"
 
 
+def tiny_bundle(tmp_path) -> str:
+    """A valid bundle with its sha256 record: the runner verifies it before starting the engine."""
+    path = tmp_path / "b.kdtr"
+    write_bundle(path, {"x": np.zeros(4, np.float32)}, {"kind": "test"})
+    write_record(path)
+    return str(path)
+
+
 def run(tmp_path, command, mode="greedy", timeout_s=10.0):
     out = tmp_path / "results" / "run.json"
-    result = run_engine(engine="fake", command=command, bundle="b.kdtr", mode=mode, output=str(out),
+    result = run_engine(engine="fake", command=command, bundle=tiny_bundle(tmp_path), mode=mode, output=str(out),
                         expect=EXPECT, gpus=0, devices=[], lock_dir=str(tmp_path / "locks"),
-                        timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"))
+                        timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"), max_result_mb=1.0,
+                        scratch_dir=str(tmp_path / "scratch"))
     assert json.loads(out.read_text()) == result
-    # Nothing but the final result is left beside it: no partial file under any name.
-    assert [p.name for p in out.parent.iterdir()] == ["run.json"]
+    # Nothing but the final result and its sha256 record is left beside it: no partial file under any name.
+    assert sorted(p.name for p in out.parent.iterdir()) == ["run.json", "run.json.sha256"]
     return result
 
 

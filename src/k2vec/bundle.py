@@ -6,7 +6,13 @@ Tensors (docs/bundle-contents.md):
     the unquantized weights keep their fp32 `<name>`;
   * the prompts and the golden data, copied verbatim from the golden file (docs/golden-format.md).
 Metadata: the resolved model spec, its HF config.json, the precision, the quantization scheme and
-packing, decoding settings and the golden metadata. Tensors are streamed one at a time.
+packing, decoding settings, the golden metadata and the golden file's sha256. Tensors are streamed one
+at a time.
+
+Nothing is copied unverified: the golden must pass every KDTR checksum and match its sha256 record
+(a damaged golden would otherwise be laundered into a bundle with fresh, valid checksums), and the
+weights are checked against the hashes in their indexes as they are read. The bundle gets its own
+`<bundle>.sha256` record, which the engine runner and the report check.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numpy as np
 from . import __version__
 from .architecture import hf_config
 from .checkpoint import Checkpoint
+from .digests import IntegrityError, verify_kdtr, write_record
 from .int4_checkpoint import open_int4
 from .kdtr import TensorData, bf16, int4, open_bundle, write_bundle
 
@@ -54,7 +61,12 @@ def _weight_tensors(precision: str, fp32_dir: str | Path, int4_dir: str | Path |
 
 def write_case_bundle(out: str | Path, *, model: dict[str, Any], decoding: dict[str, Any], precision: str,
                       fp32_dir: str | Path, int4_dir: str | Path | None, golden_path: str | Path) -> dict:
-    """Write results/bundles/{model}-{precision}.kdtr; return its metadata."""
+    """Write results/bundles/{model}-{precision}.kdtr and its sha256 record; return its metadata."""
+    try:
+        golden_sha256 = verify_kdtr(golden_path)
+    except IntegrityError as err:
+        raise IntegrityError(f"refusing to build {out} from a damaged golden: {err}; rebuild the golden "
+                             f"(delete {golden_path} and rerun)") from None
     weights, quant = _weight_tensors(precision, fp32_dir, int4_dir)
     golden = open_bundle(golden_path)
     if golden.metadata.get("precision") != precision or golden.metadata.get("model") != model["name"]:
@@ -72,10 +84,12 @@ def write_case_bundle(out: str | Path, *, model: dict[str, Any], decoding: dict[
         "quantization": quant,
         "decoding": decoding,
         "golden": golden.metadata,
+        "golden_sha256": golden_sha256,
     }
 
     def all_items() -> Iterator[tuple[str, Any]]:
         yield from weights
         yield from golden_items
     write_bundle(out, all_items(), metadata)
+    write_record(out)
     return metadata

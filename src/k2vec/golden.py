@@ -5,6 +5,7 @@ replaced by its dequantized `.qw`/`.sc` value (code x stored scale, in float32) 
 is the fp32 one. The golden file is a KDTR file (docs/kdtr-format.md) rather than an npz: the same
 config gives the same bytes (npz embeds zip timestamps), it is mmapped, checksummed and readable from
 C, and the bundle stage copies its tensors verbatim. Tensor names are listed in docs/golden-format.md.
+Beside it, `<golden>.sha256` records its hash; the bundle stage and the report check both.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from . import __version__
 from .checkpoint import Checkpoint
 from .ddtree import record_drafts
+from .digests import write_record
 from .int4_checkpoint import open_int4
 from .kdtr import write_bundle
 from .reference.generate import greedy_generate
@@ -182,4 +184,6 @@ def _lossless_check(ddtree_tokens: np.ndarray, greedy, budget: int, accuracy: fl
 
 
 def write_golden(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, Any]) -> None:
+    """The golden file and its sha256 record (`<path>.sha256`), which every reader checks."""
     write_bundle(path, tensors, metadata, alignment=GOLDEN_ALIGNMENT)
+    write_record(path)

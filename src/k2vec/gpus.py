@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from .errors import K2VecError
 
@@ -99,3 +99,52 @@ def lease(count: int, devices: Sequence[str], lock_dir: str | os.PathLike,
             raise GpuError(f"no {count} free device(s) among {','.join(devices)} after {timeout_s:.0f} s "
                            f"(locks in {lock_dir})")
         time.sleep(poll_s)
+
+
+IDENTITY_QUERY = ("nvidia-smi", "--query-gpu=index,name,uuid", "--format=csv,noheader")
+IDENTITY_TIMEOUT_S = 20.0
+
+
+def identify(devices: Sequence[str], timeout_s: float = IDENTITY_TIMEOUT_S) -> tuple[list[dict[str, Any]], str | None]:
+    """Index, name and UUID from the driver of each of `devices` (ids as in CUDA_VISIBLE_DEVICES:
+    indices or UUIDs), so that a result names the physical GPU it ran on.
+
+    Never raises: a faulty GPU can make nvidia-smi fail or hang, and the run must still be recorded.
+    Devices the driver cannot name keep only their id; the second value then says why."""
+    found = [{"id": str(d), "index": None, "name": None, "uuid": None} for d in devices]
+    if not found:
+        return found, None
+    if shutil.which(IDENTITY_QUERY[0]) is None:
+        return found, "nvidia-smi not found on PATH"
+    try:
+        out = subprocess.run(IDENTITY_QUERY, capture_output=True, text=True, timeout=timeout_s,
+                             stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return found, f"nvidia-smi did not answer within {timeout_s:g} s"
+    except (OSError, subprocess.SubprocessError) as err:
+        return found, f"nvidia-smi could not run: {err}"
+    if out.returncode != 0:
+        first = (out.stderr or out.stdout).strip().splitlines()[:1]
+        return found, f"nvidia-smi exited with code {out.returncode}" + (f": {first[0]}" if first else "")
+    listed: dict[str, dict[str, Any]] = {}
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 3 or not parts[0].isdigit():
+            continue
+        # index first, UUID last; a name with a comma in it stays whole
+        gpu = {"index": int(parts[0]), "name": ", ".join(parts[1:-1]), "uuid": parts[-1]}
+        listed[parts[0]] = listed[gpu["uuid"]] = gpu
+    for dev in found:
+        dev.update(listed.get(dev["id"], {}))
+    missing = [dev["id"] for dev in found if dev["uuid"] is None]
+    if missing:
+        known = sorted({g["index"] for g in listed.values()})
+        return found, (f"device(s) {', '.join(missing)} not among the GPUs nvidia-smi lists "
+                       f"({', '.join(map(str, known)) or 'none'})")
+    return found, None
+
+
+def short_uuid(uuid: str) -> str:
+    """'GPU-1a2b3c4d-...' -> 'GPU-1a2b3c4d' (likewise 'MIG-...'): enough to tell a node's GPUs apart."""
+    prefix, dash, rest = uuid.partition("-")
+    return prefix + dash + rest[:8] if dash else uuid[:12]

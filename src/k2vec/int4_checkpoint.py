@@ -5,7 +5,8 @@ An int4 directory (docs/int4-format.md) holds, per quantized weight `<name>` (e.
   <name>.qw   packed codes, uint8 [N, K/2], "int4-offset8-lownibble-first" (= LE bytes of the int32 words)
   <name>.sc   scales [N, K/group_size], raw little-endian in the scale dtype: float32, or bfloat16 bits
 and `index.json` (shapes, group size, scale dtype, packing, byte lengths, sha256 of every file, and the
-names of the tensors left unquantized, which stay in the fp32 checkpoint). Every stage holds one tensor
+names of the tensors left unquantized, which stay in the fp32 checkpoint). The reader checks each file
+against its sha256 before handing out its tensor. Every stage holds one tensor
 (plus its packed output) in memory at a time and writes its directory atomically.
 """
 
@@ -23,7 +24,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .atomic import atomic_directory
-from .checkpoint import INDEX_NAME, Checkpoint
+from .checkpoint import DIGESTS_KEY, INDEX_NAME, Checkpoint
+from .digests import sha256_file
 from .quant import (BITS, GROUP_SIZES, PACKING, QMAX, QMIN, SCALE_DTYPES, ZERO_SCALE, QuantError, bf16_bits,
                     dequantize, from_bf16_bits, quantize_packed, unpack)
 from .schemes import is_linear, is_quantized
@@ -244,6 +246,7 @@ class Int4Checkpoint(Mapping[str, Int4Tensor]):
                              f"version {FORMAT_VERSION}")
         self.quantization: dict = self.index["quantization"]
         self.unquantized: list[str] = sorted(self.index["unquantized"]["tensors"])
+        self._verified: set[str] = set()  # files checked against their sha256 by this reader
 
     def __getitem__(self, name: str) -> Int4Tensor:
         if name not in self.index["tensors"]:
@@ -256,7 +259,20 @@ class Int4Checkpoint(Mapping[str, Int4Tensor]):
                              f"{e['packing']!r}/{sd!r}/{g!r}")
         packed = _memmap(self.directory / e["qweight"]["file"], "u1", (n, k // 2), e["qweight"]["nbytes"])
         raw = _memmap(self.directory / e["scales"]["file"], SCALE_FILE_DTYPE[sd], (n, k // g), e["scales"]["nbytes"])
+        self._check(name, e["qweight"], packed)
+        self._check(name, e["scales"], raw)
         return Int4Tensor(name, (n, k), g, sd, packed, raw, e)
+
+    def _check(self, name: str, part: dict, data: np.ndarray) -> None:
+        """The mapped bytes against the sha256 index.json recorded when the file was written (once per reader)."""
+        if part["file"] in self._verified:
+            return
+        got = _sha256(memoryview(data).cast("B"))
+        if got != part["sha256"]:
+            raise QuantError(f"{self.directory / part['file']}: tensor {name}: sha256 {got} differs from the one "
+                             f"{INT4_INDEX} recorded when it was written ({part['sha256']}): the file changed "
+                             f"since; rebuild the int4 directory (delete {self.directory})")
+        self._verified.add(part["file"])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.index["tensors"])
@@ -387,6 +403,7 @@ def export_compressed_tensors(fp32_dir: str | os.PathLike, int4_dir: str | os.Pa
     config["quantization_config"] = quantization_config(g, ignore)
 
     weight_map: dict[str, str] = {}
+    digests: dict[str, str] = {}
     total = 0
     with atomic_directory(out_dir) as tmp:
         for fname in sorted(shards):
@@ -414,9 +431,11 @@ def export_compressed_tensors(fp32_dir: str | os.PathLike, int4_dir: str | os.Pa
                                              lambda name=name, src=src: _bytes_of(src[name])))
                     del arr
             total += _write_safetensors(tmp / fname, entries)
+            digests[fname] = sha256_file(tmp / fname)
             weight_map.update({e.name: fname for e in entries})
             del src, entries
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": total, DIGESTS_KEY: digests},
+                 "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_NAME).write_bytes(_json_bytes(index))
         (tmp / "config.json").write_bytes(_json_bytes(config))
         # side files (generation_config.json, tokenizer files, ...) travel with the checkpoint unchanged

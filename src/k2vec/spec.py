@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any
 
 from .errors import ConfigError
@@ -281,26 +282,55 @@ def schema_error(config: dict[str, Any], schema_path: str) -> ConfigError | None
 
 # -------------------------------------------------------------------------------------------- engines
 
+# max_result_mb: the largest legitimate result of the default config is about 2 MB (small model,
+# greedy: 4 prompts x 24 steps of full fingerprints), so a 100-prompt config writes about 51 MB
+# compact or 71 MB indented; anything larger is refused before it is read (docs/engine-contract.md
+# section 5). Configs with wider models or longer decodes raise it per engine.
 ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "timeout_s": 600.0,
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
-                                   "modes": ["greedy", "ddtree"]}
+                                   "modes": ["greedy", "ddtree"], "max_result_mb": 96.0,
+                                   "sandbox": False}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
+
+
+# A command template's tokens, as str.format reads them: escaped braces, a {placeholder}, a lone brace.
+_TEMPLATE_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+_BRACE_HELP = "for a brace the shell should see, write it twice ({{ or }})"
+
+
+def check_command_template(template: str, key: str) -> set[str]:
+    """The placeholder names of an engine command template; ConfigError naming `key`, the character
+    position and the text around it for a stray brace or an unknown placeholder."""
+    known = ", ".join("{" + p + "}" for p in _PLACEHOLDERS)
+
+    def where(i: int) -> str:
+        return f"at character {i + 1} (near {template[max(0, i - 25): i + 25]!r})"
+
+    fields = set()
+    for m in _TEMPLATE_TOKEN.finditer(template):
+        token = m.group(0)
+        if token in ("{{", "}}"):
+            continue
+        _require(token not in ("{", "}"), key, f"stray {token!r} {where(m.start())}; {_BRACE_HELP}")
+        name = re.split(r"[!:]", m.group(1), maxsplit=1)[0]
+        _require(name in _PLACEHOLDERS, key, f"unknown placeholder {token} {where(m.start())}; known: {known}; "
+                 f"{_BRACE_HELP}")
+        _require(token == "{" + name + "}", key, f"placeholder {token} {where(m.start())} has a conversion or "
+                 f"format spec; write {{{name}}}: values are shell-quoted strings")
+        fields.add(name)
+    return fields
 
 
 def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str, Any]]:
     """Engine settings with defaults filled in and source globs expanded (relative to `basedir`)."""
     import glob
     import os
-    import string
 
     engines = {}
     for name, entry in (config.get("engines") or {}).items():
         key = f"engines.{name}"
         e = {**copy.deepcopy(ENGINE_DEFAULTS), "models": sorted(config["models"]), **copy.deepcopy(entry)}
-        fields = [f for _, f, _, _ in string.Formatter().parse(e["command"]) if f is not None]
-        unknown = [f for f in fields if f not in _PLACEHOLDERS]
-        _require(not unknown, f"{key}.command", f"unknown placeholder(s) {unknown}; "
-                 f"known: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)}")
+        fields = check_command_template(e["command"], f"{key}.command")
         _require("output" in fields and "bundle" in fields, f"{key}.command",
                  "must use {bundle} and {output}")
         for m in e["models"]:
@@ -312,6 +342,10 @@ def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str,
             _require(bool(matched), f"{key}.sources", f"pattern {pattern!r} matches no file")
             files.extend(matched)
         e["source_files"] = sorted(set(files))
+        if e["sandbox"]:
+            from .engines.isolation import sandbox_problem
+            problem = sandbox_problem()
+            _require(problem is None, f"{key}.sandbox", f"{problem}; or set sandbox: false")
         engines[name] = e
     return engines
 

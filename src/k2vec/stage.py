@@ -6,6 +6,7 @@ import contextlib
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 
@@ -20,6 +21,8 @@ def stage_logging(log_path: str, stage: str) -> Iterator[logging.Logger]:
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)
     start = time.perf_counter()
+    # Which checkout's code this stage runs (the Snakefile puts its own src/ first on PYTHONPATH).
+    logger.info("stage %s: package k2vec from %s", stage, Path(__file__).resolve().parent)
     try:
         yield logger
     except BaseException:

@@ -8,8 +8,11 @@ rule bundle:
         model="results/cases/{model}/model.json",
         decoding="results/cases/{model}/decoding.json",
         code=sources("k2vec.bundle", "k2vec.cases", "k2vec.stage"),
+        golden_sha256="results/golden/{model}/{precision}.kdtr.sha256",
     output:
         "results/bundles/{model}-{precision}.kdtr",
+        # its sha256, checked by the engine runner and the report
+        "results/bundles/{model}-{precision}.kdtr.sha256",
     log:
         "results/logs/bundle/{model}-{precision}.log",
     benchmark:

@@ -1,14 +1,10 @@
 # Shared set-up: validate the config, expand it into resolved cases, and list the package
 # sources each stage runs (Snakemake does not track modules imported by scripts).
-import sys
-
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-# Parse-time imports come from this checkout; stage scripts import the same files through the
-# editable install that README's commands make (`pip install -e .`).
-sys.path.insert(0, os.path.join(workflow.basedir, "src"))
-
+# k2vec imports come from this checkout's src/, which the Snakefile puts first on sys.path and PYTHONPATH.
+from k2vec.budget import check_config
 from k2vec.deps import module_sources
 from k2vec.errors import ConfigError
 from k2vec.gpus import detect_devices
@@ -17,8 +13,12 @@ from k2vec.spec import engine_runs, engines_short_of_gpus, expand_config, resolv
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
     validate(config, schema=CONFIG_SCHEMA)
-    CASES = expand_config(config)
     ENGINES = resolve_engines(config, workflow.basedir)
+    # Resource budget (k2vec.budget): a config whose memory, disk or file count cannot fit here stops
+    # now, before expand_config lists every tensor of every model and before any job.
+    check_config(config, engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"]),
+                 os.path.abspath("results"))
+    CASES = expand_config(config)
 except (WorkflowError, ConfigError) as err:
     # Name the offending key first, whichever check found it.
     if not isinstance(err, ConfigError):

@@ -35,6 +35,8 @@ rule engine_run:
         engine=lambda wc: ENGINES[wc.engine],
         devices=GPU_DEVICES,
         lock_dir=config["gpus"]["lock_dir"],
+        # the engine's working directory, removed after an ok run (docs/engine-contract.md section 2)
+        scratch="results/scratch/{engine}/{model}-{precision}-{mode}",
     resources:
         gpu=lambda wc: ENGINES[wc.engine]["gpus"],
     log:

@@ -12,6 +12,8 @@ rule golden:
         code=sources("k2vec.golden", "k2vec.cases", "k2vec.stage"),
     output:
         "results/golden/{model}/{precision}.kdtr",
+        # its sha256, checked by the bundle stage and the report
+        "results/golden/{model}/{precision}.kdtr.sha256",
     log:
         "results/logs/golden/{model}/{precision}.log",
     benchmark:

@@ -1,12 +1,15 @@
 # The divergence report (docs in src/k2vec/report): every engine run judged against the golden
 # data, and the fp32 golden against the int4 one. With `report.strict: true` the `strict_gate`
-# rule fails the pipeline on a real divergence or a failed run, after the report is written.
+# rule fails the pipeline on a real divergence or a failed run, after the report is written. Runs
+# whose result, bundle or golden changed after they ran are shown as `changed`, not judged.
 
 
 rule report:
     input:
         results=[run_result(*run) for run in RUNS],
         goldens=expand("results/golden/{model}/{precision}.kdtr", model=MODELS, precision=PRECISIONS),
+        # checked by the report, with each result's own record and the bundle it used (report/integrity.py)
+        golden_sha256=expand("results/golden/{model}/{precision}.kdtr.sha256", model=MODELS, precision=PRECISIONS),
         code=sources("k2vec.report", "k2vec.stage"),
     output:
         html=report("results/report/divergence.html", caption="../report/divergence.rst", category="Divergence"),

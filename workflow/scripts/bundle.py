@@ -3,8 +3,9 @@ import os
 
 from k2vec.bundle import write_case_bundle
 from k2vec.cases import read_json
-from k2vec.stage import stage_logging
+from k2vec.stage import fail_to_stderr, stage_logging
 
+fail_to_stderr()  # the message names the file at fault; the traceback is in the log
 with stage_logging(snakemake.log[0], "bundle") as log:
     inp = snakemake.input
     write_case_bundle(snakemake.output[0], model=read_json(inp.model), decoding=read_json(inp.decoding),

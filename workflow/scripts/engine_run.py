@@ -1,7 +1,7 @@
 """Run one engine on one bundle through the contract; always writes a result (ok or failed)."""
 import sys
 
-from k2vec.engines.runner import expectations_from_bundle, run_engine
+from k2vec.engines.runner import run_engine
 from k2vec.stage import stage_logging
 
 with stage_logging(snakemake.log.runner, "engine_run") as log:
@@ -12,11 +12,14 @@ with stage_logging(snakemake.log.runner, "engine_run") as log:
         bundle=snakemake.input.bundle,
         mode=snakemake.wildcards.mode,
         output=snakemake.output[0],
-        expect=expectations_from_bundle(snakemake.input.bundle),
         gpus=engine["gpus"],
         devices=snakemake.params.devices,
         lock_dir=snakemake.params.lock_dir,
         timeout_s=engine["timeout_s"],
+        max_result_mb=engine["max_result_mb"],
+        scratch_dir=snakemake.params.scratch,
+        sandbox=engine["sandbox"],
+        results_dir="results",
         stderr_path=snakemake.log.engine,
         python=sys.executable,
     )

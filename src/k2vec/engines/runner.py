@@ -1,17 +1,20 @@
 """Run one engine on one bundle, under a time limit, and always leave a valid result file.
 
-Whatever the engine does (crash, hang, no output, invalid JSON, wrong token counts), the run ends
-with a result JSON at the final path: the engine's own result marked `status: ok`, or a result with
-`status: failed`, the reason and the tail of the engine's stderr. So one broken engine run never
-stops the others, and the report shows it as a FAILED row.
+Whatever the engine does (crash, hang, no output, invalid or hostile JSON, wrong token counts) and
+whatever state its bundle is in, the run ends with a result JSON at the final path: the engine's own
+result marked `status: ok`, or a result with `status: failed`, the reason and the tail of the
+engine's stderr. So one broken engine run never stops the others, and the report shows it as a
+FAILED row.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -20,13 +23,22 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..atomic import write_text_atomic
-from ..gpus import lease
+from ..digests import IntegrityError, sha256_bytes, sha256_file, verify_kdtr, write_record
+from ..gpus import GpuError, identify, lease
+from .isolation import Reaper, fresh_scratch, make_read_only, remove_tree, sandbox_command, sandbox_problem
 
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
 PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 STDERR_TAIL_LINES = 20
 KILL_GRACE_S = 5.0
+# A valid result nests 8 deep ({runs: [{prompts: [{fingerprints: [[[ ... ); the limit leaves room for
+# free-form keys while keeping every later step (schema check, JSON writer, report) far from
+# Python's recursion limit.
+MAX_RESULT_NESTING = 32
+_SCAN_CHUNK = 1 << 22
 
 
 class InvalidResult(Exception):
@@ -45,9 +57,17 @@ class Expectations:
 
 @lru_cache(maxsize=1)
 def _validator():
+    """The schema's validator with strict types: JSON Schema counts 5.0 as an integer, and Python's
+    reader turns 1e999 into inf; token ids must be integers and every number finite."""
     import jsonschema
 
-    return jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text()))
+    base = jsonschema.Draft202012Validator
+    checker = base.TYPE_CHECKER.redefine_many({
+        "integer": lambda _, x: type(x) is int,   # not bool, not 5.0
+        "number": lambda _, x: type(x) is int or (type(x) is float and math.isfinite(x)),
+    })
+    strict = jsonschema.validators.extend(base, type_checker=checker)
+    return strict(json.loads(SCHEMA_PATH.read_text()))
 
 
 def parse_mode(mode: str) -> tuple[str, int]:
@@ -64,7 +84,12 @@ def check_result(result: Any, mode: str, expect: Expectations) -> None:
     err = next(iter(_validator().iter_errors(result)), None)
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
-        raise InvalidResult(f"result does not match the schema at {where}: {err.message}")
+        what = err.message
+        if err.validator == "type" and err.validator_value == "integer":
+            what = f"{err.instance!r} is not a JSON integer (write token ids and indices without a fraction)"
+        elif err.validator == "type" and err.validator_value == "number" and isinstance(err.instance, float):
+            what = f"{err.instance!r} is not a finite number"
+        raise InvalidResult(f"result does not match the schema at {where}: {what}")
     kind, _ = parse_mode(mode)
     runs = result["runs"]
     want_drafters = [None] if kind == "greedy" else [{"accuracy": a} for a in expect.accuracies]
@@ -85,14 +110,127 @@ def check_result(result: Any, mode: str, expect: Expectations) -> None:
                                     f"(size {expect.vocab_size})")
 
 
-def expectations_from_bundle(path: str) -> Expectations:
-    """What the engine's result must hold, from the bundle's metadata (the engine sees the same)."""
-    from ..kdtr import open_bundle
+def expectations_from_bundle(path: str | os.PathLike) -> Expectations:
+    """What the engine's result must hold, from the bundle's metadata (the engine sees the same).
 
-    meta = open_bundle(path).metadata
-    return Expectations(n_prompts=meta["golden"]["prompts"], max_new_tokens=meta["decoding"]["max_new_tokens"],
-                        vocab_size=meta["model"]["vocab_size"],
-                        accuracies=tuple(meta["golden"]["ddtree"]["accuracies"]))
+    The bundle's checksums are verified first: an engine must never be run, nor judged, on a damaged
+    bundle. Raises InvalidResult naming the file and what is wrong, so the run becomes a failed row."""
+    from ..kdtr import KdtrError, open_bundle
+
+    try:
+        with open_bundle(path, verify=True) as b:
+            meta = b.metadata
+    except (KdtrError, OSError) as err:
+        raise InvalidResult(f"bundle {path} failed verification, the engine was not run: {err}") from None
+    fields = {"n_prompts": ("golden", "prompts"), "max_new_tokens": ("decoding", "max_new_tokens"),
+              "vocab_size": ("model", "vocab_size"), "accuracies": ("golden", "ddtree", "accuracies")}
+    got: dict[str, Any] = {}
+    for name, keys in fields.items():
+        value: Any = meta
+        for k in keys:
+            value = value.get(k) if isinstance(value, dict) else None
+        ok = isinstance(value, list) and all(type(a) in (int, float) for a in value) if name == "accuracies" \
+            else type(value) is int and value > 0
+        if not ok:
+            raise InvalidResult(f"bundle {path}: metadata {'.'.join(keys)} is {value!r}, expected "
+                                f"{'a list of numbers' if name == 'accuracies' else 'a positive integer'}")
+        got[name] = tuple(value) if name == "accuracies" else value
+    return Expectations(**got)
+
+
+_OPEN, _CLOSE, _QUOTE, _BACKSLASH = 1, 2, 3, 4
+_BYTE_KIND = np.zeros(256, np.uint8)
+_BYTE_KIND[[ord("["), ord("{")]] = _OPEN
+_BYTE_KIND[[ord("]"), ord("}")]] = _CLOSE
+_BYTE_KIND[ord('"')] = _QUOTE
+_BYTE_KIND[ord("\\")] = _BACKSLASH
+
+
+def json_nesting(data: bytes, stop_above: int | None = None) -> tuple[int, int]:
+    """(deepest nesting of arrays and objects, byte offset where it is first reached) of JSON text,
+    brackets inside strings not counted; before parsing, so that no depth can exhaust the parser.
+
+    Vectorised over chunks, on the bracket, quote and backslash bytes only. Carried between chunks:
+    the depth, whether a string is open, and how many backslashes end the chunk (an odd run escapes
+    the quote right after it). With `stop_above`, stops after the first chunk deeper than that."""
+    depth, in_string, slashes, best = 0, 0, 0, (0, -1)
+    for lo in range(0, len(data), _SCAN_CHUNK):
+        kinds = _BYTE_KIND[np.frombuffer(data, np.uint8, count=min(_SCAN_CHUNK, len(data) - lo), offset=lo)]
+        pos = np.flatnonzero(kinds)
+        if pos.size == 0:
+            slashes = 0
+            continue
+        kind = kinds[pos]
+        bs = kind == _BACKSLASH
+        ids = np.arange(pos.size)
+        # adjacent[i]: element i directly follows element i-1 (element 0: the previous chunk's last byte)
+        adjacent = np.concatenate(([pos[0] == 0], np.diff(pos) == 1))
+        prev_bs = np.concatenate(([slashes > 0], bs[:-1]))
+        run_start = np.maximum.accumulate(np.where(bs & ~(adjacent & prev_bs), ids, -1))
+        run = np.where(run_start >= 0, ids - run_start + 1, ids + 1 + slashes)   # backslashes ending here
+        before = np.where(adjacent & prev_bs, np.concatenate(([slashes], run[:-1])), 0)
+        quote = (kind == _QUOTE) & (before % 2 == 0)
+        outside = (np.cumsum(quote) + in_string) % 2 == 0   # a quote is never a bracket: its parity is moot
+        step = ((kind == _OPEN) & outside).astype(np.int64) - ((kind == _CLOSE) & outside)
+        level = depth + np.cumsum(step)
+        top = int(level.argmax())
+        if level[top] > best[0]:
+            best = (int(level[top]), lo + int(pos[top]))
+            if stop_above is not None and best[0] > stop_above:
+                break
+        depth, in_string = int(level[-1]), (in_string + int(quote.sum())) % 2
+        slashes = int(run[-1]) if bs[-1] and pos[-1] == kinds.size - 1 else 0
+    return best
+
+
+def _non_finite(token: str) -> Any:
+    raise InvalidResult(f"result holds {token}: every number must be finite")
+
+
+def read_result(path: Path, max_bytes: int) -> Any:
+    """The engine's result file, parsed, or InvalidResult saying why it cannot be: missing, not a
+    regular file (a directory, a link, a FIFO), over `max_bytes` (checked before reading), not UTF-8,
+    nested deeper than MAX_RESULT_NESTING, not JSON, numbers the reader refuses (NaN, Infinity,
+    integers of thousands of digits)."""
+    try:
+        # O_NOFOLLOW: a link could point anywhere; O_NONBLOCK: opening a FIFO must not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise InvalidResult(f"engine exited 0 but wrote no result file at {path}") from None
+    except OSError as err:
+        kind = "a symbolic link" if os.path.islink(path) else "unreadable"
+        raise InvalidResult(f"the result at {path} is {kind} ({err.strerror}); write a regular file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise InvalidResult(f"the result at {path} is {kind}; write a regular file")
+        if st.st_size > max_bytes:
+            raise InvalidResult(f"result file is {st.st_size:,} bytes, over the limit of {max_bytes:,} "
+                                f"(engine setting max_result_mb)")
+        chunks, size = [], 0
+        while size <= max_bytes and (chunk := os.read(fd, min(max_bytes + 1 - size, 1 << 24))):
+            chunks.append(chunk)
+            size += len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:   # still growing: a process of the engine is writing it
+        raise InvalidResult(f"result file grew past the limit of {max_bytes:,} bytes while read")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidResult(f"result file is not valid JSON: not UTF-8 at byte {err.start}") from None
+    deepest, at = json_nesting(data, stop_above=MAX_RESULT_NESTING)
+    if deepest > MAX_RESULT_NESTING:
+        raise InvalidResult(f"result file nests arrays/objects {deepest} deep (reached at byte {at}); "
+                            f"the limit is {MAX_RESULT_NESTING}")
+    try:
+        return json.loads(text, parse_constant=_non_finite)
+    except json.JSONDecodeError as err:
+        raise InvalidResult(f"result file is not valid JSON: {err}") from None
+    except ValueError as err:   # e.g. an integer of more digits than Python converts
+        raise InvalidResult(f"result file holds a number the JSON reader refuses: {err}") from None
 
 
 def format_command(template: str, **values: Any) -> str:
@@ -114,11 +252,26 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _run_with_limit(command: str, env: dict[str, str], stderr_path: Path, timeout_s: float) -> tuple[int | None, float]:
-    """Run `command` in its own process group; on timeout kill the whole group. Returns (rc or None, wall)."""
-    start = time.perf_counter()
-    with open(stderr_path, "ab") as err:
-        proc = subprocess.Popen(["bash", "-c", command], stdout=err, stderr=err, stdin=subprocess.DEVNULL,
+@dataclass(frozen=True)
+class Finished:
+    """How the engine process ended: rc None when killed at the time limit; epoch seconds around it;
+    how many processes it left behind (all killed), and why some could not be, if so."""
+
+    rc: int | None
+    started_at: float
+    ended_at: float
+    wall_s: float
+    leftovers: int | None
+    leftover_problem: str | None
+
+
+def _run_with_limit(argv: Sequence[str], env: dict[str, str], cwd: Path, stderr_path: Path,
+                    timeout_s: float) -> Finished:
+    """Run `argv` in its own process group; on timeout kill the whole group. Then kill every process
+    the engine left, in any session or group (the runner adopts them as child subreaper)."""
+    with open(stderr_path, "ab") as err, Reaper() as reaper:
+        started_at, start = time.time(), time.perf_counter()
+        proc = subprocess.Popen(list(argv), stdout=err, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd,
                                 env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
@@ -135,49 +288,115 @@ def _run_with_limit(command: str, env: dict[str, str], stderr_path: Path, timeou
                     continue
             proc.wait()
             rc = None
-    return rc, time.perf_counter() - start
+        ended_at, wall = time.time(), time.perf_counter() - start
+        leftovers, problem = reaper.kill_leftovers()
+    return Finished(rc, started_at, ended_at, wall, leftovers, problem)
 
 
-def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str, expect: Expectations,
+def _gpu_environment(assigned: Sequence[str]) -> dict[str, str]:
+    """The engine sees exactly its devices, numbered as nvidia-smi numbers them (PCI bus order; CUDA's
+    default order may differ), so the identity recorded for the run is the GPU it really used."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(assigned), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def verify_bundle(bundle: str) -> str:
+    """The bundle's sha256, after all its KDTR checksums and its sha256 record (written by the bundle
+    stage) have been checked; a damaged bundle makes a failed run, and the engine never sees it."""
+    try:
+        return verify_kdtr(bundle)
+    except IntegrityError as err:
+        raise InvalidResult(f"the input bundle failed verification, so the engine was not run: {err}") from None
+
+
+def check_bundle_unchanged(bundle: str, sha256: str) -> None:
+    """The bundle must leave the run as it entered it: engines share bundles, and the report judges
+    every run that used one by its hash."""
+    try:
+        after = sha256_file(bundle)
+    except OSError as err:
+        after = f"unreadable ({err.strerror})"
+    if after != sha256:
+        raise InvalidResult(f"the input bundle {bundle} changed during the run (sha256 {sha256} before, {after} "
+                            f"after): the engine or another process wrote into it; the result is not trusted")
+
+
+def write_result(output: Path, text: str) -> None:
+    """The final result and its sha256 record `<output>.sha256`, by which the report notices a result
+    rewritten after the runner wrote it."""
+    write_text_atomic(output, text)
+    write_record(output, sha256_bytes(text.encode("utf-8")))
+
+
+def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str,
                gpus: int, devices: Sequence[str], lock_dir: str, timeout_s: float, stderr_path: str,
-               extra_env: dict[str, str] | None = None, python: str = sys.executable) -> dict[str, Any]:
-    """Run the engine and write the final result (ok or failed) atomically to `output`."""
+               max_result_mb: float, scratch_dir: str, sandbox: bool = False, results_dir: str | None = None,
+               expect: Expectations | None = None, extra_env: dict[str, str] | None = None,
+               python: str = sys.executable) -> dict[str, Any]:
+    """Run the engine and write the final result (ok or failed) atomically to `output`.
+
+    The engine runs in `scratch_dir` (wiped first; removed after an ok run, kept after a failed one
+    for inspection) and writes its result there; no process it starts outlives the run. `sandbox`:
+    under bubblewrap, with `results_dir` hidden but for the bundle and the scratch directory.
+    `max_result_mb`: larger result files are refused before they are read. `expect`: what a valid
+    result holds; None (the pipeline) reads it from the bundle after verifying the bundle's checksums."""
     kind, budget = parse_mode(mode)
+    if sandbox and results_dir is None:
+        raise ValueError("sandbox needs results_dir: the directory hidden from the engine")
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.engine-{os.getpid()}.partial")
+    scratch = Path(scratch_dir).resolve()
+    dirs = fresh_scratch(scratch)
+    partial = dirs["out"] / "result.json"
+    bundle_path = Path(bundle).resolve()   # the engine's working directory is its scratch directory
     stderr_file = Path(stderr_path)
     stderr_file.parent.mkdir(parents=True, exist_ok=True)
     stderr_file.write_bytes(b"")
-    record: dict[str, Any] = {"engine": engine, "bundle": str(bundle), "mode": mode, "budget": budget}
+    record: dict[str, Any] = {"engine": engine, "bundle": str(bundle), "mode": mode, "budget": budget,
+                              "sandbox": sandbox}
     try:
+        bundle_sha256 = verify_bundle(bundle)
+        record["inputs"] = {"bundle": {"path": str(bundle), "sha256": bundle_sha256}}
+        if expect is None:
+            expect = expectations_from_bundle(bundle)
+        if sandbox and (problem := sandbox_problem()) is not None:
+            raise InvalidResult(f"sandbox: true, but {problem}")
+        if bundle_path.exists():
+            make_read_only(bundle_path)
         with lease(gpus, devices, lock_dir) as assigned:
-            env = {**os.environ, **(extra_env or {})}
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(assigned)
-            cmd = format_command(command, bundle=bundle, mode=kind, budget=budget, output=partial,
+            env = {**os.environ, **(extra_env or {}), **(_gpu_environment(assigned) if gpus else {}),
+                   "TMPDIR": str(dirs["tmp"]), "K2VEC_WORKDIR": os.getcwd()}
+            cmd = format_command(command, bundle=bundle_path, mode=kind, budget=budget, output=partial,
                                  gpus=",".join(assigned), python=python)
+            argv = sandbox_command(cmd, bundle=bundle_path, scratch=scratch, home=dirs["home"],
+                                   hidden=Path(str(results_dir)).resolve()) if sandbox else ["bash", "-c", cmd]
             record["gpus"] = assigned
+            # asked before the engine starts, so that a run the GPU made fail still names the GPU
+            record["gpu_devices"], record["gpu_identity_error"] = identify(assigned)
             record["command"] = cmd
-            rc, wall = _run_with_limit(cmd, env, stderr_file, timeout_s)
-        record["wall_s"] = round(wall, 6)
+            done = _run_with_limit(argv, env, dirs["work"], stderr_file, timeout_s)
+        record.update(started_at=done.started_at, ended_at=done.ended_at, wall_s=round(done.wall_s, 6),
+                      leftover_processes_killed=done.leftovers)
+        if done.leftover_problem is not None:
+            raise InvalidResult(done.leftover_problem)
+        rc = done.rc
+        check_bundle_unchanged(bundle, bundle_sha256)
         if rc is None:
             raise InvalidResult(f"timed out after {timeout_s:g} s (killed)")
         if rc != 0:
             how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
             raise InvalidResult(f"engine {how}")
-        if not partial.exists():
-            raise InvalidResult("engine exited 0 but wrote no result file at {output}")
-        try:
-            result = json.loads(partial.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise InvalidResult(f"result file is not valid JSON: {err}") from None
+        result = read_result(partial, int(max_result_mb * 2**20))
         check_result(result, mode, expect)
         final = {**result, **record, "status": "ok", "reason": None}
-    except InvalidResult as err:
+        try:
+            text = json.dumps(final, indent=1, sort_keys=True, allow_nan=False)
+        except ValueError:   # 1e999 read as inf in a key the schema leaves free
+            raise InvalidResult("result holds a number too large for a float (read as infinity)") from None
+    except (InvalidResult, GpuError) as err:   # no devices for it: a failed row too, not a crash
         final = {"format": "k2vec-engine-result", "version": 1, **record, "status": "failed",
-                 "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": []}
-    finally:
-        partial.unlink(missing_ok=True)
-    write_text_atomic(out, json.dumps(final, indent=1, sort_keys=True) + "\n")
+                 "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": [], "scratch_kept": str(scratch)}
+        text = json.dumps(final, indent=1, sort_keys=True)
+    write_result(out, text + "\n")
+    if final["status"] == "ok":
+        remove_tree(scratch)
     return final

@@ -180,17 +180,21 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def parse_metadata(raw: bytes, offset: int = 0) -> dict:
-    """Strictly parse the metadata block; raise KdtrError naming the byte offset of the problem."""
+    """Strictly parse the metadata block; raise KdtrError at `offset`, the block's start.
+
+    Every metadata error is reported at the block's start, as the C reader does: the two parsers
+    stop at different bytes for some malformed texts, so the position inside the block, where the
+    parser knows it, goes into the reason only."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise KdtrError(offset + e.start, "metadata", f"not valid UTF-8 ({e.reason})") from None
+        raise KdtrError(offset, "metadata", f"not valid UTF-8 ({e.reason}) at metadata byte {e.start}") from None
     try:
         obj = json.loads(text, object_pairs_hook=_pairs, parse_int=_number(int),
                          parse_float=_number(float), parse_constant=_constant)
     except json.JSONDecodeError as e:
-        pos = offset + len(text[: e.pos].encode("utf-8"))
-        raise KdtrError(pos, "metadata", f"not valid JSON: {e.msg}") from None
+        pos = len(text[: e.pos].encode("utf-8"))
+        raise KdtrError(offset, "metadata", f"not valid JSON: {e.msg} at metadata byte {pos}") from None
     except _JsonReject as e:
         raise KdtrError(offset, "metadata", str(e)) from None
     except RecursionError:

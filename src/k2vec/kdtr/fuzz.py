@@ -372,13 +372,14 @@ def malformed_cases() -> list[tuple[str, bytes, str, int, str]]:
 
     def with_meta(raw):
         return replace_metadata(base, raw)
-    for cid, raw, off in [("meta-utf8", b'{"model":"\xff"}', 10), ("meta-json", b'{"model":tiny}', 9),
-                          ("meta-not-object", b'["model"]', 0), ("meta-dup-key", b'{"a":1,"a":2}', None),
-                          ("meta-dup-key-escaped", b'{"a":1,"\\u0061":2}', None), ("meta-nan", b'{"a":NaN}', None),
-                          ("meta-depth", b'{"a":' + b"[" * 128 + b"]" * 128 + b"}", None),
-                          ("meta-long-number", b'{"a":' + b"1" * 101 + b"}", None),
-                          ("meta-lone-surrogate", b'{"a":"\\ud800"}', None), ("meta-empty", b"", 0)]:
-        out.append((cid, with_meta(raw), "metadata", None if off is None else meta_off + off, "open"))
+    # every metadata problem is reported at the metadata's start (docs/kdtr-format.md §7 rule 23)
+    for cid, raw in [("meta-utf8", b'{"model":"\xff"}'), ("meta-json", b'{"model":tiny}'),
+                     ("meta-not-object", b'["model"]'), ("meta-dup-key", b'{"a":1,"a":2}'),
+                     ("meta-dup-key-escaped", b'{"a":1,"\\u0061":2}'), ("meta-nan", b'{"a":NaN}'),
+                     ("meta-depth", b'{"a":' + b"[" * 128 + b"]" * 128 + b"}"),
+                     ("meta-long-number", b'{"a":' + b"1" * 101 + b"}"),
+                     ("meta-lone-surrogate", b'{"a":"\\ud800"}'), ("meta-empty", b"")]:
+        out.append((cid, with_meta(raw), "metadata", meta_off, "open"))
     last = HEADER.unpack_from(base)[4]
     case("crc-mismatch", "dir[1].crc32", 512, put(512, 1, 99), stage="verify")
     case("tensor-padding", "padding", 512 + 20, put(512 + 20, 1, 1), stage="verify")

@@ -7,7 +7,7 @@ import pandas as pd
 from ..atomic import write_text_atomic
 from ..errors import K2VecError
 
-FAILING_CLASSES = ("real", "failed")
+FAILING_CLASSES = ("real", "failed", "changed")  # changed: a run whose result or inputs changed under it
 
 
 class StrictFailure(K2VecError):

@@ -94,7 +94,8 @@ def summary_text(m: Metrics) -> str:
             lines.append(f"  ... and {len(sub) - MAX_TEXT_LINES} more {cls} rows (divergence.csv)")
     failed = m.runs[m.runs["status"] != "ok"] if len(m.runs) else m.runs
     for _, r in failed.drop_duplicates("run").head(MAX_TEXT_LINES).iterrows():
-        lines.append(f"  FAILED: {r['engine']} {r['model']}/{r['precision']} {r['mode']}: {r['reason']}")
+        label = "CHANGED" if r["status"] == "changed" else "FAILED"
+        lines.append(f"  {label}: {r['engine']} {r['model']}/{r['precision']} {r['mode']}: {r['reason']}")
     if len(failed.drop_duplicates("run")) > MAX_TEXT_LINES:
         lines.append(f"  ... and {len(failed.drop_duplicates('run')) - MAX_TEXT_LINES} more failed runs")
     fp = rows.dropna(subset=["first_bad_step"])
@@ -218,7 +219,8 @@ def _summary_table(m: Metrics) -> str:
     runs, note = _capped(runs, MAX_SUMMARY_ROWS, "run x accuracy rows (worst first)")
     header = [("run", "wrap"), ("worst", ""), ("prompts", ""), ("exact", "num"), ("first div. step", "num"),
               ("max |\u0394logit|", "num"), ("max KL", "num"), ("bad fingerprint", ""),
-              ("router diff step", "num"), ("trees differ", "num"), ("\u03c4 eng / gold", "num"), ("tok/s", "num")]
+              ("router diff step", "num"), ("trees differ", "num"), ("\u03c4 eng / gold", "num"), ("tok/s", "num"),
+              ("GPU", "wrap")]
     body = []
     for _, r in runs.iterrows():
         tau = "\u2013" if _na(r["accept_mean_engine"]) else f"{r['accept_mean_engine']:.2f} / {r['accept_mean_golden']:.2f}"
@@ -229,6 +231,7 @@ def _summary_table(m: Metrics) -> str:
             f"{int(r['exact'])}/{int(r['prompts'])}", fmt(r["first_step"], "int"), fmt(r["logit_abs_max"], "e"),
             fmt(r["kl_max"], "e"), _step_layer(r["first_bad_step"], r["first_bad_layer"]),
             fmt(r["router_diff_step"], "int"), trees, tau, fmt(r["tokens_per_s"], "f2"),
+            "\u2013" if _na(r["gpu"]) else _e(r["gpu"]),
         ])
     legend = '<p class="legend note">' + "".join(f"<span>{badge(c)}</span>" for c in CLASSES) + "</p>"
     return legend + _table("summary-table", header, body) + note
@@ -349,6 +352,8 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
                            f"the position fed at that step (the smallest is shown).",
         "real": "a divergence with no near-tie to explain it.",
         "failed": "the engine run failed (time limit, crash, invalid output); the reason is shown.",
+        "changed": "not judged: the result, or the bundle or golden it used, changed after the run (its sha256 "
+                   "no longer matches the one recorded when it was written); the reason names the file.",
     }
     defs_html = "".join(f"<dt>{badge(c)}</dt><dd>{d}</dd>" for c, d in defs.items())
     parts = [

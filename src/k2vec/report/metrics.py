@@ -25,10 +25,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from ..digests import IntegrityError
 from ..engines.runner import parse_mode
+from ..gpus import short_uuid
 from ..kdtr import KdtrError, open_bundle
+from .integrity import CHANGED, RunChecks, verify_golden
 
-CLASSES = ("exact", "near-tie", "router-near-tie", "real", "failed")
+# changed: the result or its inputs changed after the run (report/integrity.py); the run is not judged
+CLASSES = ("exact", "near-tie", "router-near-tie", "real", "failed", "changed")
 SEVERITY = {c: i for i, c in enumerate(CLASSES)}  # higher = worse
 REL_EPS = 2.22e-16  # Polygraphy's guard for a zero reference value
 
@@ -43,7 +47,7 @@ ROW_COLUMNS = [
     "router_diff_step", "router_diff_layer",
     "tree_match", "first_tree_diff_round", "first_tree_diff_node", "tree_diff_what",
     "accept_mean_engine", "accept_mean_golden", "tokens_per_s", "decode_tokens_per_s", "wall_s",
-    "device", "reason", "result",
+    "device", "gpu", "gpu_uuid", "reason", "result",
 ]
 _INT_COLUMNS = [
     "budget", "first_step", "matched_steps", "golden_token", "engine_token", "golden_rank_in_engine",
@@ -68,6 +72,10 @@ class Golden:
         if not path.exists():
             raise ReportError(f"golden for model {model!r} precision {precision!r} not found: {path}")
         self.model, self.precision, self.path = model, precision, path
+        try:   # nothing is judged against a golden that is not exactly what the golden stage wrote
+            self.sha256 = verify_golden(model, precision, path)
+        except IntegrityError as err:
+            raise ReportError(str(err)) from None
         try:
             self._bundle = open_bundle(path)
         except KdtrError as err:
@@ -171,7 +179,7 @@ class Metrics:
 
     @property
     def has_real_divergence_or_failure(self) -> bool:
-        return bool(self.rows["class"].isin(["real", "failed"]).any())
+        return bool(self.rows["class"].isin(["real", "failed", CHANGED]).any())
 
 
 def _load_result(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -189,7 +197,24 @@ def _load_result(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
     return res, None
 
 
-def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden) -> tuple[list[_Item], dict[str, Any]]:
+def gpu_identity(res: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+    """(label, UUIDs) of the GPUs a run used, from the runner's `gpu_devices`: 'NVIDIA H200 GPU-1a2b3c4d'
+    per device for the report, full UUIDs for grouping failures by GPU; (None, None) for CPU runs."""
+    devices = (res or {}).get("gpu_devices")
+    if not isinstance(devices, list) or not devices:
+        return None, None
+    labels, uuids = [], []
+    for d in devices:
+        d = d if isinstance(d, dict) else {}
+        if d.get("uuid"):
+            labels.append(f"{d.get('name') or 'GPU'} {short_uuid(str(d['uuid']))}")
+            uuids.append(str(d["uuid"]))
+        else:
+            labels.append(f"GPU {d.get('id')} (unidentified: {(res or {}).get('gpu_identity_error') or 'no UUID'})")
+    return "; ".join(labels), ";".join(uuids) or None
+
+
+def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) -> tuple[list[_Item], dict[str, Any]]:
     """The rows of one run entry and its run-level facts (status, throughput)."""
     kind, budget = parse_mode(spec["mode"])
     res, reason = _load_result(spec["result"])
@@ -197,19 +222,23 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden) -> tuple[list[_Item
     if res is not None and status != "ok":
         reason = str(res.get("reason") or f"status {status!r}")
         status = "failed"
+    changed = checks.problem(spec, res)
+    if changed:
+        status, reason = CHANGED, changed
     base = {"run": r_i, "engine": spec["engine"], "model": spec["model"], "precision": spec["precision"],
             "mode": spec["mode"], "budget": budget if kind == "ddtree" else None,
             "result": str(spec["result"]), "device": (res or {}).get("device")}
+    base["gpu"], base["gpu_uuid"] = gpu_identity(res)
     accs: list[float | None] = [None] if kind == "greedy" else list(g.accuracies)
     items: list[_Item] = []
 
-    def failed(why: str, accuracies: Sequence[float | None]) -> None:
+    def failed(why: str, accuracies: Sequence[float | None], status: str = "failed") -> None:
         for acc in accuracies:
             for p in range(g.n_prompts):
-                items.append(_Item({**base, "accuracy": acc, "prompt": p, "status": "failed", "reason": why}, None))
+                items.append(_Item({**base, "accuracy": acc, "prompt": p, "status": status, "reason": why}, None))
 
     if status != "ok":
-        failed(reason, accs)
+        failed(reason, accs, status)
     else:
         for run in res["runs"]:
             drafter = run.get("drafter")
@@ -537,7 +566,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
         for key in sorted(needed):
             opened[key] = Golden(key[0], key[1], goldens[key])
         th = {"near_tie": near_tie, "router_near_tie": router_near_tie, "fingerprint_rtol": fingerprint_rtol}
-        rows, runs_df, steps, acceptance = _engine_metrics(runs, opened, th)
+        rows, runs_df, steps, acceptance = _engine_metrics(runs, opened, th, RunChecks({k: g.sha256 for k, g in opened.items()}))
         fe, fe_steps, fe_models = _format_effect(opened, th)
         return Metrics(rows, runs_df, steps, acceptance, fe, fe_steps, fe_models, th)
     finally:
@@ -558,16 +587,16 @@ def _no_gc():
             gc.enable()
 
 
-def _engine_metrics(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float]):
+def _engine_metrics(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], checks: RunChecks):
     with _no_gc():
-        return _engine_metrics_inner(runs, opened, th)
+        return _engine_metrics_inner(runs, opened, th, checks)
 
 
-def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float]):
+def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], checks: RunChecks):
     items: list[_Item] = []
     stderr: dict[int, str | None] = {}
     for r_i, spec in enumerate(runs):
-        its, facts = _run_items(r_i, spec, opened[(spec["model"], spec["precision"])])
+        its, facts = _run_items(r_i, spec, opened[(spec["model"], spec["precision"])], checks)
         items.extend(its)
         stderr[r_i] = facts["stderr_tail"]
     if not items:   # no engine runs: the report still shows the format effect
@@ -575,7 +604,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
         return empty, pd.DataFrame(), pd.DataFrame(columns=["row", "step", "abs_max", "kl", "overlap"]), \
             _acceptance_hist([])
     base = pd.DataFrame([it.base for it in items])
-    base["class"] = np.where(base["status"] == "ok", "", "failed")
+    base["class"] = _not_judged_class(base["status"], "")
     extra: dict[str, np.ndarray] = {}
     step_frames, hist_rows = [], []
 
@@ -631,7 +660,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
                 put(ti, name, list(values))
     for name, values in extra.items():
         if name == "class":
-            base["class"] = np.where(base["status"] == "ok", values, "failed")
+            base["class"] = _not_judged_class(base["status"], values)
         elif name == "tree_match":
             base[name] = pd.array([None if (isinstance(v, float) and np.isnan(v)) else bool(v) for v in values],
                                   dtype="boolean")
@@ -642,6 +671,11 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
         columns=["i", "step", "abs_max", "kl", "overlap"])
     steps = steps.rename(columns={"i": "row"})
     return rows, _run_summary(rows, stderr), steps, _acceptance_hist(hist_rows)
+
+
+def _not_judged_class(status: pd.Series, judged) -> np.ndarray:
+    """`judged` where the run is ok, else its status as the class (failed, changed)."""
+    return np.where(status == "ok", judged, np.where(status == CHANGED, CHANGED, "failed"))
 
 
 def _acceptance_hist(hist_rows) -> pd.DataFrame:
@@ -693,7 +727,7 @@ def _run_summary(rows: pd.DataFrame, stderr: dict[int, str | None]) -> pd.DataFr
         trees=("tree_match", "count"), trees_differ=("tree_bad", "sum"),
         accept_mean_engine=("accept_mean_engine", "mean"), accept_mean_golden=("accept_mean_golden", "mean"),
         tokens_per_s=("tokens_per_s", "first"), decode_tokens_per_s=("decode_tokens_per_s", "first"),
-        wall_s=("wall_s", "first"), device=("device", "first"), reason=("reason", "first"), result=("result", "first"),
+        wall_s=("wall_s", "first"), device=("device", "first"), gpu=("gpu", "first"), reason=("reason", "first"), result=("result", "first"),
     )
     agg = agg.join(counts[list(CLASSES)]).reset_index()
     agg["worst"] = np.asarray(CLASSES, dtype=object)[agg["worst"].to_numpy()]

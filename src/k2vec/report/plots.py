@@ -20,7 +20,7 @@ from matplotlib.ticker import MaxNLocator
 from .metrics import CLASSES, SEVERITY
 
 COLORS = {"exact": "#43a047", "near-tie": "#fdd835", "router-near-tie": "#fb8c00", "real": "#e53935",
-          "failed": "#37474f"}
+          "failed": "#37474f", "changed": "#8e24aa"}
 MAX_GRID_ROWS = 60
 MAX_LINES = 40
 MAX_LAYER_ROWS = 60
@@ -99,12 +99,13 @@ def match_grid(rows: pd.DataFrame) -> bytes:
         # keep token divergences first (real, router-near-tie, near-tie: the rows to look at), then
         # failed runs (also listed in the failure table), then exact ones; the bar above counts all
         rank = per["worst"].map({SEVERITY["real"]: 0, SEVERITY["router-near-tie"]: 1, SEVERITY["near-tie"]: 2,
-                                 SEVERITY["failed"]: 3, SEVERITY["exact"]: 4})
+                                 SEVERITY["failed"]: 3, SEVERITY["changed"]: 3, SEVERITY["exact"]: 4})
         keep = per.assign(rank=rank).sort_values(["rank", "bad", "order"], ascending=[True, False, True]).head(MAX_GRID_ROWS)
         shown = keep["worst"].value_counts()
         total = per["worst"].value_counts()
         parts = [f"{int(shown.get(SEVERITY[c], 0))}/{int(total.get(SEVERITY[c], 0))} {c}"
-                 for c in ("real", "router-near-tie", "near-tie", "failed", "exact") if total.get(SEVERITY[c], 0)]
+                 for c in ("real", "router-near-tie", "near-tie", "failed", "changed", "exact")
+                 if total.get(SEVERITY[c], 0)]
         note = (f"showing {MAX_GRID_ROWS} of {n_all:,} run x accuracy rows, divergences first\n"
                 f"(by worst class, shown/all: {', '.join(parts)})")
         per = keep.drop(columns="rank").sort_values("order")
@@ -155,7 +156,7 @@ def match_grid(rows: pd.DataFrame) -> bytes:
     if n_prompts <= 40:
         fstep = df["first_step"].to_numpy()
         for r, p, sev, s in zip(r_i, df["prompt"].to_numpy(), df["sev"].to_numpy(), fstep):
-            if sev == SEVERITY["failed"]:
+            if sev >= SEVERITY["failed"]:
                 ax.text(p, r, "\u00d7", ha="center", va="center", fontsize=9, color="white")
             elif not pd.isna(s):
                 ax.text(p, r, str(int(s)), ha="center", va="center", fontsize=7,

@@ -6,13 +6,24 @@ Faults are injected by editing the returned dict: it follows result.schema.json 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..digests import sha256_bytes, write_record
 from ..engines.runner import parse_mode
 from ..kdtr import open_bundle
+
+
+def write_result(path: str | Path, result: dict[str, Any]) -> str:
+    """Leave `result` at `path` as the engine runner does: the JSON and its sha256 record, which the
+    report checks (a result without one is shown as changed, not judged)."""
+    text = json.dumps(result)
+    Path(path).write_text(text)
+    write_record(path, sha256_bytes(text.encode("utf-8")))
+    return str(path)
 
 
 def case_goldens(case: dict[str, Any], root: str | Path) -> dict[tuple[str, str], Path]:

@@ -1,0 +1,181 @@
+"""Configs refused before any job: too big for this machine (memory, files), duplicated keys and
+YAML syntax errors with their line, engine command templates with a stray brace."""
+import math
+import re
+
+import pytest
+
+from conftest import copy_workflow, default_config, snakemake, write_config
+from k2vec import budget
+from k2vec.architecture import tensor_shapes
+from k2vec.configfile import ConfigFileError, check_config_file
+from k2vec.configfile import main as configfile_main
+from k2vec.errors import ConfigError
+from k2vec.spec import check_command_template, resolve_model
+
+
+def _run(tmp_path, config: dict, *args) -> tuple[int, str]:
+    """(exit status, everything Snakemake printed: its log goes to stdout or stderr depending on when)."""
+    cfg = write_config(tmp_path / "user.yaml", config)
+    res = snakemake(*args, "--directory", str(tmp_path), "--configfile", str(cfg), "--replace-workflow-config",
+                    cwd=tmp_path)
+    return res.returncode, res.stdout + res.stderr
+
+
+def _run_in(root, *args) -> tuple[int, str]:
+    res = snakemake(*args, cwd=root, snakefile=root / "Snakefile")
+    return res.returncode, res.stdout + res.stderr
+
+
+def _one_model(**overrides) -> dict:
+    config = default_config()
+    config["models"] = {"big": {"preset": "small", **overrides}}
+    return config
+
+
+# ------------------------------------------------------------------------------ resource budget
+
+
+@pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "real-run"])
+@pytest.mark.parametrize("key, value, stage", [("vocab_size", 200_000_000, "weights"),
+                                               ("num_hidden_layers", 100_000, "golden")])
+def test_config_too_big_for_memory_stops_before_any_job(tmp_path, key, value, stage, dry):
+    rc, out = _run(tmp_path, _one_model(**{key: value}), *(["-n"] if dry else ["--cores", "1"]))
+    assert rc != 0
+    m = re.search(r"Invalid configuration: config key 'models\.big\.(\w+)': the (\w+) stage of model 'big' "
+                  r"needs ~([\d.]+) GiB of memory \((.*?)\); this machine has ([\d.]+) GiB available", out)
+    assert m, out[-2000:]
+    assert m.group(1) == key and m.group(2) == stage
+    assert float(m.group(3)) > 1000 > float(m.group(5))  # both sides of the comparison are in the message
+    assert not (tmp_path / "results").exists()
+
+
+def test_too_many_files_stops_before_any_job(tmp_path):
+    # 300 layers of 64 tiny experts: little memory, but ~120,000 files (a .qw and .sc per weight)
+    config = default_config()
+    config["models"] = {"wide": {"preset": "tiny", "num_hidden_layers": 300, "n_routed_experts": 64,
+                                 "moe_intermediate_size": 2}}
+    rc, out = _run(tmp_path, config, "-n")
+    assert rc != 0
+    m = re.search(r"config key 'models\.wide\.(\w+)': model 'wide' would write ~([\d,]+) files .* more than the "
+                  r"limit of 100,000", out)
+    assert m, out[-2000:]
+    assert m.group(1) == "num_hidden_layers" and int(m.group(2).replace(",", "")) > 100_000
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None, "n_shared_experts": 0}, {"first_k_dense_replace": 0},
+                                       {"first_k_dense_replace": 3}, {"n_shared_experts": 2, "n_routed_experts": 32}])
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_closed_form_counts_match_the_checkpoint_layout(preset, overrides):
+    m = resolve_model("m", {"preset": preset, **overrides})
+    shapes = tensor_shapes(m)
+    c = budget.counts(m)
+    assert c.params == sum(math.prod(s) for s in shapes.values())
+    assert c.tensors == len(shapes)
+    assert c.largest_tensor == max(math.prod(s) for s in shapes.values())
+    experts = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." in n)
+    assert c.expert_params == experts
+    assert c.mlp_params == sum(math.prod(s) for n, s in shapes.items() if n.endswith("_proj.weight") and ".mlp." in n)
+
+
+def test_default_config_fits_and_a_small_disk_is_refused(monkeypatch, tmp_path):
+    config = default_config()
+    runs = [("numpy", m, p, "greedy") for m in config["models"] for p in ("fp32", "int4")]
+    budget.check_config(config, runs, tmp_path / "results")  # this machine runs the default config
+    monkeypatch.setattr(budget, "free_disk", lambda path: 10 << 20)
+    with pytest.raises(ConfigError) as err:
+        budget.check_config(config, runs, tmp_path / "results")
+    assert re.search(r"the outputs need ~\d+ MiB of disk .* has 10 MiB free", err.value.reason), err.value
+    monkeypatch.setenv(budget.SKIP_ENV, "1")
+    budget.check_config(config, runs, tmp_path / "results")
+
+
+def test_driver_is_the_overridden_key_that_grows_the_estimate():
+    config = default_config()
+    m = resolve_model("x", {"preset": "small", "vocab_size": 10**6, "num_attention_heads": 8})
+    weights = lambda mm, cc: budget.stage_memory(mm, cc)[0].amount  # noqa: E731
+    assert budget._driver(weights, m, config, "models.x") == "models.x.vocab_size"
+    preset = resolve_model("x", {"preset": "small"})  # no override: the key whose doubling costs most
+    assert budget._driver(weights, preset, config, "models.x") in {"models.x.vocab_size", "models.x.hidden_size"}
+
+
+# ---------------------------------------------------------------------------- config file syntax
+
+
+def test_duplicate_top_level_key_in_config_yaml_names_both_lines(tmp_path):
+    root = copy_workflow(tmp_path)
+    text = (root / "config.yaml").read_text()
+    first = text.splitlines().index("report:") + 1
+    (root / "config.yaml").write_text(text + "report:\n  strict: true\n")
+    dup = len(text.splitlines()) + 1
+    rc, out = _run_in(root, "-n")
+    assert rc != 0
+    assert f"config.yaml, line {dup}, column 1: duplicate key 'report' (first at line {first})" in out, out[-2000:]
+    assert not (root / "results").exists()
+
+
+def test_duplicate_nested_key_in_a_configfile_names_its_path_and_lines(tmp_path):
+    cfg = tmp_path / "user.yaml"
+    cfg.write_text("models:\n  tiny:\n    preset: tiny\n    seed: 1\n    seed: 2\n")
+    res = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(cfg), cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    assert "user.yaml, line 5, column 5: duplicate key 'models.tiny.seed' (first at line 4)" in out, out[-2000:]
+
+
+def test_yaml_syntax_error_in_config_yaml_names_line_and_column(tmp_path):
+    root = copy_workflow(tmp_path)
+    lines = (root / "config.yaml").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  count:"))
+    lines[at] = "  count: [4"  # an unclosed flow sequence: the parser notices on the next line
+    (root / "config.yaml").write_text("\n".join(lines) + "\n")
+    rc, out = _run_in(root, "-n")
+    assert rc != 0
+    assert re.search(rf"config\.yaml, line {at + 2}, column \d+: YAML syntax error: .*started at line {at + 1}",
+                     out), out[-2000:]
+
+
+def test_tab_indentation_is_explained(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("report:\n\tstrict: true\n")
+    with pytest.raises(ConfigFileError, match=r"c\.yaml, line 2, column 1: .*not tabs"):
+        check_config_file(cfg)
+    # the command README points to for --configfile files, which Snakemake parses before the workflow
+    assert configfile_main([str(cfg)]) == 1 and "line 2, column 1" in capsys.readouterr().err
+
+
+def test_aliases_are_walked_once(tmp_path):
+    # a "billion laughs" document: 10 levels of 10 aliases would be 10^10 nodes if expanded
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join(['*a' + str(i - 1)] * 10)}]" for i in range(1, 10)]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    check_config_file(cfg)
+
+
+# ------------------------------------------------------------------------- engine command templates
+
+
+@pytest.mark.parametrize("command, problem, position", [
+    ("{python} run.py --bundle {bundle} --output {output}}", "stray '}'", 52),
+    ("awk '{print $1}' {bundle} > {output}", "unknown placeholder {print $1}", 6),
+])
+def test_engine_command_template_errors_name_key_and_position(tmp_path, command, problem, position):
+    config = default_config()
+    config["engines"] = {"mine": {"command": command}}
+    rc, msg = _run(tmp_path, config, "-n")
+    assert rc != 0
+    assert f"config key 'engines.mine.command': {problem} at character {position}" in msg, msg[-2000:]
+    assert "write it twice ({{ or }})" in msg
+    assert not (tmp_path / "results").exists()
+
+
+def test_command_template_rules():
+    ok = check_command_template("awk '{{print $1}}' {bundle} > {output}", "k")
+    assert ok == {"bundle", "output"}
+    for bad, what in [("x { {bundle} {output}", "stray '{' at character 3"),
+                      ("x {bundle} {output!r}", "conversion or format spec"),
+                      ("x {} {bundle} {output}", "unknown placeholder {}")]:
+        with pytest.raises(ConfigError, match=re.escape(what)):
+            check_command_template(bad, "engines.e.command")

@@ -1,0 +1,369 @@
+"""Every stage verifies what it reads, and the report notices inputs that changed under a run.
+
+Damage is done as a careless user or a hostile engine would: one byte inverted in place, the file's
+timestamps kept (so Snakemake sees nothing). Unit tests cover each reader; the Snakemake tests follow
+the user's path on a tiny config: rerun a stage over a damaged input, or run an engine that damages
+what the judge reads.
+"""
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import REPO, copy_workflow, default_config, snakemake, write_config
+from test_quant import make_fp32_checkpoint, make_spec
+from test_report_metrics import make_goldens
+
+from k2vec.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, write_shards
+from k2vec.digests import IntegrityError, check_record, sha256_file, verify_kdtr, write_record
+from k2vec.engines.runner import Expectations, run_engine
+from k2vec.int4_checkpoint import open_int4, quantize_checkpoint
+from k2vec.kdtr import open_bundle, write_bundle
+from k2vec.quant import QuantError
+from k2vec.report.metrics import ReportError, compute_metrics
+from k2vec.report.synthetic import perfect_result, write_result
+
+TAMPER = REPO / "tests" / "engines" / "tamper_engine.py"
+
+
+def flip_byte(path: Path, offset: int | None = None) -> int:
+    """Invert one byte (the middle one by default) in place, keeping the file's timestamps."""
+    st = os.stat(path)
+    data = bytearray(path.read_bytes())
+    offset = len(data) // 2 if offset is None else offset
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return offset
+
+
+def tensor_offset(path: Path, name: str) -> int:
+    with open_bundle(path) as b:
+        return b.info(name).offset
+
+
+# ------------------------------------------------------------------------------- checkpoint, int4
+
+
+def test_changed_checkpoint_shard_is_named(tmp_path):
+    shards = [[("a", np.arange(64, dtype=np.float32))], [("b", np.ones(64, np.float32))]]
+    write_shards(tmp_path, shards, 2)
+    (tmp_path / "config.json").write_text("{}")
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert index["metadata"]["sha256"]["model-00002-of-00002.safetensors"] == \
+        sha256_file(tmp_path / "model-00002-of-00002.safetensors")
+    flip_byte(tmp_path / "model-00002-of-00002.safetensors", -4)   # inside tensor b's data
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt["a"][5] == 5   # the intact shard still reads
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: sha256 .* changed since"):
+        ckpt["b"]
+    # an index that records no hashes cannot be verified
+    del index["metadata"]["sha256"]
+    (tmp_path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="no sha256 recorded"):
+        Checkpoint(tmp_path)
+
+
+def test_changed_int4_file_is_named(tmp_path):
+    fp32 = make_fp32_checkpoint(tmp_path / "fp32")
+    out = tmp_path / "int4"
+    quantize_checkpoint(fp32, out, make_spec(fp32))
+    name = "model.layers.1.mlp.experts.0.up_proj.weight"
+    flip_byte(out / f"{name}.sc", 0)  # same size: only the hash can tell
+    q = open_int4(out)
+    with pytest.raises(QuantError, match=rf"{name}\.sc: tensor {name}: sha256 .* changed since"):
+        q[name]
+    assert q["model.layers.1.mlp.experts.1.up_proj.weight"].packed.shape[0] > 0  # the others still read
+
+
+# ------------------------------------------------------------------------------------- runner
+
+
+def tiny_bundle(path: Path) -> str:
+    write_bundle(path, {"x": np.arange(512, dtype=np.float32)}, {"kind": "test"}, alignment=64)
+    write_record(path)
+    return str(path)
+
+
+def run_with(tmp_path, bundle: str, body: str):
+    """Run a python engine (`body`, with `out` and `bundle` set) that leaves a marker when it starts."""
+    script = tmp_path / "engine.py"
+    marker = tmp_path / "engine-started"
+    script.write_text(f"import json, os, sys\nopen({str(marker)!r}, 'w').close()\nout, bundle = sys.argv[1:3]\n"
+                      + body)
+    out = tmp_path / "run.json"
+    result = run_engine(engine="e", command=f"{sys.executable} {script} {{output}} {{bundle}}", bundle=bundle,
+                        mode="greedy", output=str(out), expect=Expectations(1, 2, 10), gpus=0, devices=[],
+                        lock_dir=str(tmp_path / "locks"), timeout_s=30, stderr_path=str(tmp_path / "stderr"))
+    assert check_record(out) and json.loads(out.read_text()) == result   # written with its record
+    return result, marker.exists()
+
+
+GOOD = "json.dump({'format': 'k2vec-engine-result', 'version': 1, 'runs': [{'drafter': None, " \
+       "'prompts': [{'tokens': [1, 2]}]}]}, open(out, 'w'))\n"
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("flip", r"b\.kdtr is corrupted at byte offset \d+ \(dir\[0\]\.crc32\): tensor 'x'"),
+    ("truncate", r"b\.kdtr is corrupted at byte offset 16 \(header\.file_size\).*truncated"),
+    ("no record", r"b\.kdtr: no sha256 record"),
+])
+def test_damaged_bundle_is_a_failed_run_and_the_engine_never_starts(tmp_path, damage, words):
+    bundle = Path(tiny_bundle(tmp_path / "b.kdtr"))
+    if damage == "flip":
+        flip_byte(bundle, -100)
+    elif damage == "truncate":
+        bundle.write_bytes(bundle.read_bytes()[:-64])
+    else:
+        os.unlink(str(bundle) + ".sha256")
+    r, started = run_with(tmp_path, str(bundle), GOOD)
+    assert r["status"] == "failed" and not started
+    assert "the input bundle failed verification, so the engine was not run" in r["reason"]
+    assert re.search(words, r["reason"]), r["reason"]
+
+
+def test_engine_that_changes_its_bundle_fails(tmp_path):
+    bundle = tiny_bundle(tmp_path / "b.kdtr")
+    before = sha256_file(bundle)
+    body = "d = bytearray(open(bundle, 'rb').read()); d[-8] ^= 1; open(bundle, 'wb').write(d)\n" + GOOD
+    r, started = run_with(tmp_path, bundle, body)
+    assert started and r["status"] == "failed"
+    assert f"the input bundle {bundle} changed during the run (sha256 {before} before" in r["reason"]
+    assert r["inputs"]["bundle"] == {"path": bundle, "sha256": before}
+
+
+def test_good_run_records_the_bundle_hash(tmp_path):
+    bundle = tiny_bundle(tmp_path / "b.kdtr")
+    r, _ = run_with(tmp_path, bundle, GOOD)
+    assert r["status"] == "ok" and r["inputs"]["bundle"] == {"path": bundle, "sha256": sha256_file(bundle)}
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+@pytest.fixture(scope="session")
+def goldens(tmp_path_factory):
+    return make_goldens(tmp_path_factory.mktemp("report-goldens"))
+
+
+def judge(tmp_path, goldens, result: dict, *, tamper=None):
+    path = write_result(tmp_path / "e.json", result)
+    if tamper:
+        tamper(Path(path))
+    runs = [{"engine": "e", "model": "tiny", "precision": "fp32", "mode": "greedy", "result": path}]
+    return compute_metrics(runs, {("tiny", "fp32"): goldens[("tiny", "fp32")]})
+
+
+def rows_of(m, engine="e"):
+    return m.rows[m.rows["engine"] == engine]
+
+
+def test_perfect_result_with_intact_records_is_exact(tmp_path, goldens):
+    m = judge(tmp_path, goldens, perfect_result(goldens[("tiny", "fp32")], "greedy"))
+    assert (rows_of(m)["class"] == "exact").all() and not m.has_real_divergence_or_failure
+
+
+def test_result_rewritten_after_the_run_is_changed_not_blamed(tmp_path, goldens):
+    def rewrite(path):   # another process plants a real divergence, keeping the timestamps
+        st = os.stat(path)
+        res = json.loads(path.read_text())
+        res["runs"][0]["prompts"][0]["tokens"][0] += 1
+        path.write_text(json.dumps(res))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    m = judge(tmp_path, goldens, perfect_result(goldens[("tiny", "fp32")], "greedy"), tamper=rewrite)
+    rows = rows_of(m)
+    assert (rows["class"] == "changed").all() and not (rows["class"] == "real").any()
+    assert rows["reason"].str.contains("result changed after the engine runner wrote it").all()
+    assert rows["reason"].str.contains("e.json: sha256").all()
+    assert m.has_real_divergence_or_failure   # strict mode does not pass a run it could not judge
+
+
+def test_result_overwritten_with_garbage_is_changed(tmp_path, goldens):
+    m = judge(tmp_path, goldens, perfect_result(goldens[("tiny", "fp32")], "greedy"),
+              tamper=lambda p: p.write_text("{\"runs\": ["))
+    assert (rows_of(m)["class"] == "changed").all()
+    assert rows_of(m)["reason"].str.contains("result changed after the engine runner wrote it").all()
+
+
+def test_result_without_record_is_changed(tmp_path, goldens):
+    m = judge(tmp_path, goldens, perfect_result(goldens[("tiny", "fp32")], "greedy"),
+              tamper=lambda p: os.unlink(str(p) + ".sha256"))
+    assert (rows_of(m)["class"] == "changed").all()
+    assert rows_of(m)["reason"].str.contains("no sha256 record").all()
+
+
+def bundle_for(tmp_path, golden: Path, golden_sha256: str | None = None) -> dict:
+    """A bundle as the bundle stage leaves it (its record, the golden's hash in its metadata), and the
+    `inputs` entry the runner writes for a run on it."""
+    path = tmp_path / "tiny-fp32.kdtr"
+    write_bundle(path, {"x": np.zeros(256, np.float32)}, {"golden_sha256": golden_sha256 or sha256_file(golden)},
+                 alignment=64)
+    return {"bundle": {"path": str(path), "sha256": write_record(path)}}
+
+
+@pytest.mark.parametrize("what", ["intact", "flipped", "rebuilt", "other golden"])
+def test_run_whose_bundle_changed_is_changed(tmp_path, goldens, what):
+    golden = goldens[("tiny", "fp32")]
+    inputs = bundle_for(tmp_path, golden, "0" * 64 if what == "other golden" else None)
+    bundle = Path(inputs["bundle"]["path"])
+    if what == "flipped":
+        flip_byte(bundle, -8)
+    elif what == "rebuilt":   # a new bundle (with its record) after the run
+        write_bundle(bundle, {"x": np.ones(256, np.float32)}, {"golden_sha256": sha256_file(golden)}, alignment=64)
+        write_record(bundle)
+    m = judge(tmp_path, goldens, {**perfect_result(golden, "greedy"), "inputs": inputs})
+    rows = rows_of(m)
+    if what == "intact":
+        assert (rows["class"] == "exact").all()
+        return
+    assert (rows["class"] == "changed").all(), rows["reason"].tolist()
+    expected = {"flipped": "changed since this run used it", "rebuilt": "changed since this run used it",
+                "other golden": "was built from another golden"}[what]
+    assert rows["reason"].str.contains(f"input bundle {bundle} {expected}", regex=False).all()
+
+
+def test_damaged_golden_stops_the_report_naming_file_and_tensor(tmp_path, goldens):
+    golden = tmp_path / "fp32.kdtr"
+    shutil.copy2(goldens[("tiny", "fp32")], golden)
+    shutil.copy2(str(goldens[("tiny", "fp32")]) + ".sha256", str(golden) + ".sha256")
+    flip_byte(golden)
+    runs = [{"engine": "e", "model": "tiny", "precision": "fp32", "mode": "greedy",
+             "result": write_result(tmp_path / "e.json", perfect_result(golden, "greedy"))}]
+    with pytest.raises(ReportError, match=r"model 'tiny' precision 'fp32' .* so no run was judged: .*fp32\.kdtr is "
+                                          r"corrupted at byte offset \d+ \(dir\[\d+\]\.crc32\): tensor '"):
+        compute_metrics(runs, {("tiny", "fp32"): golden})
+
+
+def test_golden_rewritten_with_valid_checksums_is_caught_by_its_record(tmp_path, goldens):
+    """A KDTR file rewritten whole passes its own CRCs; only the record written with it tells."""
+    golden = tmp_path / "fp32.kdtr"
+    shutil.copy2(goldens[("tiny", "fp32")], golden)
+    write_record(golden, "f" * 64)
+    with pytest.raises(IntegrityError, match=r"fp32\.kdtr: sha256 [0-9a-f]{64} differs from the one recorded"):
+        verify_kdtr(golden)
+
+
+# --------------------------------------------------------------------------- through Snakemake
+
+
+def engine(behaviour: str, target: str = "-", precisions=("fp32",)) -> dict:
+    return {"command": f"{{python}} {TAMPER} {behaviour} {target} --bundle {{bundle}} --mode {{mode}} "
+                       f"--output {{output}}",
+            "models": ["tiny"], "precisions": list(precisions), "modes": ["greedy"], "timeout_s": 60}
+
+
+def tiny_config(engines: dict) -> dict:
+    config = default_config()
+    config["models"] = {"tiny": {"preset": "tiny"}}
+    config["prompts"].update(count=1, min_length=4, max_length=5)
+    config["decoding"].update(max_new_tokens=4, ddtree={"block_size": 4, "budgets": [1], "accuracies": [0.9]})
+    config["engines"] = engines
+    config["gpus"] = {"devices": [], "lock_dir": "/tmp/k2vec-gpu-locks"}
+    return config
+
+
+VICTIM = "results/runs/victim/tiny-fp32-greedy.json"
+BUNDLE = "results/bundles/tiny-fp32.kdtr"
+BUNDLE_INT4 = "results/bundles/tiny-int4.kdtr"
+GOLDEN = "results/golden/tiny/fp32.kdtr"
+VICTIM_ENGINE = engine("exact", precisions=("fp32", "int4"))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The tiny pipeline, run to the end with one engine that reproduces the golden exactly."""
+    root = copy_workflow(tmp_path_factory.mktemp("integrity"))
+    write_config(root / "config.yaml", tiny_config({"victim": VICTIM_ENGINE}))
+    env = {"PYTHONPATH": str(root / "src")}
+    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(pd.read_csv(root / "results/report/divergence.csv")["class"]) == {"exact"}
+    return root
+
+
+def workdir(built, tmp_path, engines: dict | None = None) -> tuple[Path, dict]:
+    """A copy of the built pipeline (timestamps kept: nothing is out of date), with extra engines."""
+    root = tmp_path / "wf"
+    shutil.copytree(built, root, symlinks=True)
+    if engines:
+        write_config(root / "config.yaml", tiny_config({"victim": VICTIM_ENGINE, **engines}))
+    return root, {"PYTHONPATH": str(root / "src")}
+
+
+def smk(root, env, *args):
+    return snakemake("--cores", "1", *args, snakefile=root / "Snakefile", cwd=root, env=env)
+
+
+def report_rows(root) -> pd.DataFrame:
+    return pd.read_csv(root / "results/report/divergence.csv").set_index(["engine", "precision"])
+
+
+@pytest.mark.parametrize("damaged, words", [
+    (GOLDEN, rf"refusing to build {BUNDLE} from a damaged golden: {GOLDEN} is corrupted at byte offset \d+ "
+             r"\(dir\[\d+\]\.crc32\): tensor 'golden\.p0\.tokens'"),
+    ("results/models/tiny/fp32/model-00002-of-00004.safetensors",
+     r"results/models/tiny/fp32/model-00002-of-00004\.safetensors: sha256 [0-9a-f]{64} differs from the one "
+     r"model\.safetensors\.index\.json recorded"),
+])
+def test_bundle_stage_refuses_damaged_inputs(built, tmp_path, damaged, words):
+    root, env = workdir(built, tmp_path)
+    flip_byte(root / damaged, tensor_offset(root / damaged, "golden.p0.tokens") if damaged == GOLDEN else None)
+    res = smk(root, env, "--forcerun", "bundle", "--", BUNDLE)
+    assert res.returncode != 0
+    assert re.search(words, res.stderr), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr   # the message, not a traceback (that is in the stage log)
+    assert not (root / BUNDLE).exists()
+
+
+def test_damaged_bundle_makes_a_failed_row(built, tmp_path):
+    root, env = workdir(built, tmp_path)
+    flip_byte(root / BUNDLE, tensor_offset(root / BUNDLE, "golden.p0.tokens"))
+    res = smk(root, env, "--forcerun", "engine_run")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = report_rows(root)
+    assert rows.loc[("victim", "int4"), "class"] == "exact"   # the other run goes on
+    victim = rows.loc[("victim", "fp32")]
+    assert victim["class"] == "failed"
+    assert "the input bundle failed verification, so the engine was not run" in victim["reason"]
+    assert re.search(rf"{BUNDLE} is corrupted at byte offset \d+ \(dir\[\d+\]\.crc32\): tensor 'golden\.p0\.tokens'",
+                     victim["reason"]), victim["reason"]
+
+
+def test_engines_damaging_what_the_judge_reads_are_caught(built, tmp_path):
+    """One run, two hostile engines that keep the timestamps of what they damage: `evil` rewrites the
+    victim's fp32 result with a real divergence; `flipper` flips a byte of the int4 bundle, which the
+    victim's int4 run used before."""
+    root, env = workdir(built, tmp_path, {"evil": engine("rewrite", VICTIM),
+                                          "flipper": engine("flip", BUNDLE_INT4, ["int4"])})
+    stamps = {p: os.stat(root / p).st_mtime_ns for p in (VICTIM, BUNDLE_INT4)}
+    res = smk(root, env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert {p: os.stat(root / p).st_mtime_ns for p in stamps} == stamps   # Snakemake saw nothing
+    rows = report_rows(root)
+    assert rows.loc[("victim", "fp32"), "class"] == "changed"   # judged, it would be a real divergence
+    assert f"result changed after the engine runner wrote it, not judged: {VICTIM}: sha256" in \
+        rows.loc[("victim", "fp32"), "reason"]
+    assert rows.loc[("evil", "fp32"), "class"] == "exact"
+    assert rows.loc[("flipper", "int4"), "class"] == "failed"
+    assert f"the input bundle {BUNDLE_INT4} changed during the run" in rows.loc[("flipper", "int4"), "reason"]
+    assert rows.loc[("victim", "int4"), "class"] == "changed"
+    assert f"input bundle {BUNDLE_INT4} changed since this run used it" in rows.loc[("victim", "int4"), "reason"]
+    summary = (root / "results/report/summary.txt").read_text()
+    assert "CHANGED: victim tiny/fp32 greedy" in summary and "CHANGED: victim tiny/int4 greedy" in summary
+
+
+def test_engine_flipping_the_golden_stops_the_report(built, tmp_path):
+    root, env = workdir(built, tmp_path, {"flipper": engine("flip", GOLDEN)})
+    res = smk(root, env)
+    assert res.returncode != 0
+    assert re.search(rf"{GOLDEN} is corrupted at byte offset \d+ \(dir\[\d+\]\.crc32\): tensor '",
+                     res.stderr), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert not (root / "results/report/divergence.csv").exists()

@@ -1,0 +1,191 @@
+"""Engine isolation: its own scratch directory, no process outliving its run, and the opt-in sandbox."""
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_runner import EXPECT, fake_engine, good_result
+
+from k2vec.engines.isolation import sandbox_problem
+from k2vec.engines.runner import run_engine
+from k2vec.kdtr.writer import write_bundle
+
+GOOD = f"json.dump({good_result()!r}, open(out, 'w'))\n"
+
+
+def run(tmp_path, body, timeout_s=20.0, sandbox=False, bundle=None):
+    """Run a fake engine the way the pipeline lays out results/ (bundle, runs, scratch)."""
+    results = tmp_path / "results"
+    if bundle is None:
+        bundle = results / "bundles" / "b.kdtr"
+        bundle.parent.mkdir(parents=True, exist_ok=True)
+        if not bundle.exists():
+            write_bundle(bundle, [("w", np.arange(8, dtype=np.float32))], {"x": 1})
+    out = results / "runs" / "fake" / "r.json"
+    r = run_engine(engine="fake", command=fake_engine(tmp_path, body) + " {bundle}", bundle=str(bundle),
+                   mode="greedy", output=str(out), expect=EXPECT, gpus=0, devices=[],
+                   lock_dir=str(tmp_path / "locks"), timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"),
+                   max_result_mb=1.0, scratch_dir=str(results / "scratch" / "fake" / "r"), sandbox=sandbox,
+                   results_dir=str(results))
+    assert json.loads(out.read_text()) == r
+    return r
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose command line holds `marker` (zombies have an empty command line)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                    found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+# ------------------------------------------------------------------------------------------- scratch
+
+
+def test_engine_runs_in_its_scratch_directory_removed_after_an_ok_run(tmp_path):
+    seen = tmp_path / "seen.json"
+    body = (f"json.dump({{'cwd': os.getcwd(), 'tmp': os.environ['TMPDIR'], 'out': out, 'bundle': sys.argv[2], "
+            f"'workdir': os.environ['K2VEC_WORKDIR']}}, open({str(seen)!r}, 'w'))\n"
+            "open('junk.bin', 'wb').write(b'x' * 1000)\n" + GOOD)
+    r = run(tmp_path, body)
+    s = json.loads(seen.read_text())
+    scratch = tmp_path / "results" / "scratch" / "fake" / "r"
+    assert r["status"] == "ok", r["reason"]
+    assert s["cwd"] == str(scratch / "work") and s["tmp"] == str(scratch / "tmp")
+    assert s["out"] == str(scratch / "out" / "result.json")
+    assert s["bundle"] == str(tmp_path / "results" / "bundles" / "b.kdtr")   # absolute: cwd is not the repo
+    assert s["workdir"] == os.getcwd()
+    assert not scratch.exists()
+    # the bundle is left read-only (this stops a non-root engine; root ignores the bits)
+    assert stat.S_IMODE((tmp_path / "results" / "bundles" / "b.kdtr").stat().st_mode) & 0o222 == 0
+
+
+def test_failed_run_keeps_its_scratch_until_the_next_run(tmp_path):
+    r = run(tmp_path, "open(out, 'w').write('{\"runs\": [')\nopen('core', 'w').write('dump')\nsys.exit(0)")
+    scratch = Path(r["scratch_kept"])
+    assert r["status"] == "failed" and "not valid JSON" in r["reason"]
+    assert (scratch / "out" / "result.json").read_text() == '{"runs": [' and (scratch / "work" / "core").exists()
+    # the engine made part of it unwritable: the next run still starts from an empty scratch directory
+    os.chmod(scratch / "work", 0o500)
+    r = run(tmp_path, "assert os.listdir('.') == [] and os.listdir(os.path.dirname(out)) == []\n" + GOOD)
+    assert r["status"] == "ok", r["stderr_tail"]
+    assert not scratch.exists()
+
+
+# --------------------------------------------------------------------------------- leftover processes
+
+
+DETACH = {
+    "setsid sleep": "os.system('setsid sleep {m} > /dev/null 2>&1 &')\n",
+    "python double fork + setsid": (
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.execvp('sleep', ['sleep', '{m}'])\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"),
+    "forking loop in a new session": "os.system('setsid bash -c \"while true; do sleep {m} & sleep 0.01; done\" "
+                                     "> /dev/null 2>&1 &')\n",
+}
+
+
+@pytest.mark.parametrize("how", DETACH)
+@pytest.mark.parametrize("ending", ["exit 0", "timeout"])
+def test_no_process_of_the_engine_outlives_its_run(tmp_path, how, ending):
+    marker = f"1000.{time.time_ns() % 10**9:09d}"   # `sleep 1000.xxx`: a command line no one else has
+    body = DETACH[how].format(m=marker) + "time.sleep(0.3)\n" + (GOOD if ending == "exit 0" else "time.sleep(60)\n")
+    t = time.monotonic()
+    r = run(tmp_path, body, timeout_s=2.0)
+    assert time.monotonic() - t < 20
+    assert processes_with(marker) == []
+    assert r["leftover_processes_killed"] >= 1
+    if ending == "exit 0":
+        assert r["status"] == "ok", r["reason"]
+    else:
+        assert r["status"] == "failed" and "timed out after 2 s" in r["reason"]
+
+
+# ------------------------------------------------------------------------------------------- sandbox
+
+
+@pytest.fixture
+def sandbox_ok():
+    problem = sandbox_problem()
+    if problem is not None and "namespaces" in problem:
+        pytest.skip(f"bubblewrap cannot sandbox in this container: {problem}")
+    assert problem is None, problem   # CI installs bubblewrap (.ci/run); missing it is an error, not a skip
+
+
+def test_sandboxed_engine_cannot_write_outside_its_output_directory(tmp_path, sandbox_ok):
+    results = tmp_path / "results"
+    other = results / "runs" / "other" / "victim.json"
+    other.parent.mkdir(parents=True)
+    other.write_text('{"untouched": true}')
+    outside = {"repository file": tmp_path / "src-file.py", "other engine's result": other,
+               "new file in results": results / "new.json",
+               "the bundle": results / "bundles" / "b.kdtr", "home": Path(os.path.expanduser("~")) / ".k2vec-probe"}
+    (tmp_path / "src-file.py").write_text("original\n")
+    tried = tmp_path / "tried.json"
+    body = (f"targets = {({k: str(v) for k, v in outside.items()})!r}\n"
+            "res = {}\n"
+            "for what, path in targets.items():\n"
+            "    try:\n"
+            "        with open(path, 'ab') as fh:\n"
+            "            fh.write(b'tampered')\n"
+            "        res[what] = 'written'\n"
+            "    except OSError as e:\n"
+            "        res[what] = e.strerror\n"
+            "res['sees other results'] = os.path.exists(targets[\"other engine's result\"])\n"
+            "res['reads bundle'] = len(open(sys.argv[2], 'rb').read())\n"
+            "open('in-work-dir', 'w').write('fine')\n"
+            f"print(json.dumps(res), file=sys.stderr)\n" + GOOD)
+    r = run(tmp_path, body, sandbox=True)
+    assert r["status"] == "ok" and r["sandbox"] is True, r.get("stderr_tail")
+    assert not outside["home"].exists()
+    assert (tmp_path / "src-file.py").read_text() == "original\n"
+    assert other.read_text() == '{"untouched": true}'
+    with open(results / "bundles" / "b.kdtr", "rb") as fh:
+        assert b"tampered" not in fh.read()
+    # what the engine saw, from its log
+    seen = json.loads((tmp_path / "stderr.log").read_text().strip().splitlines()[-1])
+    assert seen["repository file"] == "Read-only file system" and seen["home"] == "Read-only file system"
+    assert seen["the bundle"] == "Read-only file system" == seen["new file in results"]
+    assert not (results / "new.json").exists()
+    assert seen["other engine's result"] != "written" and seen["sees other results"] is False
+    assert seen["reads bundle"] == (results / "bundles" / "b.kdtr").stat().st_size
+
+
+def test_sandboxed_engine_processes_die_with_the_run(tmp_path, sandbox_ok):
+    marker = f"1000.{time.time_ns() % 10**9:09d}"
+    r = run(tmp_path, DETACH["setsid sleep"].format(m=marker) + GOOD, sandbox=True)
+    assert r["status"] == "ok", r["stderr_tail"]
+    assert processes_with(marker) == []
+
+
+def test_sandbox_where_bubblewrap_cannot_run_is_a_failed_row(tmp_path, monkeypatch):
+    monkeypatch.setattr("k2vec.engines.runner.sandbox_problem", lambda: "bubblewrap (bwrap) is not installed")
+    r = run(tmp_path, GOOD, sandbox=True)
+    assert r["status"] == "failed" and r["reason"] == "sandbox: true, but bubblewrap (bwrap) is not installed"
+
+
+def test_sandbox_without_bubblewrap_is_a_config_error(monkeypatch, config):
+    from k2vec.engines import isolation
+    from k2vec.errors import ConfigError
+    from k2vec.spec import resolve_engines
+    from conftest import REPO
+
+    config["engines"]["numpy"]["sandbox"] = True
+    monkeypatch.setattr(isolation, "sandbox_problem", lambda: "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)")
+    with pytest.raises(ConfigError, match=r"engines\.numpy\.sandbox.*bwrap\) is not installed.*or set sandbox: false"):
+        resolve_engines(config, str(REPO))
+    config["engines"]["numpy"]["sandbox"] = False
+    assert resolve_engines(config, str(REPO))["numpy"]["sandbox"] is False
