@@ -91,30 +91,31 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
     """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p]."""
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
+    # block b's expert: from the sorted layout, or (BLOCK_M == 1, unsorted) pair b's own top-k id
+    expert = tl.load(block_expert_ptr + pid_b)
+    if expert >= E:     # a spare block of the sorted layout
+        return
     if SORTED:
-        expert = tl.load(block_expert_ptr + pid_b)
         pairs = tl.load(pair_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
-    else:   # BLOCK_M == 1: block b is pair b, its expert read from the flat top-k ids
-        expert = tl.load(block_expert_ptr + pid_b)
+    else:
         pairs = pid_b + tl.arange(0, BLOCK_M)
-    if expert < E:
-        row_mask = pairs < num_pairs
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        w_e = w_ptr + expert.to(tl.int64) * stride_we
-        s_e = s_ptr + expert.to(tl.int64) * stride_se
-        x_rows = pairs // X_ROW_DIV
-        acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
-                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE)
-        if GATED:
-            up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
-                            s_e + N * stride_sn, stride_sn, offs_n, n_mask, K,
-                            G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE)
-            acc = acc / (1.0 + tl.exp(-acc)) * up
-        if WEIGHTED:
-            acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
-        y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    row_mask = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    s_e = s_ptr + expert.to(tl.int64) * stride_se
+    x_rows = pairs // X_ROW_DIV
+    acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
+                     G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE)
+    if GATED:
+        up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
+                        s_e + N * stride_sn, stride_sn, offs_n, n_mask, K,
+                        G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE)
+        acc = acc / (1.0 + tl.exp(-acc)) * up
+    if WEIGHTED:
+        acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+    y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 # M upper bound -> tile config of (gate/up, down); BLOCK_M 1 means one pair per program, unsorted.
@@ -155,6 +156,7 @@ def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, 
             x_row_div, gated, weighted, sorted_, group_size, cfg):
     bf16_scales = s.dtype == torch.bfloat16
     s = s.view(torch.int16) if bf16_scales else s
+    w = w.view(torch.int32)     # the packed bytes as words (see w4a16._int4_tile)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), num_blocks)
     _moe_kernel[grid](x, w, s, y, pair_ids, block_expert, route_w, num_pairs, n, k, num_experts,
                       x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),

@@ -1,0 +1,545 @@
+"""W4A16 Triton kernels on the GPU: correctness grid, timings on Kimi K2 shapes next to anchors, config sweep.
+
+One call does everything (device time is scarce):
+  * correctness (a pool of processes on the last GPU): every M in {1,2,4,8,16,32,64}, dense and fused MoE,
+    G 32/64/128, float32 and bfloat16 scales, shapes that are not tile multiples, float32 activations
+    (rel. err <= 1e-5 vs float64 dequantize-then-matmul) and bfloat16 (<= 1.6e-2); fresh inputs per check,
+    NaN-poisoned outputs, nibble flips that must be detected; plus the dense K2 shapes and the K2 MoE at M=1;
+  * timings on GPU 0, bfloat16 activations, G 32, bfloat16 scales (K2's checkpoint format): dense
+    K=7168->N=2048, K=2048->N=7168, K=7168->N=4096; fused MoE over 8 routed experts of a K2 layer with 384
+    experts resident (hidden 7168, intermediate 2048); anchors in the same run: torch bf16 matmul (cuBLAS),
+    torch int4 weight-only matmul, a plain read of the same number of bytes, a device-to-device copy.
+    Every timing is a CUDA graph of R calls over R different weight copies / routings (>= 4x L2 in total, so
+    each call reads cold), median of replays, divided by R;
+  * --sweep: tile configs per M bucket (compiled ahead by the pool, timed on GPU 0).
+
+    python3 bench/w4a16.py --out DIR [--sweep] [--skip-correctness]
+    TRITON_INTERPRET=1 python bench/w4a16.py --out DIR --smoke     # CPU plumbing check on tiny shapes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from k2vec.engines.gpu_triton.kernels import fused_moe, pack_for_gpu, w4a16_linear  # noqa: E402
+from k2vec.engines.gpu_triton.kernels import verify  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.fused_moe import MOE_CONFIGS, PackedExperts  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.w4a16 import DENSE_CONFIGS, pick_config  # noqa: E402
+
+MS = (1, 2, 4, 8, 16, 32, 64)
+GROUPS = (32, 64, 128)
+SCALES = ("float32", "bfloat16")
+DENSE_SHAPES = ((7168, 2048), (2048, 7168), (7168, 4096))     # (K, N)
+HIDDEN, INTER, EXPERTS, TOP_K = 7168, 2048, 384, 8
+L2_BYTES = 62_914_560
+
+
+# ---------------------------------------------------------------- correctness (pool workers)
+
+def correctness_jobs(smoke: bool) -> list[tuple[str, list, dict]]:
+    ms = (1, 3, 16) if smoke else MS
+    jobs = []
+    for m in ms:
+        for g in GROUPS:
+            for sd in SCALES:
+                for act in (("float32",) if smoke else ("float32", "bfloat16")):
+                    n, k = (37, 3 * g) if smoke else (1000, 18 * g)
+                    jobs.append(("check_dense", [m, n, k, g, sd, act], {}))
+                    e, h, i = (8, 3 * g, g) if smoke else (40, 9 * g, 5 * g)
+                    jobs.append(("check_moe", [m, e, h, i, 3 if smoke else 8, 6 if smoke else 30, g, sd, act], {}))
+    for m in ((1, 16) if smoke else (1, 16, 64)):
+        for flip in ("low", "high"):
+            jobs.append(("check_dense", [m, 37 if smoke else 1000, 96 if smoke else 576, 32, "float32", "float32"],
+                         {"flip": flip}))
+            jobs.append(("check_moe", [m, 8, 96, 32, 3, 6, 32, "float32", "float32"] if smoke else
+                         [m, 40, 288, 160, 8, 30, 32, "float32", "float32"], {"flip": flip}))
+    if not smoke:   # the real K2 shapes, float32 and bf16 activations
+        for k, n in DENSE_SHAPES:
+            for m in MS:
+                jobs.append(("check_dense", [m, n, k, 32, "bfloat16", "float32"], {}))
+        for m in (1, 2):
+            jobs.append(("check_moe", [m, 16, HIDDEN, INTER, TOP_K, 16, 32, "bfloat16", "float32"], {}))
+            jobs.append(("check_moe", [m, 16, HIDDEN, INTER, TOP_K, 16, 32, "bfloat16", "bfloat16"], {}))
+    return jobs
+
+
+def _worker_init(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
+def install_configs(dense, moe) -> None:
+    """Replace the kernels' per-M config tables (in this process) with the given ones."""
+    if dense:
+        DENSE_CONFIGS[:] = [(bound, cfg) for bound, cfg in dense]
+    if moe:
+        MOE_CONFIGS[:] = [(bound, tuple(cfg)) for bound, cfg in moe]
+
+
+def _run_check(job) -> dict:
+    fn, args, kwargs, tables = job
+    install_configs(*tables)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    try:
+        result = getattr(verify, fn)(*args, device=device, **kwargs)
+        row = {**asdict(result), "ok": result.ok}
+    except Exception as exc:      # a compile or launch failure is a result to report, not a crash
+        row = {"name": f"{fn} {args} {kwargs}", "error": f"{type(exc).__name__}: {exc}", "ok": False,
+               "trace": traceback.format_exc()[-2000:]}
+    row["flip"] = kwargs.get("flip")
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def _warm(job) -> str:
+    """Compile one sweep candidate on this worker's GPU so the timing process finds it in Triton's disk cache."""
+    kind, m, cfg = job
+    device = torch.device(f"cuda:{torch.cuda.current_device()}")
+    try:
+        gen = verify.generator(device, "warm")
+        if kind == "dense":
+            k, n = DENSE_SHAPES[0]
+            w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+            w4a16_linear(torch.randn(m, k, device=device, dtype=torch.bfloat16), w, config=cfg)
+        else:
+            experts = verify.random_experts(16, HIDDEN, INTER, 32, "bfloat16", gen, device)
+            ids, wts = verify.random_routing(m, TOP_K, 16, 16, gen, device)
+            fused_moe(torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16), experts, ids, wts, config=cfg)
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+# ---------------------------------------------------------------- timing helpers
+
+def graph_time_us(calls, batches: int = 5, replays: int = 4, min_calls: int = 16) -> float:
+    """µs per call: a CUDA graph runs `calls` in order (cycled to at least min_calls), replayed back to back;
+    median over batches. Each call reads different data, so with >= 4x L2 in rotation every call reads cold."""
+    calls = [calls[i % len(calls)] for i in range(max(min_calls, len(calls)))]
+    for call in calls[:len(set(map(id, calls)))]:      # compile / warm up outside the graph
+        call()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(batches):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (replays * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+def copies_for(nbytes: int) -> int:
+    """How many distinct copies make R calls read >= 4x the L2 in total (at least 2, at most 64)."""
+    return max(2, min(64, -(-4 * L2_BYTES // max(nbytes, 1))))
+
+
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr):
+    """Plain read: sums BLOCK int32 words per program (stored, so the loads are not removed)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    words = tl.load(src_ptr + offs, mask=offs < n_words, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(words, axis=0))
+
+
+def plain_read_us(nbytes: int, device) -> float:
+    """A cold read of `nbytes` (as int32 words) by one Triton kernel, rotated over copies, in a CUDA graph."""
+    words = -(-nbytes // 4)
+    r = copies_for(nbytes)
+    buf = torch.randint(-2**31, 2**31 - 1, (r, words), dtype=torch.int32, device=device)
+    block = 4096
+    out = torch.empty(r, triton.cdiv(words, block), dtype=torch.int32, device=device)
+    calls = [lambda i=i: _read_kernel[(triton.cdiv(words, block),)](buf[i], out[i], words, BLOCK=block,
+                                                                         num_warps=8) for i in range(r)]
+    return graph_time_us(calls)
+
+
+def copy_gbps(device, nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    us = graph_time_us([lambda: dst.copy_(src)], min_calls=4)
+    return 2 * nbytes / us / 1e3
+
+
+def torch_int4_calls(x_list, w_list, group: int):
+    """torch's int4 weight-only matmul on the same INT4 codes (its own tile layout); None where it refuses."""
+    try:
+        packed, szs = [], []
+        for w in w_list:
+            # torch wants even k in the high nibble: swap nibbles (a layout difference only)
+            swapped = ((w.packed & 0x0F) << 4) | (w.packed >> 4)
+            packed.append(torch._convert_weight_to_int4pack(swapped.contiguous(), 8))
+            scales = w.scales.to(torch.bfloat16).t().contiguous()                       # [K/G, N]
+            szs.append(torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous())  # zero 0: (q-8)*s
+        calls = [lambda x=x, p=p, s=s: torch._weight_int4pack_mm(x, p, group, s)
+                 for x, p, s in zip(x_list, packed, szs)]
+        calls[0]()
+        return calls
+    except Exception as exc:
+        print(f"  torch int4 matmul unavailable: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+
+
+# ---------------------------------------------------------------- timings
+
+def time_dense(device, log, configs=None) -> list[dict]:
+    rows = []
+    for k, n in DENSE_SHAPES:
+        gen = verify.generator(device, "bench dense", k, n)
+        one = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+        nbytes = one.packed.numel() + one.scales.numel() * 2
+        r = copies_for(nbytes)
+        weights = [one] + [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16",
+                                        device) for _ in range(r - 1)]
+        read = plain_read_us(nbytes, device)
+        w_bf16 = [w.dequantize().to(torch.bfloat16) for w in weights[:copies_for(n * k * 2)]]
+        for m in MS:
+            xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(r)]
+            outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(r)]
+            cfg = None
+            ours = graph_time_us([lambda x=x, w=w, o=o: w4a16_linear(x, w, out=o, config=cfg)
+                                  for x, w, o in zip(xs, weights, outs)])
+            bf16 = graph_time_us([lambda x=x, w=w: torch.nn.functional.linear(x, w)
+                                  for x, w in zip(xs, w_bf16)])
+            int4_calls = torch_int4_calls(xs, weights, 32)
+            int4 = graph_time_us(int4_calls) if int4_calls else None
+            row = dict(k=k, n=n, m=m, ours_us=ours, bf16_us=bf16, torch_int4_us=int4, read_us=read,
+                       weight_bytes=nbytes, gbps=nbytes / ours / 1e3, read_frac=read / ours,
+                       speedup_bf16=bf16 / ours, speedup_int4=(int4 / ours) if int4 else None,
+                       config=cfg or pick_config(DENSE_CONFIGS, m))
+            rows.append(row)
+            int4_text = "n/a" if int4 is None else f"{int4:.1f} us ({row['speedup_int4']:.2f}x)"
+            log(f"dense K={k} N={n} M={m}: ours {ours:.1f} us ({row['gbps']:.0f} GB/s, {row['read_frac']:.0%} of "
+                f"read {read:.1f} us) bf16 {bf16:.1f} us ({row['speedup_bf16']:.2f}x) int4 {int4_text}")
+        del weights, w_bf16
+    return rows
+
+
+class K2Layer:
+    """384 experts of one K2 MoE layer resident: INT4 (G 32, bf16 scales) and, for the baseline, bf16."""
+
+    def __init__(self, device, with_bf16: bool = True):
+        gen = verify.generator(device, "bench moe")
+        e, h, i = EXPERTS, HIDDEN, INTER
+        self.experts = PackedExperts(
+            torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=gen, device=device),
+            (torch.rand(e, 2 * i, h // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16),
+            torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=gen, device=device),
+            (torch.rand(e, h, i // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16),
+            e, h, i, 32)
+        # bf16 weights of the same shapes (random values: timing only)
+        if with_bf16:
+            self.w13_bf16 = torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=torch.bfloat16)
+            self.w2_bf16 = torch.randn(e, h, i, generator=gen, device=device, dtype=torch.bfloat16)
+        self.gen = gen
+        self.expert_bytes = (2 * i * h // 2 + h * i // 2) + 2 * (2 * i * h // 32 + h * i // 32)
+
+    def routing(self, m: int):
+        ids, w = verify.random_routing(m, TOP_K, EXPERTS, EXPERTS, self.gen, self.experts.w13.device)
+        return ids, w
+
+    def bf16_call(self, x, ids, w):
+        """The same work in bf16: per used expert, its tokens through gate/up, SiLU*mul, down, weighted sum.
+        Grouping is done on the host at capture time (free for the baseline); the graph holds only GPU work."""
+        ids_cpu = ids.cpu()
+        groups = []
+        for e in torch.unique(ids_cpu).tolist():
+            rows, slots = (ids_cpu == e).nonzero(as_tuple=True)
+            groups.append((e, rows.to(x.device), slots.to(x.device)))
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+        def call():
+            out.zero_()
+            for e, rows, slots in groups:
+                gu = x[rows] @ self.w13_bf16[e].t()
+                act = torch.nn.functional.silu(gu[:, :INTER]) * gu[:, INTER:]
+                y = (act @ self.w2_bf16[e].t()).float() * w[rows, slots, None]
+                out.index_add_(0, rows, y)
+            return out
+        return call, len(groups)
+
+
+def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
+    rows = []
+    for m in MS:
+        cfg = None
+        routings = [layer.routing(m) for _ in range(8)]
+        used = [int(torch.unique(ids).numel()) for ids, _ in routings]
+        nbytes = statistics.mean(used) * layer.expert_bytes
+        r = max(2, min(8, copies_for(int(nbytes))))
+        xs = [torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in range(r)]
+        outs = [torch.empty(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in range(r)]
+        ours = graph_time_us([lambda x=x, rw=rw, o=o: fused_moe(x, layer.experts, rw[0], rw[1], out=o, config=cfg)
+                              for x, rw, o in zip(xs, routings, outs)])
+        bf16_calls = [layer.bf16_call(x, *rw)[0] for x, rw in zip(xs[:2], routings[:2])]
+        bf16 = graph_time_us(bf16_calls, batches=3, replays=1, min_calls=4)
+        read = plain_read_us(int(nbytes), device)
+        row = dict(m=m, used_experts=statistics.mean(used[:r]), ours_us=ours, bf16_us=bf16, read_us=read,
+                   weight_bytes=nbytes, gbps=nbytes / ours / 1e3, read_frac=read / ours, speedup_bf16=bf16 / ours,
+                   config=cfg or pick_config(MOE_CONFIGS, m))
+        rows.append(row)
+        log(f"moe M={m} (~{row['used_experts']:.0f} experts, {nbytes / 1e6:.0f} MB): ours {ours:.1f} us "
+            f"({row['gbps']:.0f} GB/s, {row['read_frac']:.0%} of read {read:.1f} us) bf16 {bf16:.1f} us "
+            f"({row['speedup_bf16']:.2f}x)")
+    return rows
+
+
+# ---------------------------------------------------------------- sweep
+
+def one_row(bn, bk, warps=4):
+    return dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3)
+
+
+def tensor_core(bm, bn, bk, warps=4, stages=3):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def dense_candidates(m: int) -> list[dict]:
+    one = [one_row(bn, bk) for bn in (8, 16, 32, 64) for bk in (256, 512, 1024)] + \
+          [one_row(16, 512, 8), one_row(32, 1024, 8)]
+    if m == 1:
+        return one
+    tc = [tensor_core(16, 32, 128), tensor_core(16, 64, 128), tensor_core(16, 32, 256), tensor_core(16, 64, 256),
+          tensor_core(16, 128, 128), tensor_core(16, 128, 256, 8)]
+    if m >= 32:
+        tc += [tensor_core(m, 64, 128), tensor_core(m, 128, 128, 8)]
+    return tc + ([one_row(16, 512), one_row(32, 512), one_row(16, 1024)] if m <= 8 else [])
+
+
+SWEEP_MOE_MS = (1, 4, 16, 64)
+
+
+def moe_candidates(m: int) -> list[tuple[dict, dict]]:
+    one = [one_row(bn, bk) for bn in (16, 32, 64) for bk in (256, 512, 1024)]
+    tc = [tensor_core(16, 64, 128), tensor_core(16, 64, 256), tensor_core(16, 128, 128)] if m >= 4 else []
+    return [(c, c) for c in one + tc]
+
+
+def warm_jobs():
+    return ([("dense", m, c) for m in MS for c in dense_candidates(m)]
+            + [("moe", m, c) for m in SWEEP_MOE_MS for c in moe_candidates(m)])
+
+
+def run_sweep(device, log, layer: K2Layer) -> dict:
+    """Best config per M: dense by the sum of its times over the three K2 shapes, MoE on the K2 layer."""
+    rows = []
+    weights = {}
+    for k, n in DENSE_SHAPES:
+        gen = verify.generator(device, "sweep", k, n)
+        nbytes = n * k // 2 + n * k // 32 * 2
+        weights[(k, n)] = [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16",
+                                        device) for _ in range(copies_for(nbytes))]
+    dense_table = []
+    for m in MS:
+        scores = []
+        for cfg in dense_candidates(m):
+            try:
+                times = []
+                for (k, n), ws in weights.items():
+                    xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in ws]
+                    times.append(graph_time_us([lambda x=x, w=w: w4a16_linear(x, w, config=cfg)
+                                                for x, w in zip(xs, ws)], batches=3, replays=2))
+            except Exception as exc:
+                log(f"sweep dense M={m} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            rows.append(dict(kind="dense", m=m, config=cfg, us=times))
+            scores.append((sum(times), times, cfg))
+        total, times, cfg = min(scores, key=lambda t: t[0])
+        log(f"sweep dense M={m}: best {cfg} " + " ".join(f"{t:.1f}" for t in times) + " us")
+        dense_table.append([m if m < MS[-1] else 1 << 62, cfg])
+    moe_table = []
+    for m in SWEEP_MOE_MS:
+        routings = [layer.routing(m) for _ in range(8)]
+        xs = [torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in routings]
+        scores = []
+        for cfg in moe_candidates(m):
+            try:
+                us = graph_time_us([lambda x=x, rw=rw: fused_moe(x, layer.experts, rw[0], rw[1], config=cfg)
+                                    for x, rw in zip(xs, routings)], batches=3, replays=1, min_calls=8)
+            except Exception as exc:
+                log(f"sweep moe M={m} {cfg[0]}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            rows.append(dict(kind="moe", m=m, config=cfg, us=us))
+            scores.append((us, cfg))
+        us, cfg = min(scores, key=lambda t: t[0])
+        log(f"sweep moe M={m}: best {cfg[0]} {us:.1f} us")
+        moe_table.append([m if m < SWEEP_MOE_MS[-1] else 1 << 62, cfg])
+    return {"rows": rows, "dense_table": dense_table, "moe_table": moe_table}
+
+
+# ---------------------------------------------------------------- report
+
+def markdown(dense, moe, copy, correctness) -> str:
+    lines = []
+    if correctness:
+        fails = [r for r in correctness if not r["ok"] and not r.get("flip")]
+        flips = [r for r in correctness if r.get("flip")]
+        flips_missed = [r for r in flips if r["ok"] or not r.get("all_written") or r.get("error")]
+        worst = {}
+        for r in correctness:
+            if r.get("flip") or "rel_err" not in r:
+                continue
+            act = r["name"].split()[-1]
+            worst[act] = max(worst.get(act, 0.0), r["rel_err"])
+        lines += [f"Correctness: {len(correctness) - len(flips)} checks, {len(fails)} failed; "
+                  f"worst rel. err " + ", ".join(f"{a} {v:.2e}" for a, v in sorted(worst.items()))
+                  + f"; nibble flips detected {len(flips) - len(flips_missed)}/{len(flips)}.", ""]
+        for r in fails[:20]:
+            lines.append(f"- FAIL {r['name']}: {r.get('rel_err', r.get('error'))}")
+    if copy:
+        lines += [f"Device-to-device copy (2 GiB, read+write): {copy:.0f} GB/s", ""]
+    if dense:
+        lines += ["| K→N | M | ours µs | GB/s | % of read | bf16 µs | × bf16 | torch int4 µs | × int4 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in dense:
+            int4 = "n/a" if r["torch_int4_us"] is None else f"{r['torch_int4_us']:.1f}"
+            sp4 = "n/a" if r["speedup_int4"] is None else f"{r['speedup_int4']:.2f}"
+            lines.append(f"| {r['k']}→{r['n']} | {r['m']} | {r['ours_us']:.1f} | {r['gbps']:.0f} | "
+                         f"{r['read_frac']:.0%} | {r['bf16_us']:.1f} | {r['speedup_bf16']:.2f} | {int4} | {sp4} |")
+        lines.append("")
+    if moe:
+        lines += ["| M | experts used | MB read | ours µs | GB/s | plain read µs | % of read | bf16 µs | × bf16 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in moe:
+            lines.append(f"| {r['m']} | {r['used_experts']:.0f} | {r['weight_bytes'] / 1e6:.0f} | {r['ours_us']:.1f} | "
+                         f"{r['gbps']:.0f} | {r['read_us']:.1f} | {r['read_frac']:.0%} | {r['bf16_us']:.1f} | "
+                         f"{r['speedup_bf16']:.2f} |")
+    return "\n".join(lines)
+
+
+def guarded(log, what, fn, *args):
+    try:
+        return fn(*args)
+    except Exception:
+        log(f"{what} FAILED:\n{traceback.format_exc()[-3000:]}")
+        return None
+
+
+def profile(device, log) -> None:
+    """One dense M=1 K=7168->N=4096 call and one fused MoE M=1 call on the K2 layer, for ncu."""
+    k, n = 7168, 4096
+    gen = verify.generator(device, "profile")
+    w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    layer = K2Layer(device, with_bf16=False)
+    ids, wts = layer.routing(1)
+    xm = torch.randn(1, HIDDEN, device=device, dtype=torch.bfloat16)
+    for _ in range(2):
+        w4a16_linear(x, w)
+        fused_moe(xm, layer.experts, ids, wts)
+    torch.cuda.synchronize()
+    log("profile calls done")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sweep", action="store_true", help="pick configs per M first, then measure with them")
+    parser.add_argument("--configs", type=Path, help="configs.json of an earlier sweep to use")
+    parser.add_argument("--profile", action="store_true", help="only the calls to profile (run under ncu)")
+    parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--workers", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny correctness only")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_file = open(args.out / ("profile.log" if args.profile else "bench.log"), "w")
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+        log_file.write(text + "\n")
+        log_file.flush()
+
+    gpus = torch.cuda.device_count()
+    log(f"torch {torch.__version__} triton {triton.__version__} GPUs {gpus} "
+        f"{torch.cuda.get_device_name(0) if gpus else 'none'}")
+    tables = [None, None]
+    if args.configs:
+        saved = json.loads(args.configs.read_text())
+        tables = [saved["dense_table"], saved["moe_table"]]
+        install_configs(*tables)
+    if args.profile:
+        profile(torch.device("cuda:0"), log)
+        return
+    check_device = f"cuda:{gpus - 1}" if gpus else "cpu"
+    pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))
+    warm_async = pool.map_async(_warm, warm_jobs(), chunksize=1) if args.sweep else None
+    t0 = time.perf_counter()
+    results = {}
+    device = torch.device("cuda:0") if gpus else None
+    layer = None
+    if device is not None and not args.skip_timing:
+        torch.cuda.set_device(device)
+        results["copy_gbps"] = copy_gbps(device)
+        log(f"d2d copy 2 GiB: {results['copy_gbps']:.0f} GB/s (read+write)")
+        layer = guarded(log, "K2 layer", K2Layer, device)
+        if args.sweep and layer is not None:
+            warm = warm_async.get()
+            log(f"sweep compiles: {sum(w == 'ok' for w in warm)}/{len(warm)} ok; "
+                + "; ".join(sorted({w for w in warm if w != 'ok'}))[:800])
+            sweep = guarded(log, "sweep", run_sweep, device, log, layer)
+            if sweep:
+                results["sweep"] = sweep
+                tables = [sweep["dense_table"], sweep["moe_table"]]
+                install_configs(*tables)
+                (args.out / "configs.json").write_text(json.dumps({"dense_table": tables[0],
+                                                                    "moe_table": tables[1]}, indent=1))
+                log(f"sweep took {time.perf_counter() - t0:.0f} s")
+    correctness_async = None
+    if not args.skip_correctness:
+        jobs = [(*job, tables) for job in correctness_jobs(args.smoke)]
+        correctness_async = pool.map_async(_run_check, jobs, chunksize=1)
+    if device is not None and not args.skip_timing:
+        results["dense"] = guarded(log, "dense timing", time_dense, device, log) or []
+        results["moe"] = (guarded(log, "moe timing", time_moe, device, log, layer) or []) if layer else []
+        log(f"timings took {time.perf_counter() - t0:.0f} s")
+    if correctness_async is not None:
+        results["correctness"] = correctness_async.get()
+        log(f"correctness took {time.perf_counter() - t0:.0f} s")
+        for r in results["correctness"]:
+            bad = (not r["ok"]) != bool(r.get("flip"))
+            if bad or r.get("error"):
+                log(f"  {'UNEXPECTED' if bad else ''} {r}")
+    pool.close()
+    pool.join()
+    results["tables"] = {"dense": DENSE_CONFIGS, "moe": MOE_CONFIGS}
+    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    summary = markdown(results.get("dense"), results.get("moe"), results.get("copy_gbps"), results.get("correctness"))
+    (args.out / "summary.md").write_text(summary + "\n")
+    log(summary)
+
+
+if __name__ == "__main__":
+    main()

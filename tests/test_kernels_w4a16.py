@@ -1,0 +1,81 @@
+"""Dense W4A16 kernel vs dequantize-then-matmul in float64 (k2vec.engines.gpu_triton.kernels.verify).
+
+CPU: Triton's interpreter on small odd shapes, float32 and float16 activations (the interpreter mishandles
+bfloat16 dots). GPU (marked `gpu`): every M in {1..64}, bfloat16 too. Outputs are NaN-poisoned before each launch.
+"""
+import itertools
+
+import pytest
+
+from kernel_checks import cuda_device, run_interpreted
+
+GROUPS = (32, 64, 128)
+SCALES = ("float32", "bfloat16")
+
+# K = 9 G: several K tiles plus a partial one for every BLOCK_K; N = 37: partial N tiles
+CPU_GRID = [(m, 37, 9 * g, g, sd, act)
+            for m, g, sd, act in itertools.product((1, 3, 16, 33), GROUPS, SCALES, ("float32", "float16"))]
+# one-row and tensor-core paths at the same M, and each nibble half
+CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)]
+CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip) for m in (1, 16) for flip in ("low", "high")]
+
+
+@pytest.fixture(scope="module")
+def cpu_results():
+    calls = [("check_dense", list(case), {}) for case in CPU_GRID]
+    calls += [("check_dense", [3, 37, 288, 32, "bfloat16", "float32"], {"config": cfg}) for cfg in CPU_PATHS]
+    calls += [("check_dense", list(case[:-1]), {"flip": case[-1]}) for case in CPU_FLIPS]
+    results = run_interpreted(calls)
+    return {"grid": results[:len(CPU_GRID)], "paths": results[len(CPU_GRID):-len(CPU_FLIPS)],
+            "flips": results[-len(CPU_FLIPS):]}
+
+
+@pytest.mark.parametrize("index", range(len(CPU_GRID)), ids=[" ".join(map(str, c)) for c in CPU_GRID])
+def test_interpreted_dense_matches_float64(cpu_results, index):
+    result = cpu_results["grid"][index]
+    assert result["all_written"], f"{result['name']}: NaN survived in the output (unwritten elements)"
+    assert result["rel_err"] <= result["tolerance"], result
+
+
+def test_interpreted_both_tile_paths_match(cpu_results):
+    for result in cpu_results["paths"]:
+        assert result["ok"], result
+
+
+def test_interpreted_flipped_nibble_is_detected(cpu_results):
+    for result in cpu_results["flips"]:
+        assert result["all_written"], result
+        assert result["rel_err"] > 10 * result["tolerance"], f"a flipped nibble went unnoticed: {result}"
+
+
+def test_flip_nibble_changes_exactly_one_code():
+    torch = pytest.importorskip("torch")
+    from k2vec.engines.gpu_triton.kernels.verify import flip_nibble, generator
+    packed = torch.randint(0, 256, (5, 7), dtype=torch.uint8, generator=generator("cpu", "flip"))
+    for high in (False, True):
+        flipped = packed.clone()
+        index, mask = flip_nibble(flipped, generator("cpu", "flip", high), high)
+        changed = (flipped != packed).nonzero().tolist()
+        assert changed == [list(index)]
+        assert int(flipped[index] ^ packed[index]) == mask == (0x80 if high else 0x08)
+
+
+GPU_GRID = [(m, 1000, 18 * g, g, sd, act) for m, g, sd, act in
+            itertools.product((1, 2, 4, 8, 16, 32, 64), GROUPS, SCALES, ("float32", "bfloat16", "float16"))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_GRID, ids=[" ".join(map(str, c)) for c in GPU_GRID])
+def test_gpu_dense_matches_float64(case):
+    from k2vec.engines.gpu_triton.kernels.verify import check_dense
+    result = check_dense(*case, device=cuda_device())
+    assert result.ok, result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (1, 16, 64))
+@pytest.mark.parametrize("flip", ("low", "high"))
+def test_gpu_flipped_nibble_is_detected(m, flip):
+    from k2vec.engines.gpu_triton.kernels.verify import check_dense
+    result = check_dense(m, 1000, 576, 32, "float32", "float32", device=cuda_device(), flip=flip)
+    assert result.all_written and result.rel_err > 10 * result.tolerance, result
