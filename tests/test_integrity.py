@@ -100,7 +100,8 @@ def run_with(tmp_path, bundle: str, body: str):
     out = tmp_path / "run.json"
     result = run_engine(engine="e", command=f"{sys.executable} {script} {{output}} {{bundle}}", bundle=bundle,
                         mode="greedy", output=str(out), expect=Expectations(1, 2, 10), gpus=0, devices=[],
-                        lock_dir=str(tmp_path / "locks"), timeout_s=30, stderr_path=str(tmp_path / "stderr"))
+                        lock_dir=str(tmp_path / "locks"), timeout_s=30, stderr_path=str(tmp_path / "stderr"),
+                        max_result_mb=1.0, scratch_dir=str(tmp_path / "scratch"))
     assert check_record(out) and json.loads(out.read_text()) == result   # written with its record
     return result, marker.exists()
 

@@ -12,6 +12,7 @@ from test_runner import EXPECT, fake_engine, good_result
 
 from k2vec.engines.isolation import sandbox_problem
 from k2vec.engines.runner import run_engine
+from k2vec.digests import write_record
 from k2vec.kdtr.writer import write_bundle
 
 GOOD = f"json.dump({good_result()!r}, open(out, 'w'))\n"
@@ -25,6 +26,7 @@ def run(tmp_path, body, timeout_s=20.0, sandbox=False, bundle=None):
         bundle.parent.mkdir(parents=True, exist_ok=True)
         if not bundle.exists():
             write_bundle(bundle, [("w", np.arange(8, dtype=np.float32))], {"x": 1})
+            write_record(bundle)
     out = results / "runs" / "fake" / "r.json"
     r = run_engine(engine="fake", command=fake_engine(tmp_path, body) + " {bundle}", bundle=str(bundle),
                    mode="greedy", output=str(out), expect=EXPECT, gpus=0, devices=[],

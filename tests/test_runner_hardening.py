@@ -9,10 +9,11 @@ import pandas as pd
 import pytest
 
 from test_report_metrics import make_goldens
-from test_runner import EXPECT, fake_engine, good_result
+from test_runner import EXPECT, fake_engine, good_result, tiny_bundle
 
 from k2vec.engines import runner
 from k2vec.engines.runner import MAX_RESULT_NESTING, expectations_from_bundle, json_nesting, run_engine
+from k2vec.digests import write_record
 from k2vec.kdtr.writer import write_bundle
 from k2vec.gpus import identify, short_uuid
 from k2vec.report import build_report
@@ -40,14 +41,15 @@ def fake_nvidia_smi(tmp_path, monkeypatch, body: str | None = None) -> None:
 
 
 def run_on(tmp_path, command, gpus=0, devices=(), timeout_s=10.0, max_result_mb=1.0, expect=EXPECT,
-           bundle="b.kdtr"):
+           bundle=None):
     out = tmp_path / "results" / "run.json"
-    result = run_engine(engine="fake", command=command, bundle=bundle, mode="greedy", output=str(out),
+    result = run_engine(engine="fake", command=command, bundle=bundle or tiny_bundle(tmp_path), mode="greedy", output=str(out),
                         expect=expect, gpus=gpus, devices=list(devices), lock_dir=str(tmp_path / "locks"),
                         timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"), max_result_mb=max_result_mb,
                         scratch_dir=str(tmp_path / "scratch"))
     assert json.loads(out.read_text()) == result
-    assert [p.name for p in out.parent.iterdir()] == ["run.json"]   # no partial file left, whatever it was
+    # no partial file left, whatever it was: only the result and its sha256 record
+    assert sorted(p.name for p in out.parent.iterdir()) == ["run.json", "run.json.sha256"]
     return result
 
 
@@ -251,6 +253,7 @@ def make_bundle(path) -> None:
     meta = {"golden": {"prompts": 2, "ddtree": {"accuracies": [0.9, 0.3]}}, "decoding": {"max_new_tokens": 3},
             "model": {"vocab_size": 100}}
     write_bundle(path, [("w", np.arange(4096, dtype=np.float32))], meta)
+    write_record(path)
 
 
 def test_verified_bundle_gives_the_expectations(tmp_path):
@@ -261,9 +264,9 @@ def test_verified_bundle_gives_the_expectations(tmp_path):
 
 
 @pytest.mark.parametrize("damage, reason", [
-    ("truncated", "failed verification, the engine was not run"),
-    ("flipped byte", "failed verification, the engine was not run"),
-    ("missing", "failed verification, the engine was not run"),
+    ("truncated", "failed verification, so the engine was not run"),
+    ("flipped byte", "failed verification, so the engine was not run"),
+    ("missing", "failed verification, so the engine was not run"),
     ("not a k2vec bundle", "metadata golden.prompts is None, expected a positive integer"),
 ])
 def test_damaged_bundle_is_a_failed_row_and_the_engine_never_starts(tmp_path, damage, reason):
@@ -279,6 +282,7 @@ def test_damaged_bundle_is_a_failed_row_and_the_engine_never_starts(tmp_path, da
         b.unlink()
     else:
         write_bundle(b, [("w", np.zeros(4, np.float32))], {"x": 1})
+        write_record(b)
     marker = tmp_path / "engine-ran"
     r = run_on(tmp_path, fake_engine(tmp_path, f"open({str(marker)!r}, 'w')\n" + dump_with("")), expect=None,
                bundle=str(b))
@@ -326,9 +330,10 @@ def hostile_run(tmp_path_factory):
 
 
 def result_of(root, engine):
-    files = list((root / "results" / "runs" / engine).iterdir())
-    assert [f.name for f in files] == ["tiny-fp32-greedy.json"]   # nothing else left beside it
-    return json.loads(files[0].read_text())
+    run_dir = root / "results" / "runs" / engine
+    # nothing else left beside the result and its sha256 record
+    assert sorted(f.name for f in run_dir.iterdir()) == ["tiny-fp32-greedy.json", "tiny-fp32-greedy.json.sha256"]
+    return json.loads((run_dir / "tiny-fp32-greedy.json").read_text())
 
 
 def test_hostile_engines_are_failed_rows_in_the_report_and_the_rest_completes(hostile_run):

@@ -21,6 +21,8 @@ ap.add_argument("--bundle")
 ap.add_argument("--mode")
 ap.add_argument("--output")
 args = ap.parse_args()
+# Engines run in their own scratch directory: a relative TARGET is relative to the repository.
+target = os.path.join(os.environ.get("K2VEC_WORKDIR", "."), args.target)
 
 with open_bundle(args.bundle) as b:
     n_prompts, vocab = b.metadata["golden"]["prompts"], b.metadata["model"]["vocab_size"]
@@ -29,18 +31,18 @@ result = {"format": "k2vec-engine-result", "version": 1, "device": "cpu",
           "runs": [{"drafter": None, "prompts": prompts}]}
 
 if args.behaviour != "exact":
-    st = os.stat(args.target)
+    st = os.stat(target)
     if args.behaviour == "rewrite":
-        other = json.load(open(args.target))
+        other = json.load(open(target))
         first = other["runs"][0]["prompts"][0]["tokens"]
         first[0] = (first[0] + 1) % vocab
         data = json.dumps(other, indent=1, sort_keys=True).encode()
     else:
-        data = bytearray(open(args.target, "rb").read())
+        data = bytearray(open(target, "rb").read())
         data[len(data) // 2] ^= 0xFF
-    with open(args.target, "wb") as fh:
+    with open(target, "wb") as fh:
         fh.write(data)
-    os.utime(args.target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 with open(args.output, "w") as fh:
     json.dump(result, fh)
