@@ -47,8 +47,10 @@ if workflow.local_exec:
               f"{len(GPU_DEVICES)} device(s) (config gpus.devices)", file=sys.stderr)
     # A GPU job started while every device is leased would sit holding a core until one frees up:
     # cap the `gpu` resource (the profile says 8) at the pool's size so the scheduler never starts it.
+    # (Only where GPU jobs remain: otherwise the limit is moot and stays as given.)
     _gpu_limit = workflow.global_resources.get("gpu").value
-    if _gpu_limit is None or _gpu_limit > len(GPU_DEVICES):
+    _gpu_jobs = any(e["gpus"] for name, e in ENGINES.items() if name not in GPU_LEFT_OUT)
+    if _gpu_jobs and (_gpu_limit is None or _gpu_limit > len(GPU_DEVICES)):
         workflow.register_resource("gpu", len(GPU_DEVICES))
 RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], GPU_LEFT_OUT)
 
