@@ -350,10 +350,19 @@ def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str,
     return engines
 
 
-def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int]) -> list[tuple[str, str, str, str]]:
-    """Every (engine, model, precision, mode) run: greedy, and ddtree-b<budget> per DDTree budget."""
+def engines_short_of_gpus(engines: dict[str, dict[str, Any]], n_devices: int) -> list[str]:
+    """Engines that need more GPUs per run than the node's pool has (all GPU engines on a CPU machine)."""
+    return [name for name, e in engines.items() if e["gpus"] > n_devices]
+
+
+def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int],
+                left_out: list[str] = ()) -> list[tuple[str, str, str, str]]:
+    """Every (engine, model, precision, mode) run: greedy, and ddtree-b<budget> per DDTree budget;
+    none for the engines in `left_out`."""
     runs = []
     for name, e in engines.items():
+        if name in left_out:
+            continue
         modes = (["greedy"] if "greedy" in e["modes"] else []) + (
             [f"ddtree-b{b}" for b in budgets] if "ddtree" in e["modes"] else [])
         runs.extend((name, m, p, mode) for m in e["models"] for p in e["precisions"] for mode in modes)

@@ -8,7 +8,7 @@ from k2vec.budget import check_config
 from k2vec.deps import module_sources
 from k2vec.errors import ConfigError
 from k2vec.gpus import detect_devices
-from k2vec.spec import engine_runs, expand_config, resolve_engines, schema_error
+from k2vec.spec import engine_runs, engines_short_of_gpus, expand_config, resolve_engines, schema_error
 
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
@@ -29,7 +29,6 @@ MODELS = sorted(CASES)
 # The report's plot files (k2vec.report.OUTPUTS; a test keeps the two lists equal).
 REPORT_PLOTS = ["match_grid", "logit_error", "first_bad_layer", "acceptance", "format_effect"]
 PRECISIONS = ["fp32", "int4"]
-RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"])
 # Devices of the GPU slot pool; looked up only when some engine needs GPUs.
 if config["gpus"]["devices"] != "auto":
     GPU_DEVICES = [str(d) for d in config["gpus"]["devices"]]
@@ -37,6 +36,23 @@ elif any(e["gpus"] for e in ENGINES.values()):
     GPU_DEVICES = detect_devices()
 else:
     GPU_DEVICES = []
+# Local execution shares this node's pool. (Remote executors give each job its own devices: neither
+# step below applies there.)
+GPU_LEFT_OUT = []
+if workflow.local_exec:
+    # Without enough devices a GPU engine's runs could only fail: leave them out, say so in one line.
+    GPU_LEFT_OUT = engines_short_of_gpus(ENGINES, len(GPU_DEVICES))
+    if GPU_LEFT_OUT and workflow.is_main_process:
+        print(f"k2vec: no run of GPU engine(s) {', '.join(GPU_LEFT_OUT)}: the GPU pool has "
+              f"{len(GPU_DEVICES)} device(s) (config gpus.devices)", file=sys.stderr)
+    # A GPU job started while every device is leased would sit holding a core until one frees up:
+    # cap the `gpu` resource (the profile says 8) at the pool's size so the scheduler never starts it.
+    # (Only where GPU jobs remain: otherwise the limit is moot and stays as given.)
+    _gpu_limit = workflow.global_resources.get("gpu").value
+    _gpu_jobs = any(e["gpus"] for name, e in ENGINES.items() if name not in GPU_LEFT_OUT)
+    if _gpu_jobs and (_gpu_limit is None or _gpu_limit > len(GPU_DEVICES)):
+        workflow.register_resource("gpu", len(GPU_DEVICES))
+RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], GPU_LEFT_OUT)
 
 
 wildcard_constraints:

@@ -1,0 +1,121 @@
+"""The GPU engine under the engine contract: PyTorch, every quantized linear through Triton W4A16 kernels.
+
+    python -m k2vec.engines.gpu_triton --bundle B.kdtr --mode greedy|ddtree --budget N --output R.json
+        [--dtype float32|bfloat16] [--device cuda:0]
+
+Reads only the bundle, onto one device (`cuda:0`: the runner's CUDA_VISIBLE_DEVICES picks the GPU;
+`cpu` runs the same code under TRITON_INTERPRET=1 for tests). docs/gpu-engine.md describes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from ...ddtree.drafter import RecordedDrafts
+from ...kdtr import open_bundle
+from .ddtree import ddtree_decode
+from .model import Segment, Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def greedy_decode(model: Transformer, prompts: list[np.ndarray], max_new_tokens: int, top_k: int) -> list[dict]:
+    """All prompts in lockstep, one forward per step; results stay on the device until the end (no sync
+    per step). Each step records what the golden records for the token it fed (docs/golden-format.md)."""
+    dev = model.device
+    caches = [model.new_cache(p.size + max_new_tokens) for p in prompts]
+    feed = [torch.as_tensor(p, device=dev) for p in prompts]
+    ids, vals, hidden, routed = [], [], [], []
+    for _ in range(max_new_tokens):
+        segs = [Segment(t, torch.arange(c.length, c.length + t.numel(), device=dev), c) for t, c in zip(feed, caches)]
+        out = model.forward(segs, last_only=True, record=True)
+        v, i = torch.sort(out.logits, dim=-1, descending=True, stable=True)  # ties: lower id first
+        ids.append(i[:, :top_k])
+        vals.append(v[:, :top_k])
+        hidden.append(out.hidden.float())
+        routed.append(torch.stack(out.router_ids, dim=1) if out.router_ids else None)
+        feed = list(i[:, :1])
+    ids, vals = torch.stack(ids, 1).cpu().numpy(), torch.stack(vals, 1).cpu().numpy()  # [P, N, k]
+    hidden = torch.stack(hidden).permute(2, 0, 1, 3).cpu().numpy()  # [P, N, L, H]
+    routed = torch.stack(routed, 1).cpu().numpy() if routed[0] is not None else None  # [P, N, M, k]
+    return [{"tokens": ids[p, :, 0].tolist(), "topk_ids": ids[p].tolist(), "topk_logits": vals[p].tolist(),
+             "fingerprints": hidden[p].tolist(),
+             **({"router_experts": routed[p].tolist()} if routed is not None else {})}
+            for p in range(len(prompts))]
+
+
+def device_description(device: torch.device, dtype: str) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} (torch {torch.__version__}, activations {dtype})"
+    return f"cpu (torch {torch.__version__}, Triton interpreter, activations {dtype})"
+
+
+def gpu_identity(device: torch.device) -> dict | None:
+    """The physical GPU as the driver names it (the runner records the same from nvidia-smi when it can)."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return {"name": props.name, "uuid": f"GPU-{props.uuid}"}
+
+
+def run(bundle_path: str, mode: str, budget: int, dtype: str, device: str) -> dict:
+    started_at = time.time()
+    t0 = time.perf_counter()
+    torch.set_float32_matmul_precision("highest")  # no TF32: the float32 mode must match the golden
+    dev = torch.device(device)
+    bundle = open_bundle(bundle_path)
+    meta = bundle.metadata
+    decoding = meta["decoding"]
+    n_new = decoding["max_new_tokens"]
+    prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"], dtype=np.int64) for i in range(meta["golden"]["prompts"])]
+    block = decoding["ddtree"]["block_size"]
+    model = Transformer(bundle, meta, DTYPES[dtype], dev, max(p.size for p in prompts) + n_new + block + 1)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    t_load = time.perf_counter()
+    if mode == "greedy":
+        runs = [{"drafter": None, "prompts": greedy_decode(model, prompts, n_new, decoding["top_k"])}]
+    else:
+        runs = []
+        for a_i, accuracy in enumerate(meta["golden"]["ddtree"]["accuracies"]):
+            drafts = []
+            for i, p in enumerate(prompts):
+                ids = np.asarray(bundle[f"drafts.a{a_i}.p{i}.ids"])
+                drafts.append(RecordedDrafts(ids, np.asarray(bundle[f"drafts.a{a_i}.p{i}.logprobs"]),
+                                             np.full(ids.shape[:2], -1, np.int32), p.size))
+            out = ddtree_decode(model, prompts, drafts, budget, n_new)
+            runs.append({"drafter": {"accuracy": accuracy},
+                         "prompts": [{"tokens": t, "rounds": [r.to_json() for r in rounds]} for t, rounds in out]})
+    sync()
+    t_end = time.perf_counter()
+    return {"format": "k2vec-engine-result", "version": 1, "device": device_description(dev, dtype),
+            "gpu": gpu_identity(dev),
+            "timing": {"load_s": t_load - t0, "decode_s": t_end - t_load,
+                       "started_at": started_at, "ended_at": time.time()},
+            "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--mode", required=True, choices=["greedy", "ddtree"])
+    ap.add_argument("--budget", type=int, default=0)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--device", default="cuda:0", help="cuda:0 (default) or cpu (with TRITON_INTERPRET=1)")
+    args = ap.parse_args(argv)
+    result = run(args.bundle, args.mode, args.budget, args.dtype, args.device)
+    with open(args.output, "w") as fh:
+        json.dump(result, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
