@@ -117,3 +117,13 @@ def test_tensor_diff_nan_inf_and_signed_zero():
     assert got == "2/4 elements differ, max_abs 1, max_rel 0.2, 1 inf/nan mismatches"
     got = tensor_diff(a, np.array([1.0, 1.0, 0.0, 5.0], np.float32), "f32")
     assert got == "1/4 elements differ, max_abs 0, max_rel 0, 1 inf/nan mismatches"
+
+
+def test_list_into_a_closed_pipe_ends_quietly(tmp_path):
+    # Enough tensors that the listing overflows the pipe's buffer after `head` has gone.
+    path = tmp_path / "many.kdtr"
+    write_bundle(path, {f"t{i:05d}": np.zeros(1, np.float32) for i in range(5000)}, {})
+    res = subprocess.run(["bash", "-o", "pipefail", "-c", f"{sys.executable} -m k2vec.kdtr list {path} | head -1"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert res.returncode == 0 and res.stderr == "", (res.returncode, res.stderr)
+    assert res.stdout.count("\n") == 1

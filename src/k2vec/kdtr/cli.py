@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Iterator
 
@@ -183,6 +184,11 @@ def main(argv: list[str] | None = None, out=None) -> int:
     args = p.parse_args(argv)
     try:
         return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff}[args.cmd](args, out)
+    except BrokenPipeError:
+        # The reader went away (`kdtr list FILE | head`): end quietly, as cat and ls do. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (KdtrError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
