@@ -1,5 +1,6 @@
 """The Snakemake workflow as users drive it: bad configs, dry runs, lint, and honest reruns."""
 import re
+import shutil
 
 import pytest
 
@@ -98,6 +99,15 @@ def test_complete_run_has_nothing_to_do(built_workflow):
     assert dry_run(root, env) == {}
     assert (root / "results/models/tiny/fp32/config.json").exists()
     assert (root / "results/cases/tiny.json").exists()
+
+
+def test_copied_checkout_with_its_results_reruns_nothing(built_workflow, tmp_path):
+    # Before this run's first edit: the whole finished checkout, results/ and Snakemake's records
+    # included, copied elsewhere (timestamps kept, as `cp -a` does).
+    root, _ = built_workflow
+    copy = tmp_path / "moved"
+    shutil.copytree(root, copy, symlinks=True)
+    assert dry_run(copy, {"PYTHONPATH": str(copy / "src")}) == {}
     assert (root / "results/models/tiny/int4/index.json").exists()
     for rule_log in ("results/logs/weights/tiny.log", "results/benchmarks/weights/tiny.tsv"):
         assert (root / rule_log).stat().st_size > 0

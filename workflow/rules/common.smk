@@ -72,6 +72,12 @@ def engine_sources(engine):
     return [os.path.relpath(p) for p in ENGINES[engine]["source_files"]]
 
 
+def engine_settings(engine):
+    """An engine's settings as its runs' params, without the absolute paths its source globs resolved
+    to (those are inputs already): a moved or copied checkout with its results/ reruns nothing."""
+    return {k: v for k, v in ENGINES[engine].items() if k != "source_files"}
+
+
 def engine_run_inputs(wildcards):
     """The engine's sources, and its build stamp when it has a build step."""
     inputs = {"sources": engine_sources(wildcards.engine)}

@@ -32,7 +32,7 @@ rule engine_run:
         "results/runs/{engine}/{model}-{precision}-{mode}.json",
     params:
         # The engine's own settings only: changing another engine's settings reruns nothing here.
-        engine=lambda wc: ENGINES[wc.engine],
+        engine=lambda wc: engine_settings(wc.engine),
         devices=GPU_DEVICES,
         lock_dir=config["gpus"]["lock_dir"],
         # the engine's working directory, removed after an ok run (docs/engine-contract.md section 2)
