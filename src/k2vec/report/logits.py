@@ -5,7 +5,8 @@
 - KL(golden || engine) per step, on the top-m of each side (m = the smaller of the two k), over the
   union of the two id sets: an id one side did not list gets that side's lowest listed logit there
   (the most it can be), then both sides are softmax-normalised over the union. Disjoint top-k sets
-  thus give a large KL instead of none; identical ones give the KL of the renormalised top-m.
+  thus still give a KL (none would be computable on the shared ids alone); identical sets give the KL
+  of the two renormalised top-m distributions.
 """
 
 from __future__ import annotations
