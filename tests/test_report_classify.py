@@ -199,3 +199,44 @@ def test_score_rows_compare_routing_at_prompt_positions(tmp_path, goldens, gold)
     r = get(m, "e", 0)
     assert (r["router_diff_step"], r["router_diff_layer"]) == (1 - (P - 1), gold["md"]["moe_layers"][0])
     assert pd.isna(get(m, "e", 1)["router_diff_step"])
+
+
+def test_format_effect_row_reproduces_the_fp32_vs_int4_figures(tmp_path, goldens):
+    """Must-show 3b: the int4 golden model forced on the fp32 golden sequence, scored as the reference
+    row `int4-format`: up to each prompt's first fp32/int4 divergence both views fed the same tokens, so
+    its first top-1 miss and its KL per step are those of the fp32-vs-int4 comparison; it is shown in
+    the score table, not judged as an engine."""
+    from k2vec.format_effect import format_effect_result, write_format_effect
+    from k2vec.golden import open_weights
+    from k2vec.spec import expand_config
+
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    cfg["models"] = {"tiny": {"preset": "tiny"}}
+    cfg["prompts"]["count"] = 2
+    cfg["decoding"]["max_new_tokens"] = 10
+    cfg["decoding"]["ddtree"].update(budgets=[1, 4], accuracies=[0.9, 0.3])
+    root = goldens[("tiny", "fp32")].parent
+    result = format_effect_result(expand_config(cfg)["tiny"]["model"], open_weights("int4", root / "fp32", root / "int4"),
+                                  goldens[("tiny", "fp32")])
+    write_format_effect(tmp_path / "tiny.json", result)
+    m = compute_metrics([{"engine": "int4-format", "model": "tiny", "precision": "fp32", "mode": "score",
+                          "result": str(tmp_path / "tiny.json"), "reference": True}], goldens)
+    assert m.rows.empty   # not an engine under test: nothing for the gate
+    (ref,) = m.score_runs.itertuples()
+    assert (ref.engine, ref.reference, ref.verdict, ref.precision_class) == ("int4-format", True, "reference", "float32")
+    fe, fs = m.format_effect.set_index("prompt"), m.format_steps
+    assert fe["first_step"].notna().any()   # else the comparison below says nothing past a divergence
+    for p, grp in m.score_reference_steps.groupby("prompt"):
+        k = fe.loc[p, "first_step"]
+        k = 9 if pd.isna(k) else int(k)
+        ours = grp.set_index("step")["kl"].loc[:k].to_numpy()
+        theirs = fs[(fs["prompt"] == p) & (fs["model"] == "tiny")].set_index("step")["kl"].loc[:k].to_numpy()
+        np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-15)
+        tokens = np.array(result["runs"][0]["prompts"][p]["tokens"])
+        golden_tokens = np.array(json.loads(json.dumps(perfect_result(goldens[("tiny", "fp32")], "score")))
+                                 ["runs"][0]["prompts"][p]["tokens"])
+        miss = np.flatnonzero(tokens != golden_tokens)
+        assert (int(miss[0]) if miss.size else None) == (None if pd.isna(fe.loc[p, "first_step"]) else k)
+    # the same positions pooled: the score table's same-top-1 counts every forced position
+    n_pos = 2 * 10
+    assert ref.positions == n_pos and 0 < ref.same_top1 < 1 and ref.kl_mean > 0
