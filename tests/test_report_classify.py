@@ -240,3 +240,23 @@ def test_format_effect_row_reproduces_the_fp32_vs_int4_figures(tmp_path, goldens
     # the same positions pooled: the score table's same-top-1 counts every forced position
     n_pos = 2 * 10
     assert ref.positions == n_pos and 0 < ref.same_top1 < 1 and ref.kl_mean > 0
+
+
+def test_report_shows_the_score_table_plot_and_budget_verdicts(tmp_path, goldens):
+    from k2vec.report import build_report
+    golden = goldens[("tiny", "fp32")]
+    runs = [{"engine": "bf16", "model": "tiny", "precision": "fp32", "mode": "score", "precision_class": "bfloat16",
+             "result": write_result(tmp_path / "bf16.json", noisy(perfect_result(golden, "score"), 0.3, seed=5))},
+            {"engine": "f32", "model": "tiny", "precision": "fp32", "mode": "score", "precision_class": "float32",
+             "result": write_result(tmp_path / "f32.json", noisy(perfect_result(golden, "score"), 0.3, seed=5))}]
+    res = build_report(runs, goldens, tmp_path / "out")
+    score = pd.read_csv(res.paths["score_csv"]).set_index("engine")
+    assert score.loc["bf16", "verdict"] == "within budget" and score.loc["f32", "verdict"] == "over budget"
+    assert "kl_mean" in score.loc["f32", "over_budget"]
+    html = res.paths["html"].read_text()
+    assert 'id="score-table"' in html and 'id="plot-score-kl"' in html and "over budget" in html
+    assert res.paths["score_kl"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "score bf16 tiny/fp32 (bfloat16): same top-1 100.0%" in res.summary
+    assert res.has_real_divergence_or_failure   # the float32 run is over its budget
+    rows = pd.read_csv(res.paths["csv"])
+    assert set(rows.loc[rows["engine"] == "f32", "class"]) == {"over-budget"}
