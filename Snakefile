@@ -31,6 +31,7 @@ include: "workflow/rules/quantize.smk"
 include: "workflow/rules/golden.smk"
 include: "workflow/rules/bundles.smk"
 include: "workflow/rules/engines.smk"
+include: "workflow/rules/format_effect.smk"
 include: "workflow/rules/report.smk"
 
 
@@ -41,6 +42,7 @@ rule all:
         expand("results/models/{model}/int4", model=MODELS),
         expand("results/models/{model}/compressed-tensors", model=MODELS),
         expand("results/bundles/{model}-{precision}.kdtr", model=MODELS, precision=PRECISIONS),
+        expand("results/format-effect/{model}.json", model=MODELS),
         "results/report/divergence.html",
         "results/report/strict.ok" if config["report"]["strict"] else [],
 

@@ -65,7 +65,7 @@ def assert_greedy_matches(b, i, got, steps):
     np.testing.assert_allclose(np.asarray(got["fingerprints"]), g_fp, rtol=0, atol=1e-4 * np.abs(g_fp).max())
 
 
-@pytest.mark.slow  # ~25 s on 2 cores: every prompt, every step, all drafter accuracies
+@pytest.mark.slow  # ~30 s on 2 cores: every prompt, every step, all drafter accuracies, score mode
 def test_float32_engine_matches_golden_on_fp32_bundle(bundles, tmp_path):
     b = open_bundle(bundles["fp32"])
     greedy = run_engine(bundles["fp32"], "greedy", 0, tmp_path / "greedy.json")
@@ -78,6 +78,13 @@ def test_float32_engine_matches_golden_on_fp32_bundle(bundles, tmp_path):
         for i, got in enumerate(run["prompts"]):
             assert got["tokens"] == np.asarray(b[f"ddtree.b16.a{a}.p{i}.tokens"]).tolist()
             assert got["rounds"] == golden_rounds(b, 16, a, i)
+    # score mode: the golden tokens fed through the decode path give the golden's steps again
+    score = run_engine(bundles["fp32"], "score", 0, tmp_path / "score.json")
+    n = b.metadata["decoding"]["max_new_tokens"]
+    for i, got in enumerate(score["runs"][0]["prompts"]):
+        assert "router_experts" not in got  # prompt positions are not recorded: left out, not half given
+        got["router_experts"] = greedy["runs"][0]["prompts"][i]["router_experts"]
+        assert_greedy_matches(b, i, got, n)
 
 
 # The int4 bundle through the Triton kernels in the interpreter (slow: ~1 s per forward), so one prompt,

@@ -108,7 +108,7 @@ def test_int4_bundle_holds_packed_weights_only(pipeline):
 def test_numpy_engine_matches_golden_exactly(pipeline):
     root = pipeline[0]
     results = sorted((root / "results/runs/numpy").glob("*.json"))
-    assert len(results) == 2 * 2 * 5
+    assert len(results) == 2 * 2 * 6
     for path in results:
         r = json.loads(path.read_text())
         assert r["status"] == "ok", (path.name, r.get("reason"))
@@ -119,6 +119,9 @@ def test_numpy_engine_matches_golden_exactly(pipeline):
                 if mode == "greedy":
                     assert p["tokens"] == g[f"golden.p{i}.tokens"].tolist(), (path.name, i)
                     continue
+                if mode == "score":
+                    assert_score_equals_golden(p, g, i, steps=slice(None), where=(path.name, i))
+                    continue
                 pre = f"ddtree.b{mode[len('ddtree-b'):]}.a{a}.p{i}."
                 rounds = p["rounds"]
                 assert p["tokens"] == g[pre + "tokens"].tolist()
@@ -127,6 +130,44 @@ def test_numpy_engine_matches_golden_exactly(pipeline):
                 for field, name in (("tokens", "node_tokens"), ("parents", "node_parents"),
                                     ("depths", "node_depths"), ("accepted", "accepted")):
                     assert sum((x[field] for x in rounds), []) == g[pre + name].tolist(), (path.name, field)
+
+
+def assert_score_equals_golden(p: dict, g, i: int, steps: slice, where) -> None:
+    """A score-mode prompt equals golden `g`'s prompt i bit for bit on `steps` (router: on the positions
+    those steps feed, prompt positions included)."""
+    P = g[f"prompt.p{i}.tokens"].size
+    pre = f"golden.p{i}."
+    assert np.array_equal(np.array(p["tokens"])[steps], g[pre + "tokens"][steps]), where
+    assert np.array_equal(np.array(p["topk_ids"])[steps], g[pre + "topk_ids"][steps]), where
+    assert np.array_equal(np.array(p["topk_logits"])[steps], g[pre + "topk_logits"][steps]), where
+    assert np.array_equal(np.array(p["fingerprints"], np.float32)[steps], g[pre + "fingerprints"][steps]), where
+    stop = g[pre + "tokens"].size if steps.stop is None else steps.stop
+    routed = np.array(p["router_experts"])
+    assert routed.shape[0] == P + g[pre + "tokens"].size - 1, where
+    assert np.array_equal(routed[: P - 1 + stop], g[pre + "router_ids"].transpose(1, 0, 2)[: P - 1 + stop]), where
+
+
+def test_format_effect_run_reproduces_the_int4_golden(pipeline):
+    """The int4 model forced on the fp32 golden tokens: up to and including the first step where the
+    two goldens' tokens differ both saw the same tokens, so there it equals the int4 golden bit for bit
+    (every figure of the fp32-vs-int4 comparison comes from those steps), and it diverges from the fp32
+    golden exactly where the int4 golden does."""
+    root = pipeline[0]
+    for model in default_config()["models"]:
+        r = json.loads((root / f"results/format-effect/{model}.json").read_text())
+        assert r["status"] == "ok" and r["engine"] == "int4-format" and r["precision"] == "fp32"
+        fp, q = golden(root, model, "fp32"), golden(root, model, "int4")
+        assert r["inputs"]["forced_golden"]["sha256"] == hashlib.sha256(
+            (root / f"results/golden/{model}/fp32.kdtr").read_bytes()).hexdigest()
+        diverged = 0
+        for i, p in enumerate(r["runs"][0]["prompts"]):
+            differ = np.flatnonzero(fp[f"golden.p{i}.tokens"] != q[f"golden.p{i}.tokens"])
+            k = int(differ[0]) if differ.size else len(p["tokens"]) - 1
+            assert_score_equals_golden(p, q, i, steps=slice(0, k + 1), where=(model, i))
+            forced_differ = np.flatnonzero(np.array(p["tokens"]) != fp[f"golden.p{i}.tokens"])
+            assert (forced_differ[0] if forced_differ.size else None) == (differ[0] if differ.size else None)
+            diverged += differ.size > 0
+        assert diverged > 0, model  # else the check above says nothing about the steps after it
 
 
 # ------------------------------------------------------------------ GPU slots, failure isolation

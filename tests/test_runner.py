@@ -1,5 +1,6 @@
 """The engine runner: every way an engine can fail becomes a failed result with its reason."""
 import json
+import re
 import sys
 import textwrap
 
@@ -96,3 +97,87 @@ def test_modes_and_placeholders():
     assert format_command("e --b {bundle} --o {output}", bundle="a b.kdtr", output="o") == "e --b 'a b.kdtr' --o o"
     with pytest.raises(ValueError, match="unknown placeholder"):
         format_command("e {bundel}", bundle="x")
+
+
+# ------------------------------------------------------------------- score mode (contract section 4)
+
+SCORE_EXPECT = Expectations(n_prompts=2, max_new_tokens=3, vocab_size=100, accuracies=(0.9, 0.3),
+                            prompt_lengths=(4, 2), layers=3, moe_layers=2, experts=8, experts_per_token=2)
+
+
+def score_result():
+    """A valid score result of SCORE_EXPECT: N = 3 steps, k = 2 logits, routing for P + N - 1 positions."""
+    def prompt(P, first):
+        return {"tokens": [first, 5, 6], "topk_ids": [[first, 1], [5, 2], [6, 3]],
+                "topk_logits": [[2.0, 1.0], [3.0, 3.0], [1.0, -1.0]],
+                "router_experts": [[[0, 1], [7, 2]]] * (P + 3 - 1),
+                "fingerprints": [[[0.5] * 4] * 3] * 3}
+    return {"format": "k2vec-engine-result", "version": 1, "runs": [{"drafter": None, "prompts": [prompt(4, 9), prompt(2, 8)]}]}
+
+
+def test_score_mode_result_is_accepted():
+    assert parse_mode("score") == ("score", 0)
+    check_result(score_result(), "score", SCORE_EXPECT)
+
+
+def _broken(edit):
+    r = score_result()
+    edit(r["runs"][0]["prompts"][1])
+    return r
+
+
+@pytest.mark.parametrize("what, edit, message", [
+    ("no top-k", lambda p: p.pop("topk_logits"), "score mode requires topk_logits"),
+    ("top-k for fewer steps", lambda p: p.update(topk_ids=p["topk_ids"][:2], topk_logits=p["topk_logits"][:2]),
+     "must both be [max_new_tokens = 3][k >= 1]"),
+    ("empty top-k rows", lambda p: p.update(topk_ids=[[]] * 3, topk_logits=[[]] * 3), "k >= 1"),
+    ("ragged top-k", lambda p: p["topk_ids"][1].append(4), "rows of different lengths"),
+    ("ascending logits", lambda p: p["topk_logits"][2].reverse(), "step 2: topk_logits are not in descending"),
+    ("token not the argmax", lambda p: p["tokens"].__setitem__(1, 2), "step 1: tokens must be the engine's own argmax"),
+    ("top-k id outside vocab", lambda p: p["topk_ids"][2].__setitem__(1, 100), "topk id 100 outside the vocabulary"),
+    # prompt-position routing: P + N - 1 = 4 rows for prompt 1, not greedy's N = 3
+    ("routing of the steps only", lambda p: p.update(router_experts=p["router_experts"][:3]),
+     "router_experts is [3, 2, 2], expected [4, 2, 2]"),
+    ("routing of one MoE layer", lambda p: p.update(router_experts=[[[0, 1]]] * 4), "expected [4, 2, 2]"),
+    ("expert outside the model", lambda p: p.update(router_experts=[[[0, 8], [1, 2]]] * 4), "is not an expert"),
+    ("expert chosen twice", lambda p: p.update(router_experts=[[[3, 3], [1, 2]]] * 4), "names an expert twice"),
+    ("fingerprints of all layers missing", lambda p: p.update(fingerprints=[[[0.5] * 4] * 2] * 3),
+     "expected [max_new_tokens = 3][layers = 3][hidden]"),
+])
+def test_score_mode_rules(what, edit, message):
+    from k2vec.engines.runner import InvalidResult
+    with pytest.raises(InvalidResult, match=re.escape(message)) as err:
+        check_result(_broken(edit), "score", SCORE_EXPECT)
+    assert "prompt 1" in str(err.value)
+
+
+def test_greedy_routing_is_one_row_per_step():
+    """Greedy reports the experts of the token fed at each step (N rows); score mode's prompt rows are refused."""
+    from k2vec.engines.runner import InvalidResult
+    r = score_result()
+    for p in r["runs"][0]["prompts"]:
+        p["router_experts"] = p["router_experts"][-3:]
+    check_result(r, "greedy", SCORE_EXPECT)
+    with pytest.raises(InvalidResult, match=re.escape("router_experts is [3, 2, 2], expected [6, 2, 2]")):
+        check_result(r, "score", SCORE_EXPECT)
+    with pytest.raises(InvalidResult, match=re.escape("expected [3, 2, 2]")):
+        check_result(score_result(), "greedy", SCORE_EXPECT)
+
+
+def test_score_expectations_come_from_the_bundle(tmp_path):
+    """Prompt lengths and layer/expert counts are read from the bundle the engine is given."""
+    from k2vec.engines.runner import expectations_from_bundle
+    path = tmp_path / "b.kdtr"
+    meta = {"golden": {"prompts": 2, "ddtree": {"accuracies": [0.9, 0.3]}}, "decoding": {"max_new_tokens": 3},
+            "model": {"vocab_size": 100},
+            "hf_config": {"num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8,
+                          "num_experts_per_tok": 2}}
+    write_bundle(path, {"prompt.p0.tokens": np.arange(4, dtype=np.int32),
+                        "prompt.p1.tokens": np.arange(2, dtype=np.int32)}, meta)
+    write_record(path)
+    assert expectations_from_bundle(path) == SCORE_EXPECT
+    r = run_engine(engine="fake", command=fake_engine(tmp_path, f"json.dump({score_result()!r}, open(out, 'w'))"),
+                   bundle=str(path), mode="score", output=str(tmp_path / "out.json"), gpus=0, devices=[],
+                   lock_dir=str(tmp_path / "locks"), timeout_s=10.0, stderr_path=str(tmp_path / "err.log"),
+                   max_result_mb=1.0, scratch_dir=str(tmp_path / "scratch"))
+    assert r["status"] == "ok", r["reason"]

@@ -104,9 +104,10 @@ def test_complete_run_has_nothing_to_do(built_workflow):
 
 
 # Editing a package module schedules exactly the stages that run it, and what follows them.
-# On the one-model test config: 2 precisions, 5 modes (greedy + 4 DDTree budgets) for the numpy engine.
-AFTER_GOLDEN = {"bundle": 2, "engine_run": 10, "report": 1, "all": 1}
-AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "golden": 2, **AFTER_GOLDEN}
+# On the one-model test config: 2 precisions, 6 modes (greedy, 4 DDTree budgets, score) for the numpy
+# engine, and the format-effect run (the int4 golden model forced on the fp32 golden).
+AFTER_GOLDEN = {"bundle": 2, "engine_run": 12, "report": 1, "all": 1}
+AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "golden": 2, "format_effect": 1, **AFTER_GOLDEN}
 CODE_EDITS = [
     ("k2vec/weights.py", {"weights": 1, **AFTER_WEIGHTS}),
     ("k2vec/checkpoint.py", {"weights": 1, **AFTER_WEIGHTS}),
@@ -117,10 +118,10 @@ CODE_EDITS = [
     # Parse-time only: the resolved content is unchanged, so nothing reruns.
     ("k2vec/spec.py", {}),
     # The reference model: golden data and what follows, and the numpy engine (it shares the math).
-    ("k2vec/reference/model.py", {"golden": 2, **AFTER_GOLDEN}),
+    ("k2vec/reference/model.py", {"golden": 2, "format_effect": 1, **AFTER_GOLDEN}),
     ("k2vec/bundle.py", AFTER_GOLDEN),
-    # The numpy engine alone: only its runs.
-    ("k2vec/engines/numpy_engine.py", {"engine_run": 10, "report": 1, "all": 1}),
+    # The numpy engine: its runs, and the format-effect run, which writes its results the same way.
+    ("k2vec/engines/numpy_engine.py", {"engine_run": 12, "format_effect": 1, "report": 1, "all": 1}),
     # The report alone.
     ("k2vec/report/metrics.py", {"report": 1, "all": 1}),
 ]
@@ -149,8 +150,8 @@ def test_quantization_change_reruns_quantization_not_weights(built_workflow, tmp
     root, env = built_workflow
     jobs = dry_run_with(root, env, tmp_path, {"quantization": change})
     # The fp32 golden, bundle and engine runs stay: only the int4 side depends on quantization.
-    int4_side = {"quantize": 1, "export_compressed_tensors": 1, "golden": 1, "bundle": 1, "engine_run": 5,
-                 "report": 1, "all": 1}
+    int4_side = {"quantize": 1, "export_compressed_tensors": 1, "golden": 1, "bundle": 1, "engine_run": 6,
+                 "format_effect": 1, "report": 1, "all": 1}
     assert jobs == {"case_section": 1, "case": 1, **int4_side}
 
 
@@ -174,3 +175,10 @@ def test_report_plot_list_matches_the_package():
     smk = (REPO / "workflow/rules/common.smk").read_text()
     listed = re.search(r"REPORT_PLOTS = (\[.*?\])", smk).group(1)
     assert sorted(eval(listed)) == sorted(v[:-4] for v in OUTPUTS.values() if v.endswith(".png"))
+
+
+def test_overlay_config_disables_a_built_in_engine(built_workflow, tmp_path):
+    root, env = built_workflow
+    # `engines: {numpy: null}` in an overlay config (docs/engine-contract.md section 1): no numpy run
+    # is scheduled or judged, only the report changes.
+    assert dry_run_with(root, env, tmp_path, {"engines": {"numpy": None}}) == {"report": 1, "all": 1}

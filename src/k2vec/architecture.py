@@ -61,12 +61,18 @@ def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, list[int]]:
 def hf_config(model: dict[str, Any]) -> dict[str, Any]:
     """config.json for transformers' DeepseekV3ForCausalLM, in the Kimi-K2 checkpoint's key style."""
     cfg = {k: model[k] for k in ARCH_KEYS}
+    # RoPE stated in full rather than left to transformers' defaults (docs/bundle-contents.md): rotary
+    # dims rotate as interleaved pairs (2i, 2i+1), and YaRN's ramp bounds are truncated to integers.
+    if cfg["rope_scaling"] is not None:
+        rs = cfg["rope_scaling"]
+        cfg["rope_scaling"] = {**rs, "rope_type": rs.get("rope_type") or rs.get("type"), "truncate": True}
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         # Kimi checkpoints say kimi_k2; transformers only knows the identical deepseek_v3.
         "model_type": "deepseek_v3",
         **cfg,
         "num_key_value_heads": model["num_attention_heads"],
+        "rope_interleave": True,
         "moe_layer_freq": 1,
         "topk_method": "noaux_tc",
         "scoring_func": "sigmoid",

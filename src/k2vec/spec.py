@@ -288,7 +288,7 @@ def schema_error(config: dict[str, Any], schema_path: str) -> ConfigError | None
 # section 5). Configs with wider models or longer decodes raise it per engine.
 ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "timeout_s": 600.0,
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
-                                   "modes": ["greedy", "ddtree"], "max_result_mb": 96.0,
+                                   "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
                                    "sandbox": False}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 
@@ -322,12 +322,15 @@ def check_command_template(template: str, key: str) -> set[str]:
 
 
 def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str, Any]]:
-    """Engine settings with defaults filled in and source globs expanded (relative to `basedir`)."""
+    """Engine settings with defaults filled in and source globs expanded (relative to `basedir`).
+    An entry set to null (`engines: {numpy: null}` in an overlay config) disables that engine."""
     import glob
     import os
 
     engines = {}
     for name, entry in (config.get("engines") or {}).items():
+        if entry is None:
+            continue
         key = f"engines.{name}"
         e = {**copy.deepcopy(ENGINE_DEFAULTS), "models": sorted(config["models"]), **copy.deepcopy(entry)}
         fields = check_command_template(e["command"], f"{key}.command")
@@ -357,13 +360,14 @@ def engines_short_of_gpus(engines: dict[str, dict[str, Any]], n_devices: int) ->
 
 def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int],
                 left_out: list[str] = ()) -> list[tuple[str, str, str, str]]:
-    """Every (engine, model, precision, mode) run: greedy, and ddtree-b<budget> per DDTree budget;
-    none for the engines in `left_out`."""
+    """Every (engine, model, precision, mode) run: greedy, ddtree-b<budget> per DDTree budget, and
+    score (forced decoding of the golden tokens); none for the engines in `left_out`."""
     runs = []
     for name, e in engines.items():
         if name in left_out:
             continue
         modes = (["greedy"] if "greedy" in e["modes"] else []) + (
-            [f"ddtree-b{b}" for b in budgets] if "ddtree" in e["modes"] else [])
+            [f"ddtree-b{b}" for b in budgets] if "ddtree" in e["modes"] else []) + (
+            ["score"] if "score" in e["modes"] else [])
         runs.extend((name, m, p, mode) for m in e["models"] for p in e["precisions"] for mode in modes)
     return runs

@@ -31,9 +31,12 @@ args = ap.parse_args()
 start = time.time()
 meta = open_bundle(args.bundle).metadata
 n_new = meta["decoding"]["max_new_tokens"] - (1 if args.behaviour == "short" else 0)
-drafters = [None] if args.mode == "greedy" else [{"accuracy": a} for a in meta["golden"]["ddtree"]["accuracies"]]
+drafters = [None] if args.mode in ("greedy", "score") else [{"accuracy": a} for a in meta["golden"]["ddtree"]["accuracies"]]
+one = {"tokens": [0] * n_new}
+if args.mode == "score":   # score mode requires the top-k (docs/engine-contract.md section 4)
+    one.update(topk_ids=[[0]] * n_new, topk_logits=[[0.0]] * n_new)
 result = {"format": "k2vec-engine-result", "version": 1, "device": "fake",
-          "runs": [{"drafter": d, "prompts": [{"tokens": [0] * n_new}] * meta["golden"]["prompts"]} for d in drafters]}
+          "runs": [{"drafter": d, "prompts": [one] * meta["golden"]["prompts"]} for d in drafters]}
 time.sleep(0.4)  # long enough for concurrent jobs to overlap
 if args.behaviour == "crash":
     print("fake kernel fault: illegal memory access in gemm_w4a16", file=sys.stderr)

@@ -60,7 +60,7 @@ wildcard_constraints:
     section="model|quantization|prompts|decoding",
     precision="|".join(PRECISIONS),
     engine="|".join(ENGINES) or "^$",
-    mode=r"greedy|ddtree-b\d+",
+    mode=r"greedy|score|ddtree-b\d+",
 
 
 def sources(*modules):
@@ -100,6 +100,12 @@ def bundle_inputs(wildcards):
 
 def run_result(engine, model, precision, mode):
     return f"results/runs/{engine}/{model}-{precision}-{mode}.json"
+
+
+def format_effect_record(model):
+    """The format-effect run (rule format_effect), judged like an engine `int4-format` score run on fp32."""
+    return {"engine": "int4-format", "model": model, "precision": "fp32", "mode": "score",
+            "result": f"results/format-effect/{model}.json"}
 
 
 def run_record(engine, model, precision, mode):

@@ -5,7 +5,7 @@ bundle's metadata, the weights from its tensors, and the INT4 weights are unpack
 packed nibbles with this module's own decoder (docs/int4-format.md §2), not the quantizer's. The
 transformer math is the reference model's (k2vec.reference), as the engine contract allows.
 
-    python -m k2vec.engines.numpy_engine --bundle B.kdtr --mode greedy|ddtree --budget N --output R.json
+    python -m k2vec.engines.numpy_engine --bundle B.kdtr --mode greedy|ddtree|score --budget N --output R.json
 
 Small matrices: run it with OPENBLAS_NUM_THREADS=1 (config.yaml does), extra BLAS threads only contend.
 """
@@ -75,6 +75,11 @@ def run(bundle_path: str, mode: str, budget: int) -> dict:
     if mode == "greedy":
         results = greedy_generate(model, prompts, n_new, top_k=decoding["top_k"])
         runs = [{"drafter": None, "prompts": [_greedy_prompt(r, len(p)) for r, p in zip(results, prompts)]}]
+    elif mode == "score":
+        # the only golden tensor an engine may read, and only in this mode (docs/engine-contract.md §3)
+        golden = [np.asarray(bundle[f"golden.p{i}.tokens"]) for i in range(n_prompts)]
+        results = greedy_generate(model, prompts, n_new, top_k=decoding["top_k"], forced=golden)
+        runs = [{"drafter": None, "prompts": [score_prompt(r) for r in results]}]
     elif mode == "ddtree":
         runs = []
         for a_i, accuracy in enumerate(meta["golden"]["ddtree"]["accuracies"]):
@@ -105,6 +110,13 @@ def _greedy_prompt(r, prompt_len: int) -> dict:
             "router_experts": r.router_ids[:, fed].transpose(1, 0, 2).tolist()}
 
 
+def score_prompt(r) -> dict:
+    # Router choices for every fed token: the P prompt tokens, then golden tokens 0..N-2.
+    return {"tokens": r.tokens.tolist(), "topk_ids": r.topk_ids.tolist(), "topk_logits": r.topk_logits.tolist(),
+            "fingerprints": r.hidden.astype(np.float32).tolist(),
+            "router_experts": r.router_ids.transpose(1, 0, 2).tolist()}
+
+
 def _round(x) -> dict:
     return {"start": x.start, "tokens": x.node_tokens.tolist(), "parents": x.parents.tolist(),
             "depths": x.depths.tolist(), "accepted": x.accepted.tolist(), "bonus": x.bonus}
@@ -113,7 +125,7 @@ def _round(x) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", required=True)
-    ap.add_argument("--mode", required=True, choices=["greedy", "ddtree"])
+    ap.add_argument("--mode", required=True, choices=["greedy", "ddtree", "score"])
     ap.add_argument("--budget", type=int, default=0)
     ap.add_argument("--output", required=True)
     args = ap.parse_args(argv)

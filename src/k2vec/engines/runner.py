@@ -53,6 +53,12 @@ class Expectations:
     max_new_tokens: int
     vocab_size: int
     accuracies: tuple[float, ...] = ()  # ddtree: one run per drafter accuracy
+    # The shapes of the optional per-step arrays (section 4); None where the bundle does not say.
+    prompt_lengths: tuple[int, ...] | None = None
+    layers: int | None = None
+    moe_layers: int | None = None
+    experts: int | None = None            # n_routed_experts
+    experts_per_token: int | None = None  # num_experts_per_tok
 
 
 @lru_cache(maxsize=1)
@@ -71,12 +77,12 @@ def _validator():
 
 
 def parse_mode(mode: str) -> tuple[str, int]:
-    """'greedy' -> ('greedy', 0); 'ddtree-b16' -> ('ddtree', 16)."""
-    if mode == "greedy":
-        return "greedy", 0
+    """'greedy' -> ('greedy', 0); 'score' -> ('score', 0); 'ddtree-b16' -> ('ddtree', 16)."""
+    if mode in ("greedy", "score"):
+        return mode, 0
     if mode.startswith("ddtree-b") and mode[len("ddtree-b"):].isdigit() and int(mode[len("ddtree-b"):]) > 0:
         return "ddtree", int(mode[len("ddtree-b"):])
-    raise ValueError(f"unknown mode {mode!r}: expected 'greedy' or 'ddtree-b<budget>'")
+    raise ValueError(f"unknown mode {mode!r}: expected 'greedy', 'score' or 'ddtree-b<budget>'")
 
 
 def check_result(result: Any, mode: str, expect: Expectations) -> None:
@@ -92,7 +98,7 @@ def check_result(result: Any, mode: str, expect: Expectations) -> None:
         raise InvalidResult(f"result does not match the schema at {where}: {what}")
     kind, _ = parse_mode(mode)
     runs = result["runs"]
-    want_drafters = [None] if kind == "greedy" else [{"accuracy": a} for a in expect.accuracies]
+    want_drafters = [None] if kind in ("greedy", "score") else [{"accuracy": a} for a in expect.accuracies]
     got = [None if r["drafter"] is None else {"accuracy": r["drafter"]["accuracy"]} for r in runs]
     if got != want_drafters:
         raise InvalidResult(f"runs are for drafters {got}, expected {want_drafters}")
@@ -108,6 +114,65 @@ def check_result(result: Any, mode: str, expect: Expectations) -> None:
             if bad is not None:
                 raise InvalidResult(f"run {r_i} prompt {p_i}: token {bad} outside the vocabulary "
                                     f"(size {expect.vocab_size})")
+            if kind != "ddtree":
+                _check_step_arrays(prompt, kind, p_i, expect)
+
+
+def _array(value: Any, dtype, what: str) -> np.ndarray:
+    """A nested list as an array; InvalidResult when its rows have different lengths."""
+    try:
+        return np.array(value, dtype=dtype)
+    except ValueError:
+        raise InvalidResult(f"{what}: rows of different lengths (expected a rectangular array)") from None
+
+
+def _check_step_arrays(prompt: dict, kind: str, p_i: int, expect: Expectations) -> None:
+    """The per-step arrays of a greedy or score result (section 4): their lengths, the top-k order,
+    and expert ids. Score mode requires the top-k and reports routing for every fed token."""
+    n = expect.max_new_tokens
+    where = f"prompt {p_i}"
+    if kind == "score":
+        missing = [k for k in ("topk_ids", "topk_logits") if k not in prompt]
+        if missing:
+            raise InvalidResult(f"{where}: score mode requires {' and '.join(missing)} (at least 1 per step)")
+    if "topk_ids" in prompt or "topk_logits" in prompt:
+        ids = _array(prompt.get("topk_ids", []), np.int64, f"{where} topk_ids")
+        logits = _array(prompt.get("topk_logits", []), np.float64, f"{where} topk_logits")
+        if ids.shape != logits.shape or ids.ndim != 2 or ids.shape[0] != n or ids.shape[1] < 1:
+            raise InvalidResult(f"{where}: topk_ids {list(ids.shape)} and topk_logits {list(logits.shape)} must "
+                                f"both be [max_new_tokens = {n}][k >= 1]")
+        if (ids >= expect.vocab_size).any():
+            step, col = np.argwhere(ids >= expect.vocab_size)[0]
+            raise InvalidResult(f"{where} step {step}: topk id {ids[step, col]} outside the vocabulary "
+                                f"(size {expect.vocab_size})")
+        rising = np.argwhere(np.diff(logits, axis=1) > 0)
+        if rising.size:
+            raise InvalidResult(f"{where} step {rising[0][0]}: topk_logits are not in descending order")
+        if kind == "score" and not np.array_equal(ids[:, 0], prompt["tokens"]):
+            step = int(np.flatnonzero(ids[:, 0] != np.asarray(prompt["tokens"]))[0])
+            raise InvalidResult(f"{where} step {step}: tokens must be the engine's own argmax, topk_ids[j][0]")
+    if "router_experts" in prompt and expect.moe_layers is not None:
+        # score mode: every fed token (P prompt tokens, then golden 0..N-2); greedy: the token of each step
+        rows = expect.prompt_lengths[p_i] + n - 1 if kind == "score" else n
+        routed = _array(prompt["router_experts"], np.int64, f"{where} router_experts")
+        want = (rows, expect.moe_layers, expect.experts_per_token)
+        if routed.shape != want:
+            fed = "P + N - 1 fed positions (prompt, then golden tokens)" if kind == "score" else "N steps"
+            raise InvalidResult(f"{where}: router_experts is {list(routed.shape)}, expected {list(want)}: "
+                                f"[{fed}][MoE layers][num_experts_per_tok]")
+        if routed.size and (routed >= expect.experts).any():
+            pos = np.argwhere(routed >= expect.experts)[0]
+            raise InvalidResult(f"{where}: router_experts{pos.tolist()} = {routed[tuple(pos)]} is not an expert "
+                                f"(n_routed_experts = {expect.experts})")
+        repeated = np.diff(np.sort(routed, axis=-1), axis=-1) == 0
+        if repeated.any():
+            pos = np.argwhere(repeated)[0][:2]
+            raise InvalidResult(f"{where}: router_experts{pos.tolist()} names an expert twice")
+    if "fingerprints" in prompt and expect.layers is not None:
+        fp = _array(prompt["fingerprints"], np.float64, f"{where} fingerprints")
+        if fp.ndim != 3 or fp.shape[:2] != (n, expect.layers):
+            raise InvalidResult(f"{where}: fingerprints is {list(fp.shape)}, expected [max_new_tokens = {n}]"
+                                f"[layers = {expect.layers}][hidden]")
 
 
 def expectations_from_bundle(path: str | os.PathLike) -> Expectations:
@@ -120,6 +185,7 @@ def expectations_from_bundle(path: str | os.PathLike) -> Expectations:
     try:
         with open_bundle(path, verify=True) as b:
             meta = b.metadata
+            lengths = {t.name: int(np.prod(t.shape)) for t in b.tensors if t.name.startswith("prompt.p")}
     except (KdtrError, OSError) as err:
         raise InvalidResult(f"bundle {path} failed verification, the engine was not run: {err}") from None
     fields = {"n_prompts": ("golden", "prompts"), "max_new_tokens": ("decoding", "max_new_tokens"),
@@ -135,7 +201,23 @@ def expectations_from_bundle(path: str | os.PathLike) -> Expectations:
             raise InvalidResult(f"bundle {path}: metadata {'.'.join(keys)} is {value!r}, expected "
                                 f"{'a list of numbers' if name == 'accuracies' else 'a positive integer'}")
         got[name] = tuple(value) if name == "accuracies" else value
-    return Expectations(**got)
+    return Expectations(**got, **_shapes(meta, lengths, path, got["n_prompts"]))
+
+
+def _shapes(meta: dict, tensor_sizes: dict[str, int], path: Any, n_prompts: int) -> dict[str, Any]:
+    """Prompt lengths and the layer/expert counts that fix the per-step arrays' shapes."""
+    c = meta.get("hf_config")
+    keys = ("num_hidden_layers", "first_k_dense_replace", "n_routed_experts", "num_experts_per_tok")
+    if not isinstance(c, dict) or any(type(c.get(k)) is not int for k in keys):
+        raise InvalidResult(f"bundle {path}: metadata hf_config lacks integer {', '.join(keys)}")
+    names = [f"prompt.p{i}.tokens" for i in range(n_prompts)]
+    absent = [n for n in names if n not in tensor_sizes]
+    if absent:
+        raise InvalidResult(f"bundle {path}: tensor {absent[0]} is missing (metadata golden.prompts = {n_prompts})")
+    layers = c["num_hidden_layers"]
+    return {"prompt_lengths": tuple(tensor_sizes[n] for n in names), "layers": layers,
+            "moe_layers": max(0, layers - c["first_k_dense_replace"]),
+            "experts": c["n_routed_experts"], "experts_per_token": c["num_experts_per_tok"]}
 
 
 _OPEN, _CLOSE, _QUOTE, _BACKSLASH = 1, 2, 3, 4

@@ -45,13 +45,23 @@ def top_k_sorted(logits: np.ndarray, k: int) -> np.ndarray:
 
 
 def greedy_generate(model: ReferenceModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    top_k: int = 8, stop_tokens: Iterable[int] = ()) -> list[GreedyResult]:
+                    top_k: int = 8, stop_tokens: Iterable[int] = (),
+                    forced: Sequence[Sequence[int]] | None = None) -> list[GreedyResult]:
     """Greedy decoding of each prompt, one KV cache per prompt. All unfinished prompts advance together
     (`forward_many`: one pass over the weights per step for the whole batch; no padding, so each
     prompt's numbers equal a run on its own, up to BLAS blocking at the 1e-16 level). A prompt stops
-    after `max_new_tokens` or right after emitting a token in `stop_tokens`."""
+    after `max_new_tokens` or right after emitting a token in `stop_tokens`.
+
+    `forced` (score mode, docs/engine-contract.md): per prompt, the `max_new_tokens` tokens to feed
+    instead of the model's own argmax; every step is recorded as in greedy decoding (`tokens` are
+    still the model's argmax), so the forward of step j sees the prompt and forced[:j]."""
     if max_new_tokens < 1 or top_k < 1:
         raise ReferenceModelError("max_new_tokens and top_k must be >= 1")
+    if forced is not None:
+        forced = [np.asarray(f, dtype=np.int64).reshape(-1) for f in forced]
+        if len(forced) != len(prompts) or any(f.size != max_new_tokens for f in forced):
+            raise ReferenceModelError(f"forced decoding needs {max_new_tokens} tokens for each of the "
+                                      f"{len(prompts)} prompts, got lengths {[f.size for f in forced]}")
     stop = set(int(s) for s in stop_tokens)
     prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
     if any(p.size == 0 for p in prompts):
@@ -64,10 +74,11 @@ def greedy_generate(model: ReferenceModel, prompts: Sequence[Sequence[int]], max
         outs = model.forward_many([Segment(feed[j], state[j].cache) for j in active], record=True, last_only=True)
         for j, out in zip(active, outs):
             tok = state[j].add(out, top_k_sorted(out.logits[0], k_keep))
-            if tok in stop or len(state[j].tokens) == max_new_tokens:
+            step = len(state[j].tokens)
+            if (forced is None and tok in stop) or step == max_new_tokens:
                 del feed[j]
             else:
-                feed[j] = np.array([tok])
+                feed[j] = np.array([tok]) if forced is None else forced[j][step - 1: step]
     return [st.result(p, model, top_k) for p, st in zip(prompts, state)]
 
 

@@ -229,7 +229,8 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
             "mode": spec["mode"], "budget": budget if kind == "ddtree" else None,
             "result": str(spec["result"]), "device": (res or {}).get("device")}
     base["gpu"], base["gpu_uuid"] = gpu_identity(res)
-    accs: list[float | None] = [None] if kind == "greedy" else list(g.accuracies)
+    single = kind in ("greedy", "score")   # one run, drafter null
+    accs: list[float | None] = [None] if single else list(g.accuracies)
     items: list[_Item] = []
 
     def failed(why: str, accuracies: Sequence[float | None], status: str = "failed") -> None:
@@ -244,7 +245,7 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
             drafter = run.get("drafter")
             acc = None if drafter is None else float(drafter["accuracy"])
             prompts = run.get("prompts") or []
-            if kind == "greedy" and acc is not None:
+            if single and acc is not None:
                 failed(f"greedy result has a drafter run (accuracy {acc})", [acc])
             elif kind == "ddtree" and acc not in g.accuracies:
                 failed(f"drafter accuracy {acc} is not in the golden's {g.accuracies}", [acc])
@@ -255,12 +256,15 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
                 if kind == "ddtree" and g.has_trace(budget, g.accuracies.index(acc)):
                     ref = (budget, g.accuracies.index(acc))
                 for p, pd_ in enumerate(prompts):
+                    if kind == "score" and pd_.get("router_experts") is not None:
+                        # judged per step like greedy: keep the rows of the positions greedy's steps feed
+                        pd_ = {**pd_, "router_experts": pd_["router_experts"][len(g.prompts[p]) - 1:]}
                     items.append(_Item({**base, "accuracy": acc, "prompt": p, "status": "ok", "reason": None},
                                        pd_, ref))
         seen = {it.base["accuracy"] for it in items}
         missing = [a for a in accs if a not in seen]
         if missing:   # the runner checks this; a result from elsewhere may still lack a run
-            failed("no run in the result" + ("" if kind == "greedy" else " for this drafter accuracy"), missing)
+            failed("no run in the result" + ("" if single else " for this drafter accuracy"), missing)
     tokens = sum(len(it.data.get("tokens", ())) for it in items if it.data is not None)
     wall = (res or {}).get("wall_s")
     decode = ((res or {}).get("timing") or {}).get("decode_s")

@@ -1,6 +1,6 @@
 """The GPU engine under the engine contract: PyTorch, every quantized linear through Triton W4A16 kernels.
 
-    python -m k2vec.engines.gpu_triton --bundle B.kdtr --mode greedy|ddtree --budget N --output R.json
+    python -m k2vec.engines.gpu_triton --bundle B.kdtr --mode greedy|ddtree|score --budget N --output R.json
         [--dtype float32|bfloat16] [--device cuda:0]
 
 Reads only the bundle, onto one device (`cuda:0`: the runner's CUDA_VISIBLE_DEVICES picks the GPU;
@@ -25,10 +25,17 @@ from .model import Segment, Transformer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def greedy_decode(model: Transformer, prompts: list[np.ndarray], max_new_tokens: int, top_k: int) -> list[dict]:
+def greedy_decode(model: Transformer, prompts: list[np.ndarray], max_new_tokens: int, top_k: int,
+                  forced: list[np.ndarray] | None = None) -> list[dict]:
     """All prompts in lockstep, one forward per step; results stay on the device until the end (no sync
-    per step). Each step records what the golden records for the token it fed (docs/golden-format.md)."""
+    per step). Each step records what the golden records for the token it fed (docs/golden-format.md).
+
+    `forced` (score mode): per prompt, the golden tokens fed instead of the argmax, through the same
+    decode path. The router is recorded for the last row of each forward only, so score mode leaves
+    `router_experts` out (the contract asks for every fed position there, prompt positions included)."""
     dev = model.device
+    if forced is not None:
+        forced_dev = torch.as_tensor(np.stack(forced), device=dev)  # [prompts, N]
     caches = [model.new_cache(p.size + max_new_tokens) for p in prompts]
     feed = [torch.as_tensor(p, device=dev) for p in prompts]
     ids, vals, hidden, routed = [], [], [], []
@@ -40,13 +47,13 @@ def greedy_decode(model: Transformer, prompts: list[np.ndarray], max_new_tokens:
         vals.append(v[:, :top_k])
         hidden.append(out.hidden.float())
         routed.append(torch.stack(out.router_ids, dim=1) if out.router_ids else None)
-        feed = list(i[:, :1])
+        feed = list(i[:, :1]) if forced is None else list(forced_dev[:, len(ids) - 1: len(ids)])
     ids, vals = torch.stack(ids, 1).cpu().numpy(), torch.stack(vals, 1).cpu().numpy()  # [P, N, k]
     hidden = torch.stack(hidden).permute(2, 0, 1, 3).cpu().numpy()  # [P, N, L, H]
     routed = torch.stack(routed, 1).cpu().numpy() if routed[0] is not None else None  # [P, N, M, k]
     return [{"tokens": ids[p, :, 0].tolist(), "topk_ids": ids[p].tolist(), "topk_logits": vals[p].tolist(),
              "fingerprints": hidden[p].tolist(),
-             **({"router_experts": routed[p].tolist()} if routed is not None else {})}
+             **({"router_experts": routed[p].tolist()} if routed is not None and forced is None else {})}
             for p in range(len(prompts))]
 
 
@@ -82,6 +89,10 @@ def run(bundle_path: str, mode: str, budget: int, dtype: str, device: str) -> di
     t_load = time.perf_counter()
     if mode == "greedy":
         runs = [{"drafter": None, "prompts": greedy_decode(model, prompts, n_new, decoding["top_k"])}]
+    elif mode == "score":
+        # the only golden tensor an engine may read, and only in this mode (docs/engine-contract.md §3)
+        golden = [np.asarray(bundle[f"golden.p{i}.tokens"], dtype=np.int64) for i in range(len(prompts))]
+        runs = [{"drafter": None, "prompts": greedy_decode(model, prompts, n_new, decoding["top_k"], golden)}]
     else:
         runs = []
         for a_i, accuracy in enumerate(meta["golden"]["ddtree"]["accuracies"]):
@@ -105,7 +116,7 @@ def run(bundle_path: str, mode: str, budget: int, dtype: str, device: str) -> di
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", required=True)
-    ap.add_argument("--mode", required=True, choices=["greedy", "ddtree"])
+    ap.add_argument("--mode", required=True, choices=["greedy", "ddtree", "score"])
     ap.add_argument("--budget", type=int, default=0)
     ap.add_argument("--output", required=True)
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
