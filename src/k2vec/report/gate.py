@@ -7,7 +7,9 @@ import pandas as pd
 from ..atomic import write_text_atomic
 from ..errors import K2VecError
 
-FAILING_CLASSES = ("real", "failed", "changed")  # changed: a run whose result or inputs changed under it
+# changed: a run whose result or inputs changed under it; over-budget: errors beyond the declared
+# precision's budget (report/classify.py), tokens equal or not
+FAILING_CLASSES = ("real", "over-budget", "failed", "changed")
 
 
 class StrictFailure(K2VecError):

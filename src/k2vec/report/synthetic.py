@@ -47,8 +47,9 @@ def case_goldens(case: dict[str, Any], root: str | Path) -> dict[tuple[str, str]
 def perfect_result(golden: str | Path, mode: str, *, engine: str = "perfect", topk: bool = True,
                    fingerprints: bool = True, router: bool = True, rounds: bool = True,
                    wall_s: float = 1.0) -> dict[str, Any]:
-    """The result an engine that reproduces `golden` exactly would write for `mode`."""
-    kind, budget = parse_mode(mode)
+    """The result an engine that reproduces `golden` exactly would write for `mode` (greedy, ddtree-b<n>
+    or score: the golden tokens fed back, router choices at every fed position, prompt included)."""
+    kind, budget = ("score", 0) if mode == "score" else parse_mode(mode)
     with open_bundle(golden) as b:
         md = b.metadata
         n = int(md["max_new_tokens"])
@@ -60,13 +61,15 @@ def perfect_result(golden: str | Path, mode: str, *, engine: str = "perfect", to
                 p["topk_logits"] = b[f"golden.p{i}.topk_logits"].tolist()
             if fingerprints:
                 p["fingerprints"] = b[f"golden.p{i}.fingerprints"].tolist()
-            if router:
+            if router and kind == "score":
+                p["router_experts"] = b[f"golden.p{i}.router_ids"].transpose(1, 0, 2).tolist()
+            elif router:
                 start = len(b[f"prompt.p{i}.tokens"]) - 1
                 ids = b[f"golden.p{i}.router_ids"]
                 p["router_experts"] = ids[:, start:start + n, :].transpose(1, 0, 2).tolist()
             return p
 
-        if kind == "greedy":
+        if kind in ("greedy", "score"):
             runs = [{"drafter": None, "prompts": [prompt(i, b[f"golden.p{i}.tokens"]) for i in range(md["prompts"])]}]
         else:
             runs = []

@@ -1,0 +1,76 @@
+"""Routing: the engine's expert choices against the golden's, compared as sets per MoE layer.
+
+Greedy and DDTree results give `router_experts` for the token fed at each step (positions P-1 ..
+P+N-2); score results give every fed position, the prompt's included (0 .. P+N-2). Positions after
+the first divergent step of a greedy run are not compared (the fed tokens differ).
+
+The router evidence of a divergence (for the `router-near-tie` class) is taken at the divergence
+only: where the engine reports its routing, the smallest golden routing margin among the decisions
+(position, layer) where the engine chose other experts, up to the divergent step; where it does not,
+the smallest golden routing margin over the MoE layers at the position the divergent step fed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .arrays import first_2d, stack_rows
+from .golden import Golden
+
+ROUTER_COLUMNS = ("router_diff_step", "router_diff_layer", "router_margin", "router_layer", "router_position",
+                  "router_evidence")
+
+
+def compare_routing(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.ndarray, fs: np.ndarray,
+                    score: np.ndarray) -> dict[str, np.ndarray]:
+    """Columns: the first (step, MoE layer) whose expert set differs (step < 0: a prompt position of a
+    score row), and the router evidence at the divergence (margin, layer, position, evidence kind)."""
+    R, N = len(datas), g.N
+    cols = {c: np.full(R, np.nan) for c in ROUTER_COLUMNS}
+    cols["router_evidence"] = np.full(R, None, object)
+    M = g.moe_layers.size
+    if not M or not R:
+        return cols
+    n_pos, k = g.router_ids.shape[1], g.router_ids.shape[3]
+    P = g.prompt_lengths[prompt]
+    # fed position of the divergent step; the last one compared
+    div_pos = P - 1 + np.minimum(fs, N - 1)
+    last_pos = np.where(score, P + N - 2, div_pos)
+    pos = np.arange(n_pos)[None, :]
+    reported = np.array([d.get("router_experts") is not None for d in datas])
+    if reported.any():
+        r_idx = np.flatnonzero(reported)
+        # the first reported position: 0 for score rows, P-1 for the others
+        first = np.where(score[r_idx], 0, P[r_idx] - 1)
+        raw = stack_rows([datas[r]["router_experts"] for r in r_idx], (M, k), n_pos, -1, np.int64)
+        given = np.array([len(datas[r]["router_experts"]) for r in r_idx])
+        # shift greedy rows onto absolute positions (one gather for all rows)
+        src = pos - first[:, None]
+        inside = (src >= 0) & (src < given[:, None])
+        Er = np.sort(np.take_along_axis(raw, np.clip(src, 0, n_pos - 1)[:, :, None, None], axis=1), axis=-1)
+        Gr = g.router_ids[prompt[r_idx]]
+        compared = inside & (pos >= first[:, None]) & (pos <= last_pos[r_idx, None])
+        differ = (Er != Gr).any(-1) & compared[:, :, None]                         # [T, pos, M]
+        anyd, p_at, m_at = first_2d(differ)
+        cols["router_diff_step"][r_idx] = np.where(anyd, p_at - (P[r_idx] - 1), np.nan)
+        cols["router_diff_layer"][r_idx] = np.where(anyd, g.moe_layers[m_at], np.nan)
+        # evidence: the nearest-tied decision the engine took otherwise, up to the divergent step
+        upto_div = differ & (pos <= div_pos[r_idx, None])[:, :, None]
+        rm = np.where(upto_div, g.router_margins[prompt[r_idx]], np.inf).reshape(len(r_idx), -1)
+        arg = rm.argmin(1)
+        has = np.isfinite(rm[np.arange(len(r_idx)), arg])
+        cols["router_margin"][r_idx] = np.where(has, rm[np.arange(len(r_idx)), arg], np.nan)
+        cols["router_position"][r_idx] = np.where(has, arg // M, np.nan)
+        cols["router_layer"][r_idx] = np.where(has, g.moe_layers[arg % M], np.nan)
+        cols["router_evidence"][r_idx] = np.where(has, "engine routing differs", None)
+    u_idx = np.flatnonzero(~reported)
+    if u_idx.size:   # no routing from the engine: the golden's margins at the divergent step's position
+        at = g.router_margins[prompt[u_idx], div_pos[u_idx]]                       # [U, M]
+        m_at = at.argmin(1)
+        cols["router_margin"][u_idx] = at[np.arange(u_idx.size), m_at]
+        cols["router_position"][u_idx] = div_pos[u_idx]
+        cols["router_layer"][u_idx] = g.moe_layers[m_at]
+        cols["router_evidence"][u_idx] = "golden margin at the divergent position"
+    return cols
