@@ -289,7 +289,7 @@ def schema_error(config: dict[str, Any], schema_path: str) -> ConfigError | None
 ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "timeout_s": 600.0,
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
                                    "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
-                                   "sandbox": False, "requires": []}
+                                   "sandbox": False, "precision": "float32", "requires": []}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 
 

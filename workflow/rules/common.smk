@@ -28,7 +28,7 @@ except (WorkflowError, ConfigError) as err:
 
 MODELS = sorted(CASES)
 # The report's plot files (k2vec.report.OUTPUTS; a test keeps the two lists equal).
-REPORT_PLOTS = ["match_grid", "logit_error", "first_bad_layer", "acceptance", "format_effect"]
+REPORT_PLOTS = ["match_grid", "logit_error", "first_bad_layer", "acceptance", "format_effect", "score_kl"]
 PRECISIONS = ["fp32", "int4"]
 # Devices of the GPU slot pool; looked up only when some engine needs GPUs.
 if config["gpus"]["devices"] != "auto":
@@ -113,10 +113,12 @@ def run_result(engine, model, precision, mode):
 def format_effect_record(model):
     """The format-effect run (rule format_effect), judged like an engine `int4-format` score run on fp32."""
     return {"engine": "int4-format", "model": model, "precision": "fp32", "mode": "score",
-            "result": f"results/format-effect/{model}.json"}
+            "result": f"results/format-effect/{model}.json", "reference": True}
 
 
 def run_record(engine, model, precision, mode):
     """What the report needs to know about one engine run."""
     return {"engine": engine, "model": model, "precision": precision, "mode": mode,
-            "result": run_result(engine, model, precision, mode)}
+            "result": run_result(engine, model, precision, mode),
+            # the declared compute precision, not the bundle's fp32/int4: picks the report's budget
+            "precision_class": ENGINES[engine]["precision"]}

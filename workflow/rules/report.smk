@@ -7,6 +7,7 @@
 rule report:
     input:
         results=[run_result(*run) for run in RUNS],
+        format_effect=expand("results/format-effect/{model}.json", model=MODELS),
         goldens=expand("results/golden/{model}/{precision}.kdtr", model=MODELS, precision=PRECISIONS),
         # checked by the report, with each result's own record and the bundle it used (report/integrity.py)
         golden_sha256=expand("results/golden/{model}/{precision}.kdtr.sha256", model=MODELS, precision=PRECISIONS),
@@ -15,6 +16,7 @@ rule report:
         html=report("results/report/divergence.html", caption="../report/divergence.rst", category="Divergence"),
         csv=report("results/report/divergence.csv", caption="../report/divergence_csv.rst", category="Divergence"),
         format_csv="results/report/format_effect.csv",
+        score_csv="results/report/score.csv",
         summary="results/report/summary.txt",
         plots=report(
             expand("results/report/{plot}.png", plot=REPORT_PLOTS),
@@ -22,11 +24,12 @@ rule report:
             category="Plots",
         ),
     params:
-        runs=[run_record(*run) for run in RUNS],
+        runs=[run_record(*run) for run in RUNS] + [format_effect_record(m) for m in MODELS],
         goldens={f"{m}/{p}": f"results/golden/{m}/{p}.kdtr" for m in MODELS for p in PRECISIONS},
         near_tie=config["report"]["near_tie"],
         router_near_tie=config["report"]["router_near_tie"],
         fingerprint_rtol=config["report"]["fingerprint_rtol"],
+        budgets=config["report"].get("budgets", {}),
     log:
         "results/logs/report.log",
     benchmark:

@@ -34,9 +34,9 @@ __all__ = ["build_report", "ReportResult", "ReportError", "compute_metrics", "ma
 # Fixed output names (relative to out_dir), so a Snakemake rule can declare them.
 OUTPUTS = {
     "html": "divergence.html", "csv": "divergence.csv", "summary": "summary.txt",
-    "format_csv": "format_effect.csv",
+    "format_csv": "format_effect.csv", "score_csv": "score.csv",
     "match_grid": "match_grid.png", "logit_error": "logit_error.png", "first_bad_layer": "first_bad_layer.png",
-    "acceptance": "acceptance.png", "format_effect": "format_effect.png",
+    "acceptance": "acceptance.png", "format_effect": "format_effect.png", "score_kl": "score_kl.png",
 }
 
 
@@ -46,6 +46,7 @@ class ReportResult:
     runs: pd.DataFrame            # run x accuracy summary
     steps: pd.DataFrame           # per row and compared step: logit error, KL
     acceptance: pd.DataFrame      # DDTree acceptance-length histogram data
+    score_runs: pd.DataFrame      # one row per score run, the int4-format rows included (score.csv)
     format_effect: pd.DataFrame   # fp32 vs int4 golden per model x prompt
     format_steps: pd.DataFrame    # ... per step
     format_models: pd.DataFrame   # ... per model
@@ -56,13 +57,14 @@ class ReportResult:
 
 def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, str], str | Path],
                  out_dir: str | Path, *, near_tie: float = 1e-3, router_near_tie: float = 1e-3,
-                 fingerprint_rtol: float = 1e-3) -> ReportResult:
-    """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`."""
+                 fingerprint_rtol: float = 1e-3, budgets: Mapping[str, Mapping[str, Any]] | None = None) -> ReportResult:
+    """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
+    budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml)."""
     from . import plots
     from .html import render_html, summary_text
 
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
-                                 fingerprint_rtol=fingerprint_rtol)
+                                 fingerprint_rtol=fingerprint_rtol, budgets=budgets)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_steps = dict(zip(m.format_models.get("model", []), m.format_models.get("max_new_tokens", [])))
@@ -72,6 +74,7 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
         "first_bad_layer.png": plots.first_bad_layer(m.rows),
         "acceptance.png": plots.acceptance(m.acceptance),
         "format_effect.png": plots.format_effect(m.format_effect, m.format_steps, n_steps),
+        "score_kl.png": plots.score_kl(m.score_runs, m.rows, m.steps, m.score_reference_steps),
     }
     summary = summary_text(m)
     paths = {key: out / name for key, name in OUTPUTS.items()}
@@ -79,9 +82,10 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
         write_bytes_atomic(out / name, png)
     write_text_atomic(paths["csv"], m.rows[ROW_COLUMNS].to_csv(index=False))
     write_text_atomic(paths["format_csv"], m.format_effect.to_csv(index=False))
+    write_text_atomic(paths["score_csv"], m.score_runs.to_csv(index=False))
     write_text_atomic(paths["summary"], summary)
     write_text_atomic(paths["html"], render_html(m, pngs, summary))
-    return ReportResult(m.rows, m.runs, m.steps, m.acceptance, m.format_effect, m.format_steps, m.format_models,
+    return ReportResult(m.rows, m.runs, m.steps, m.acceptance, m.score_runs, m.format_effect, m.format_steps, m.format_models,
                         summary, m.has_real_divergence_or_failure, paths)
 
 
@@ -108,8 +112,8 @@ def snakemake_main(smk: Any) -> ReportResult:
     params.runs: list of {"engine","model","precision","mode","result"} dicts (result = the JSON path,
       normally also listed in input); params.goldens: {(model, precision): path} (or
       [{"model","precision","path"}], or {"model/precision": path}); optional params.near_tie,
-      params.router_near_tie, params.fingerprint_rtol, params.strict (fail the job on a real
-      divergence or a failed run, after writing the outputs).
+      params.router_near_tie, params.fingerprint_rtol, params.budgets (report.budgets), params.strict
+      (fail the job on a real divergence, an over-budget row or a failed run, after writing the outputs).
     output.html: .../divergence.html; every other output is written next to it (OUTPUTS).
     log[0] (optional): the stage log.
     """
@@ -123,7 +127,7 @@ def snakemake_main(smk: Any) -> ReportResult:
     def run() -> ReportResult:
         res = build_report(list(get("runs", [])), _goldens_from(get("goldens", {})), out_dir,
                            near_tie=float(get("near_tie", 1e-3)), router_near_tie=float(get("router_near_tie", 1e-3)),
-                           fingerprint_rtol=float(get("fingerprint_rtol", 1e-3)))
+                           fingerprint_rtol=float(get("fingerprint_rtol", 1e-3)), budgets=get("budgets"))
         import logging
         logging.getLogger("k2vec.report").info("%s", res.summary)
         if get("strict", False) and res.has_real_divergence_or_failure:
@@ -145,13 +149,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--near-tie", type=float, default=1e-3)
     ap.add_argument("--router-near-tie", type=float, default=1e-3)
     ap.add_argument("--fingerprint-rtol", type=float, default=1e-3)
-    ap.add_argument("--strict", action="store_true", help="exit 1 on a real divergence or a failed run")
+    ap.add_argument("--precision-class", nargs=2, action="append", default=[], metavar=("ENGINE", "PRECISION"),
+                    help="an engine's declared compute precision (float32, bfloat16, float16, fp8; default float32)")
+    ap.add_argument("--budgets", help="JSON file: per precision, budgets laid over the defaults (report.budgets)")
+    ap.add_argument("--strict", action="store_true", help="exit 1 on a real divergence, an over-budget row or a failed run")
     a = ap.parse_args(argv)
-    runs = [dict(zip(("engine", "model", "precision", "mode", "result"), r)) for r in a.run]
+    declared = dict(a.precision_class)
+    runs = [{**dict(zip(("engine", "model", "precision", "mode", "result"), r)),
+             "precision_class": declared.get(r[0], "float32")} for r in a.run]
     goldens = {(m, p): path for m, p, path in a.golden}
     try:
+        budgets = None
+        if a.budgets:
+            import json
+            try:
+                budgets = json.loads(Path(a.budgets).read_text())
+            except (OSError, ValueError) as err:
+                raise ReportError(f"--budgets {a.budgets}: {err}") from None
         res = build_report(runs, goldens, a.out, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
-                           fingerprint_rtol=a.fingerprint_rtol)
+                           fingerprint_rtol=a.fingerprint_rtol, budgets=budgets)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -72,7 +72,11 @@ def divergence_line(r: pd.Series) -> str:
          f"margin {fmt(r['margin'], 'e')}")
     if r["class"] == "router-near-tie":
         s += (f", router margin {fmt(r['router_margin'], 'e')} at layer {int(r['router_layer'])} "
-              f"position {int(r['router_position'])}")
+              f"position {int(r['router_position'])} ({r['router_evidence']})")
+    if r["class"] == "precision-tie" or (r["class"] == "real" and not _na(r["noise"])):
+        s += f", golden gap {fmt(r['golden_gap'], 'e')} vs engine noise {fmt(r['noise'], 'e')} ({r['precision_class']})"
+    if not _na(r["over_budget"]):
+        s += f"; over budget: {r['over_budget']}"
     return s
 
 
@@ -83,13 +87,16 @@ def summary_text(m: Metrics) -> str:
     lines.append(f"k2vec divergence report: {n_runs} runs, {rows['engine'].nunique() if len(rows) else 0} engines, "
                  f"{len(rows)} prompt rows")
     lines.append("  " + " | ".join(f"{c} {int(counts.get(c, 0))}" for c in CLASSES))
-    verdict = "FAIL: real divergence or failed run" if m.has_real_divergence_or_failure else \
-        "OK: no real divergence, no failed run"
+    verdict = "FAIL: real divergence, over-budget row or failed run" if m.has_real_divergence_or_failure else \
+        "OK: no real divergence, no over-budget row, no failed run"
     lines.append("  " + verdict)
-    for cls in ("real", "router-near-tie", "near-tie"):
+    for cls in ("real", "over-budget", "router-near-tie", "precision-tie", "near-tie"):
         sub = rows[rows["class"] == cls].sort_values(["run", "prompt"])
         for _, r in sub.head(MAX_TEXT_LINES).iterrows():
-            lines.append(f"  {cls.upper()}: {divergence_line(r)}")
+            if r["first_step"] is pd.NA or _na(r["first_step"]):
+                lines.append(f"  {cls.upper()}: {_row_where(r)}: {r['over_budget']}")
+            else:
+                lines.append(f"  {cls.upper()}: {divergence_line(r)}")
         if len(sub) > MAX_TEXT_LINES:
             lines.append(f"  ... and {len(sub) - MAX_TEXT_LINES} more {cls} rows (divergence.csv)")
     failed = m.runs[m.runs["status"] != "ok"] if len(m.runs) else m.runs
@@ -98,6 +105,11 @@ def summary_text(m: Metrics) -> str:
         lines.append(f"  {label}: {r['engine']} {r['model']}/{r['precision']} {r['mode']}: {r['reason']}")
     if len(failed.drop_duplicates("run")) > MAX_TEXT_LINES:
         lines.append(f"  ... and {len(failed.drop_duplicates('run')) - MAX_TEXT_LINES} more failed runs")
+    for _, r in m.score_runs.iterrows():
+        lines.append(f"  score {r['engine']} {r['model']}/{r['precision']} ({r['precision_class'] or 'reference'}): "
+                     f"same top-1 {r['same_top1']:.1%}, KL mean {fmt(r['kl_mean'], 'e')} p99 {fmt(r['kl_p99'], 'e')} "
+                     f"max {fmt(r['kl_max'], 'e')}, NMSE {fmt(r['logit_nmse'], 'e')}: {r['verdict']}"
+                     + (f" ({r['over_budget']})" if r["over_budget"] else ""))
     fp = rows.dropna(subset=["first_bad_step"])
     if len(fp):
         r = fp.sort_values(["first_bad_step", "first_bad_layer"]).iloc[0]
@@ -239,14 +251,14 @@ def _summary_table(m: Metrics) -> str:
 
 def _divergence_table(m: Metrics) -> str:
     rows = m.rows
-    d = rows[rows["class"].isin(["near-tie", "router-near-tie", "real"])]
+    d = rows[rows["class"].isin(["near-tie", "router-near-tie", "precision-tie", "real"]) & (rows["mode"] != "score")]
     if d.empty:
         return '<p class="note" id="divergence-table">No token divergence.</p>'
     d = d.assign(sev=d["class"].map(SEVERITY), label=row_labels(d)).sort_values(
         ["sev", "run", "accuracy", "prompt"], ascending=[False, True, True, True], kind="stable")
     d, note = _capped(d, MAX_DETAIL_ROWS, "divergent prompts (worst first)")
     header = [("run", ""), ("prompt", "num"), ("class", ""), ("step", "num"), ("token golden \u2192 engine", "num"),
-              ("ranks g\u2208e / e\u2208g", "num"), ("golden margin", "num"),
+              ("ranks g\u2208e / e\u2208g", "num"), ("golden margin", "num"), ("gap / noise", "num"),
               ("router near-tie", ""), ("max |\u0394logit|", "num"), ("max KL", "num"),
               ("first bad fingerprint", ""), ("router differs", "")]
     body = []
@@ -256,12 +268,32 @@ def _divergence_table(m: Metrics) -> str:
         body.append([
             _e(r["label"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_step"], "int"),
             f"{fmt(r['golden_token'], 'int')} \u2192 {fmt(r['engine_token'], 'int')}",
-            f'{fmt(r["golden_rank_in_engine"])} / {fmt(r["engine_rank_in_golden"])}', fmt(r["margin"], "e"), router,
+            f'{fmt(r["golden_rank_in_engine"])} / {fmt(r["engine_rank_in_golden"])}', fmt(r["margin"], "e"),
+            f'{fmt(r["golden_gap"], "e")} / {fmt(r["noise"], "e")}', router,
             fmt(r["logit_abs_max"], "e"), fmt(r["kl_max"], "e"),
             _step_layer(r["first_bad_step"], r["first_bad_layer"]),
             _step_layer(r["router_diff_step"], r["router_diff_layer"]),
         ])
     return _table("divergence-table", header, body) + note
+
+
+def _score_table(m: Metrics) -> str:
+    sr = m.score_runs
+    if sr.empty:
+        return '<p class="note" id="score-table">No score run.</p>'
+    sr = sr.sort_values(["reference", "engine", "model", "precision"], kind="stable")
+    header = [("engine", ""), ("model/precision", ""), ("precision", ""), ("positions", "num"),
+              ("same top-1", "num"), ("KL mean", "num"), ("KL p99", "num"), ("KL max", "num"), ("NMSE", "num"),
+              ("verdict", ""), ("largest KL at", "wrap")]
+    body = []
+    for _, r in sr.iterrows():
+        verdict = _e(r["verdict"]) + ("" if not r["over_budget"] else f': {_e(r["over_budget"])}')
+        body.append([_e(r["engine"]), _e(f"{r['model']}/{r['precision']}"), _e(r["precision_class"] or "\u2013"),
+                     str(int(r["positions"])), f"{r['same_top1']:.1%}", fmt(r["kl_mean"], "e"), fmt(r["kl_p99"], "e"),
+                     fmt(r["kl_max"], "e"), fmt(r["logit_nmse"], "e"), verdict, _e(r["top_kl"])])
+    return ('<p class="note">Every engine fed the golden tokens (score mode): its distribution at every '
+            'position against the golden\'s. The int4-format rows are the int4 golden model forced on the fp32 '
+            'golden sequence: what INT4 itself costs, for scale.</p>' + _table("score-table", header, body))
 
 
 def _tree_table(m: Metrics) -> str:
@@ -345,12 +377,23 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
     ok = not m.has_real_divergence_or_failure
     n_runs = rows["run"].nunique() if len(rows) else 0
     defs = {
-        "exact": "every generated token equals the golden's.",
+        "exact": "every generated token equals the golden's, and the logit / fingerprint errors are within the "
+                 "budget of the engine's declared precision (report.budgets).",
+        "within-budget": "a score run's row whose top-1 differs at some position, the run's statistics within budget.",
         "near-tie": f"first divergent step's golden top-1 minus top-2 logit &lt; near_tie = {th['near_tie']:g}.",
-        "router-near-tie": f"otherwise, some golden router margin (k-th minus (k+1)-th expert score) &lt; "
-                           f"router_near_tie = {th['router_near_tie']:g} in any MoE layer for a token at or before "
-                           f"the position fed at that step (the smallest is shown).",
-        "real": "a divergence with no near-tie to explain it.",
+        "router-near-tie": f"otherwise, a routing near-tie at the divergence: where the engine reports its routing, "
+                           f"it chose other experts than the golden, up to the divergent step, at a decision whose "
+                           f"golden router margin (k-th minus (k+1)-th expert score) is &lt; router_near_tie = "
+                           f"{th['router_near_tie']:g}; where it does not, the golden router margin at the position "
+                           f"fed at the divergent step is.",
+        "precision-tie": "otherwise, the golden's gap between its token and the engine's at the divergent step is "
+                         "within twice the engine's own logit noise (largest logit error before the divergence, or "
+                         "the p99 of its score run on the same prompt), and that noise is within its precision's "
+                         "budget.",
+        "over-budget": "tokens equal (or a score run), but the logit or fingerprint errors, or the score run's "
+                       "same-top-1 / KL, exceed the budget of the engine's declared precision.",
+        "real": "a divergence with nothing above to explain it, or any divergence of an engine whose noise is "
+                "beyond its precision's budget (no tie credit then).",
         "failed": "the engine run failed (time limit, crash, invalid output); the reason is shown.",
         "changed": "not judged: the result, or the bundle or golden it used, changed after the run (its sha256 "
                    "no longer matches the one recorded when it was written); the reason names the file.",
@@ -370,6 +413,8 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         '<section id="summary"><h2>Runs</h2><div class="card">', _summary_table(m), "</div></section>",
         '<section id="divergences"><h2>Divergent prompts</h2><div class="card">', _divergence_table(m),
         "</div></section>",
+        '<section id="score"><h2>Score mode</h2><div class="card">', _score_table(m), "</div>",
+        _figure("score_kl.png", pngs["score_kl.png"]), "</section>",
         '<section id="plots"><h2>Plots</h2>',
         *(_figure(name, pngs[name]) for name in ("match_grid.png", "logit_error.png", "first_bad_layer.png")),
         "</section>",
@@ -381,7 +426,10 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         "<dt>compared steps</dt><dd>steps 0..k for a prompt first diverging at step k (all steps if exact): "
         "up to k both sides fed the same tokens.</dd>"
         "<dt>logit error</dt><dd>on the ids in both top-k lists, compared by id: abs and rel error (max, mean, "
-        "p99), NMSE = &Sigma;(e&minus;g)&sup2;/&Sigma;g&sup2;, KL(golden || engine) of the softmax over those ids.</dd>"
+        "p99), NMSE = &Sigma;(e&minus;g)&sup2;/&Sigma;g&sup2;.</dd>"
+        "<dt>KL</dt><dd>KL(golden || engine) per position on the top-m of each side (m = the smaller k), over the "
+        "union of the two id sets: an id one side did not list gets that side's lowest listed logit, then both "
+        "are softmax-normalised over the union.</dd>"
         "<dt>ranks</dt><dd>0-based: the golden token's rank in the engine's top-k, the engine token's rank in the "
         "golden top-k; &ndash; when absent.</dd>"
         "<dt>first bad fingerprint</dt><dd>first (step, layer) whose relative L2 error "

@@ -5,7 +5,8 @@
 - KL(golden || engine) per step, on the top-m of each side (m = the smaller of the two k), over the
   union of the two id sets: an id one side did not list gets that side's lowest listed logit there
   (the most it can be), then both sides are softmax-normalised over the union. Disjoint top-k sets
-  thus give a large KL instead of none; identical ones give the KL of the renormalised top-m.
+  thus still give a KL (none would be computable on the shared ids alone); identical sets give the KL
+  of the two renormalised top-m distributions.
 """
 
 from __future__ import annotations
@@ -87,10 +88,13 @@ def compare_logits(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.nda
         sq_ref = sq_ref.sum(-1)
         cols["logit_nmse"][t_idx] = np.where(some, sq_err.sum(1) / np.maximum(sq_ref.sum(1), REL_EPS), np.nan)
         step_valid = valid.any(-1)                                                # [T, N]
-        kl = np.where(upto[t_idx] & step_valid, topk_kl(Gids, Glog, Eids, Elog), np.nan)
-        cols["kl_mean"][t_idx] = np.where(some, np.nanmean(kl, axis=1), np.nan)
+        # KL needs no shared id (the union covers disjoint lists), only a listed engine logit
+        listed = (Eids[..., 0] >= 0) & np.isfinite(Elog[..., 0])
+        kl = np.where(upto[t_idx] & listed, topk_kl(Gids, Glog, Eids, Elog), np.nan)
+        some_kl = np.isfinite(kl).any(1)
+        cols["kl_mean"][t_idx] = np.where(some_kl, np.nanmean(kl, axis=1), np.nan)
         cols["kl_p99"][t_idx] = nan_percentile_rows(kl, 99.0)
-        cols["kl_max"][t_idx] = np.where(some, np.nanmax(kl, axis=1), np.nan)
+        cols["kl_max"][t_idx] = np.where(some_kl, np.nanmax(kl, axis=1), np.nan)
         overlap = np.where(upto[t_idx], found.sum(-1) / K, np.nan)
         cols["topk_overlap"][t_idx] = np.nanmean(overlap, axis=1)
         step_abs = np.nanmax(np.where(step_valid[..., None], err, -np.inf), axis=-1)

@@ -30,7 +30,7 @@ import pandas as pd
 
 from ..engines.runner import parse_mode
 from ..gpus import short_uuid
-from .classify import classify, resolve_budgets
+from .classify import BudgetError, classify, resolve_budgets
 from .ddtree import acceptance_hist, compare_tree
 from .fingerprints import compare_fingerprints
 from .golden import Golden, ReportError
@@ -97,6 +97,7 @@ class Metrics:
     format_effect: pd.DataFrame  # fp32 vs int4 golden, one row per model x prompt
     format_steps: pd.DataFrame  # fp32 vs int4 golden per step: KL, logit error, top-k overlap
     format_models: pd.DataFrame  # fp32 vs int4 golden per model: same-top-1 rate etc.
+    score_reference_steps: pd.DataFrame  # per step KL of the int4-format reference runs (model, prompt, step, kl)
     thresholds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -252,7 +253,10 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
     laid over classify.DEFAULT_BUDGETS."""
     from .format_effect import format_effect
 
-    budgets = resolve_budgets(budgets)
+    try:
+        budgets = resolve_budgets(budgets)
+    except BudgetError as err:
+        raise ReportError(str(err)) from None
     opened: dict[tuple[str, str], Golden] = {}
     try:
         needed = set()
@@ -278,10 +282,10 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
         for key in sorted(needed):
             opened[key] = Golden(key[0], key[1], goldens[key])
         th = {"near_tie": near_tie, "router_near_tie": router_near_tie, "fingerprint_rtol": fingerprint_rtol}
-        rows, runs_df, steps, acceptance, score_runs = _engine_metrics(
+        rows, runs_df, steps, acceptance, score_runs, ref_steps = _engine_metrics(
             runs, opened, th, budgets, RunChecks({k: g.sha256 for k, g in opened.items()}))
         fe, fe_steps, fe_models = format_effect(opened, th, budgets)
-        return Metrics(rows, runs_df, steps, acceptance, score_runs, fe, fe_steps, fe_models,
+        return Metrics(rows, runs_df, steps, acceptance, score_runs, fe, fe_steps, fe_models, ref_steps,
                        {**th, "budgets": budgets})
     finally:
         for g in opened.values():
@@ -319,7 +323,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     if not items:   # no engine runs: the report still shows the format effect
         empty = _finish_frame(pd.DataFrame(columns=ROW_COLUMNS), ROW_COLUMNS)
         return empty, pd.DataFrame(), pd.DataFrame(columns=["row"] + STEP_COLUMNS[1:]), acceptance_hist([]), \
-            pd.DataFrame(columns=SCORE_COLUMNS)
+            pd.DataFrame(columns=SCORE_COLUMNS), pd.DataFrame(columns=["model", "prompt", "step", "kl"])
     base = pd.DataFrame([it.base for it in items])
     extra: dict[str, np.ndarray] = {}
     step_frames, hist_rows = [], []
@@ -400,8 +404,10 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     rows = _finish_frame(classified[~classified["reference"]].reset_index(drop=True), ROW_COLUMNS)
     kept = ~base["reference"].to_numpy()
     new_index = pd.Series(np.cumsum(kept) - 1, index=base.index)[kept]
+    ref = steps[~steps["row"].isin(new_index.index)].join(base[["model", "prompt"]], on="row")
     steps = steps[steps["row"].isin(new_index.index)].assign(row=lambda s: new_index.reindex(s["row"]).to_numpy())
-    return rows, _run_summary(rows, stderr), steps.reset_index(drop=True), acceptance_hist(hist_rows), scored
+    return rows, _run_summary(rows, stderr), steps.reset_index(drop=True), acceptance_hist(hist_rows), scored, \
+        ref[["model", "prompt", "step", "kl"]].reset_index(drop=True)
 
 
 def _not_judged_class(status: pd.Series, judged) -> np.ndarray:

@@ -41,6 +41,9 @@ PLOTS = {  # file name -> (element id, caption)
                        "included) of the engines against the golden traces."),
     "format_effect.png": ("plot-format-effect", "Format effect: the int4 golden against the fp32 golden of the "
                           "same model, both decoding their own tokens."),
+    "score_kl.png": ("plot-score-kl", "Score mode: the distribution of KL(golden || engine) over every (prompt, "
+                     "step) position of each score run (fraction of positions whose KL is at least x), one panel "
+                     "per engine; dashed: the int4 golden model forced on the fp32 golden sequence (int4-format)."),
 }
 
 
@@ -401,4 +404,45 @@ def format_effect(fe: pd.DataFrame, fe_steps: pd.DataFrame, n_steps: dict[str, i
     ax2.legend(fontsize=8)
     ax2.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=11, x=0.01, ha="left")
+    return _png(fig)
+
+
+# ------------------------------------------------------------------------------------------ score KL
+
+
+def score_kl(score_runs: pd.DataFrame, rows: pd.DataFrame, steps: pd.DataFrame, ref_steps: pd.DataFrame) -> bytes:
+    """Per engine, the complementary CDF of the per-position KL of its score runs (log x), with the
+    format-effect reference of each model; exact zeros are drawn on the floor."""
+    title = "Score mode: KL(golden || engine) per position"
+    engines = [e for e in dict.fromkeys(score_runs.loc[~score_runs["reference"].astype(bool), "engine"])] \
+        if len(score_runs) else []
+    if not engines:
+        return _empty("no score runs", title)
+    score_rows = rows[rows["mode"] == "score"]
+    st = steps[steps["row"].isin(score_rows.index)].join(score_rows[["engine", "model", "precision"]], on="row")
+    kl_all = pd.concat([st["kl"], ref_steps["kl"]]).dropna()
+    floor = _floor(kl_all)
+    hi = max(float(kl_all.max()) if len(kl_all) else 1.0, floor * 10)
+    engines = engines[:MAX_PANELS]
+    fig = Figure(figsize=(min(16.0, 4.2 * len(engines) + 1), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(engines), squeeze=False, sharey=True)[0]
+
+    def ccdf(ax, kl: np.ndarray, **kw) -> None:
+        kl = np.sort(np.maximum(kl[np.isfinite(kl)], floor))
+        if kl.size:
+            ax.step(kl, 1.0 - np.arange(kl.size) / kl.size, where="post", **kw)
+
+    for ax, engine in zip(axes, engines):
+        for (model, precision), grp in st[st["engine"] == engine].groupby(["model", "precision"], sort=True):
+            ccdf(ax, grp["kl"].to_numpy(float), lw=1.4, label=f"{model}/{precision}")
+        for model, grp in ref_steps.groupby("model", sort=True):
+            ccdf(ax, grp["kl"].to_numpy(float), lw=1.0, ls="--", color="#777", label=f"int4-format {model}")
+        ax.set_xscale("log")
+        ax.set_xlim(floor / 2, hi * 2)
+        ax.axvline(floor, color="#999", ls=":", lw=0.8)
+        ax.set_title(engine, fontsize=10)
+        ax.set_xlabel("KL per position (nats)")
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0].set_ylabel("fraction of positions with KL \u2265 x")
+    fig.suptitle(title, x=0.01, ha="left", fontsize=11, fontweight="bold")
     return _png(fig)

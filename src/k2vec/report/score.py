@@ -38,7 +38,8 @@ def score_stats(rows: pd.DataFrame, steps: pd.DataFrame, budgets) -> pd.DataFram
                "kl_mean": float(kl[finite].mean()) if finite.any() else np.nan,
                "kl_p99": float(np.percentile(kl[finite], 99)) if finite.any() else np.nan,
                "kl_max": float(kl[finite].max()) if finite.any() else np.nan,
-               "logit_nmse": float(s["sq_err"].sum() / max(s["sq_ref"].sum(), REL_EPS)) if finite.any() else np.nan,
+               "logit_nmse": float(s["sq_err"].sum() / max(s["sq_ref"].sum(), REL_EPS)) if s["sq_ref"].notna().any()
+               else np.nan,
                "top_kl": "; ".join(f"p{int(r.prompt)} step {int(r.step)}: {r.kl:.3g}" for r in top.itertuples())}
         rec["over_budget"] = None if rec["reference"] else _over_budget(rec, budgets.get(rec["precision_class"]))
         rec["verdict"] = "reference" if rec["reference"] else ("over budget" if rec["over_budget"] else "within budget")
