@@ -38,9 +38,9 @@ def test_dry_run_with_fake_devices_schedules_gpu_engines(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "k2vec: no run of GPU engine" not in res.stderr
     outputs = re.findall(r"output: (results/runs/\S+)", res.stdout)
-    assert sum(o.startswith("results/runs/gpu_fp32/") for o in outputs) == 20
-    assert sum(o.startswith("results/runs/gpu_bf16/") for o in outputs) == 20
-    assert scheduled_jobs(res.stdout)["engine_run"] == 60
+    assert sum(o.startswith("results/runs/gpu_fp32/") for o in outputs) == 24
+    assert sum(o.startswith("results/runs/gpu_bf16/") for o in outputs) == 24
+    assert scheduled_jobs(res.stdout)["engine_run"] == 72
 
 
 def _max_running(log: str, rule: str) -> int:

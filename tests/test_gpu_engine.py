@@ -82,8 +82,9 @@ def test_float32_engine_matches_golden_on_fp32_bundle(bundles, tmp_path):
     score = run_engine(bundles["fp32"], "score", 0, tmp_path / "score.json")
     n = b.metadata["decoding"]["max_new_tokens"]
     for i, got in enumerate(score["runs"][0]["prompts"]):
-        assert "router_experts" not in got  # prompt positions are not recorded: left out, not half given
-        got["router_experts"] = greedy["runs"][0]["prompts"][i]["router_experts"]
+        routed = np.asarray(got["router_experts"])   # every fed position, prompt included
+        assert np.array_equal(routed, np.asarray(b[f"golden.p{i}.router_ids"]).transpose(1, 0, 2))
+        got["router_experts"] = routed[len(b[f"prompt.p{i}.tokens"]) - 1:]
         assert_greedy_matches(b, i, got, n)
 
 
@@ -101,10 +102,13 @@ b = open_bundle(sys.argv[1]); meta = b.metadata
 p = np.asarray(b["prompt.p0.tokens"], np.int64)
 model = Transformer(b, meta, torch.float32, "cpu", p.size + 64)
 greedy = greedy_decode(model, [p], 3, meta["decoding"]["top_k"])[0]
+# score mode on tokens the model would not choose: step j must see prompt + forced[:j]
+forced = (np.asarray(b["golden.p0.tokens"][:3], np.int64) + 1 + np.arange(3)) % meta["model"]["vocab_size"]
+score = greedy_decode(model, [p], 3, meta["decoding"]["top_k"], [forced])[0]
 ids = np.asarray(b["drafts.a0.p0.ids"])
 drafts = RecordedDrafts(ids, np.asarray(b["drafts.a0.p0.logprobs"]), np.full(ids.shape[:2], -1, np.int32), p.size)
 tokens, rounds = ddtree_decode(model, [p], [drafts], 4, 8)[0]
-print(json.dumps({"greedy": greedy, "tokens": tokens, "rounds": [r.to_json() for r in rounds]}))
+print(json.dumps({"greedy": greedy, "score": score, "forced": forced.tolist(), "tokens": tokens, "rounds": [r.to_json() for r in rounds]}))
 """
 
 
@@ -119,6 +123,19 @@ def test_float32_engine_with_interpreted_kernels_matches_int4_golden(bundles):
     assert out["tokens"] == np.asarray(b["golden.p0.tokens"])[:8].tolist()
     expected = golden_rounds(b, 4, 0, 0)
     assert len(out["rounds"]) >= 2 and out["rounds"] == expected[:len(out["rounds"])]
+    # score mode against the numpy reference forced on the same tokens
+    from k2vec.engines.numpy_engine import BundleWeights
+    from k2vec.reference import ReferenceModel, greedy_generate
+    meta = b.metadata
+    ref = greedy_generate(ReferenceModel(meta["hf_config"], BundleWeights(b, meta["quantization"]),
+                                         latent_norm_eps=meta["golden"]["reference"]["latent_norm_eps"]),
+                          [np.asarray(b["prompt.p0.tokens"])], 3, top_k=meta["decoding"]["top_k"],
+                          forced=[out["forced"]])[0]
+    score = out["score"]
+    assert score["tokens"] == ref.tokens.tolist()
+    assert np.array_equal(score["router_experts"], ref.router_ids.transpose(1, 0, 2))  # prompt rows included
+    np.testing.assert_allclose(score["topk_logits"], ref.topk_logits, rtol=0,
+                               atol=1e-4 * np.abs(ref.topk_logits).max())
 
 
 # ------------------------------------------------------------------ tree mask and KV compaction

@@ -295,7 +295,7 @@ def fake_run(pipeline, tmp_path_factory):
 
 def test_gpu_slots_all_used_never_shared(fake_run):
     records = [r for r in (json.loads(p.read_text()) for p in fake_run[3].glob("*.json")) if r["behaviour"] == "ok"]
-    assert len(records) == 20  # tiny, small x fp32, int4 x greedy + 4 DDTree budgets
+    assert len(records) == 24  # tiny, small x fp32, int4 x greedy + 4 DDTree budgets + score
     devices = [r["cuda_visible_devices"] for r in records]
     assert set(devices) == {"0", "1", "2", "3"}
     for i, a in enumerate(records):
@@ -321,7 +321,7 @@ def test_failing_engines_give_failed_results(fake_run, engine, reason):
     if engine == "crash":
         assert "illegal memory access" in r["stderr_tail"]
     ok = [json.loads(p.read_text())["status"] for p in (root / "results/runs/fakegpu").glob("*.json")]
-    assert ok == ["ok"] * 20
+    assert ok == ["ok"] * 24
 
 
 def test_kernel_edit_reruns_only_that_engine(fake_run):
@@ -332,7 +332,7 @@ def test_kernel_edit_reruns_only_that_engine(fake_run):
         kernel.write_text(original + "// faster now\n")
         res = snakemake("-n", *args, snakefile=root / "Snakefile", cwd=root, env=env)
         assert res.returncode == 0, res.stderr[-2000:]
-        assert scheduled_jobs(res.stdout) == {"engine_build": 1, "engine_run": 20, "report": 1, "all": 1}
+        assert scheduled_jobs(res.stdout) == {"engine_build": 1, "engine_run": 24, "report": 1, "all": 1}
         assert all("results/runs/fakegpu/" in line for line in res.stdout.splitlines()
                    if line.strip().startswith("output: results/runs/"))
     finally:

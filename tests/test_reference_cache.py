@@ -308,3 +308,27 @@ def test_greedy_generate_records(model):
     stopped = greedy_generate(model, [prompts[0]], max_new_tokens=6, stop_tokens=[int(first[2])])[0]
     assert stopped.tokens.tolist() == first[: list(first).index(first[2]) + 1].tolist()
     assert stopped.router_ids.shape[1] == len(prompts[0]) + len(stopped.tokens) - 1
+
+
+def test_forced_decoding_feeds_the_given_tokens(model):
+    """Score mode: step j sees the prompt and forced[:j] (not the model's own tokens), records the
+    model's argmax and top-k there, and routes every fed position, prompt included."""
+    prompts = [SEQ[:5], SEQ[3:12]]
+    greedy = greedy_generate(model, prompts, max_new_tokens=6, top_k=5)
+    # forced tokens that are never the model's own choice after step 0
+    forced = [(g.tokens + 1 + np.arange(6)) % CFG["vocab_size"] for g in greedy]
+    res = greedy_generate(model, prompts, max_new_tokens=6, top_k=5, forced=forced)
+    for prompt, f, g, r in zip(prompts, forced, greedy, res):
+        p = len(prompt)
+        full = model.forward(prompt + f.tolist(), record=True)
+        logits = full.logits[p - 1: -1]
+        np.testing.assert_array_equal(r.tokens, logits.argmax(-1))
+        np.testing.assert_array_equal(r.topk_ids, [top_k_sorted(row, 5) for row in logits])
+        close(r.topk_logits, np.take_along_axis(logits, r.topk_ids, -1))
+        close(r.hidden, full.hidden[:, p - 1: -1].transpose(1, 0, 2))
+        assert r.router_ids.shape[1] == p + 6 - 1
+        for m, i in enumerate(model.moe_layers):
+            np.testing.assert_array_equal(r.router_ids[m], full.router_ids[i][:-1])
+        assert r.tokens[0] == g.tokens[0] and not np.array_equal(r.tokens[1:], g.tokens[1:])
+    with pytest.raises(ReferenceModelError, match="forced decoding needs 6 tokens"):
+        greedy_generate(model, prompts, max_new_tokens=6, forced=[f[:5] for f in forced])

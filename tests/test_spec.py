@@ -99,3 +99,17 @@ def test_schema_errors_name_the_key(config, mutate, key):
     mutate(config)
     err = schema_error(config, SCHEMA)
     assert err is not None and err.key == key
+
+
+def test_engines_get_score_runs_unless_they_opt_out_and_null_disables_one():
+    from k2vec.spec import engine_runs, resolve_engines
+    from conftest import default_config
+    cfg = default_config()
+    cmd = "run {bundle} {output}"
+    cfg["engines"] = {"plain": {"command": cmd}, "no_score": {"command": cmd, "modes": ["greedy", "ddtree"]},
+                      "numpy": None}
+    engines = resolve_engines(cfg, str(REPO))
+    assert sorted(engines) == ["no_score", "plain"]   # null: disabled, not an error
+    modes = {(e, mode) for e, _, _, mode in engine_runs(engines, [4])}
+    assert ("plain", "score") in modes and ("no_score", "score") not in modes
+    assert {m for e, m in modes if e == "plain"} == {"greedy", "ddtree-b4", "score"}

@@ -31,11 +31,11 @@ def greedy_decode(model: Transformer, prompts: list[np.ndarray], max_new_tokens:
     per step). Each step records what the golden records for the token it fed (docs/golden-format.md).
 
     `forced` (score mode): per prompt, the golden tokens fed instead of the argmax, through the same
-    decode path. The router is recorded for the last row of each forward only, so score mode leaves
-    `router_experts` out (the contract asks for every fed position there, prompt positions included)."""
+    decode path; `router_experts` then covers every fed position, the prompt's included (P + N - 1 rows)."""
     dev = model.device
     if forced is not None:
         forced_dev = torch.as_tensor(np.stack(forced), device=dev)  # [prompts, N]
+        fed_routes = [[] for _ in prompts]  # per prompt, per step: [rows fed, M, k]
     caches = [model.new_cache(p.size + max_new_tokens) for p in prompts]
     feed = [torch.as_tensor(p, device=dev) for p in prompts]
     ids, vals, hidden, routed = [], [], [], []
@@ -47,13 +47,19 @@ def greedy_decode(model: Transformer, prompts: list[np.ndarray], max_new_tokens:
         vals.append(v[:, :top_k])
         hidden.append(out.hidden.float())
         routed.append(torch.stack(out.router_ids, dim=1) if out.router_ids else None)
+        if forced is not None and out.router_rows:
+            rows = torch.stack(out.router_rows, dim=1)  # [all fed rows, M, k], segments back to back
+            for p, part in enumerate(torch.split(rows, [t.numel() for t in feed])):
+                fed_routes[p].append(part)
         feed = list(i[:, :1]) if forced is None else list(forced_dev[:, len(ids) - 1: len(ids)])
     ids, vals = torch.stack(ids, 1).cpu().numpy(), torch.stack(vals, 1).cpu().numpy()  # [P, N, k]
     hidden = torch.stack(hidden).permute(2, 0, 1, 3).cpu().numpy()  # [P, N, L, H]
     routed = torch.stack(routed, 1).cpu().numpy() if routed[0] is not None else None  # [P, N, M, k]
+    if forced is not None and routed is not None:
+        routed = [torch.cat(r).cpu().numpy() for r in fed_routes]  # per prompt [P + N - 1, M, k]
     return [{"tokens": ids[p, :, 0].tolist(), "topk_ids": ids[p].tolist(), "topk_logits": vals[p].tolist(),
              "fingerprints": hidden[p].tolist(),
-             **({"router_experts": routed[p].tolist()} if routed is not None and forced is None else {})}
+             **({"router_experts": routed[p].tolist()} if routed is not None else {})}
             for p in range(len(prompts))]
 
 

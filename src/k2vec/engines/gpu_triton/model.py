@@ -346,6 +346,7 @@ class ForwardOutput:
     logits: Tensor                                    # [rows, vocab] float32 (rows: all, or each segment's last)
     hidden: Tensor | None = None                      # [layers, segments, hidden]: each segment's last row (record)
     router_ids: list[Tensor] = field(default_factory=list)  # per MoE layer [segments, k] (record)
+    router_rows: list[Tensor] = field(default_factory=list)  # per MoE layer [rows, k]: every fed row (record)
 
 
 class Transformer:
@@ -384,11 +385,11 @@ class Transformer:
                 y, ids = moe(h, layer, d)
                 x = x + y
                 if record:
-                    routed.append(ids[last])
+                    routed.append(ids)
             if record:
                 hidden.append(x[last])
         for s, n in zip(segments, sizes):
             s.cache.commit(n)
         rows = x[last] if last_only else x
         logits = linear(rms_norm(rows, self.norm, d.eps), self.lm_head).float()
-        return ForwardOutput(logits, torch.stack(hidden) if record else None, routed)
+        return ForwardOutput(logits, torch.stack(hidden) if record else None, [r[last] for r in routed], routed)
