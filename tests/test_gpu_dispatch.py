@@ -40,7 +40,7 @@ def test_dry_run_with_fake_devices_schedules_gpu_engines(tmp_path):
     outputs = re.findall(r"output: (results/runs/\S+)", res.stdout)
     assert sum(o.startswith("results/runs/gpu_fp32/") for o in outputs) == 24
     assert sum(o.startswith("results/runs/gpu_bf16/") for o in outputs) == 24
-    assert scheduled_jobs(res.stdout)["engine_run"] == 72
+    assert scheduled_jobs(res.stdout)["engine_run"] == 72 + 16  # with the transformers engines
 
 
 def _max_running(log: str, rule: str) -> int:
