@@ -129,9 +129,10 @@ class Recorder:
 
 @torch.no_grad()
 def decode_prompt(model: DeepseekV3ForCausalLM, recorder: Recorder, prompt: np.ndarray, n_new: int, top_k: int,
-                  next_token: Callable[[int, torch.Tensor], torch.Tensor]) -> dict:
+                  next_token: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[dict, np.ndarray | None]:
     """Prefill `prompt`, then `n_new` steps, each feeding `next_token(step, argmax)` through the KV cache.
-    Returns what the contract records per step, plus the router choices of every fed position."""
+    Returns what the contract records per step, and the router choices of every fed position
+    ([P + N - 1, MoE layers, k], None without MoE layers)."""
     dev = model.device
     cache = transformers.DynamicCache(config=model.config)
     feed = torch.as_tensor(prompt, dtype=torch.long, device=dev)[None]
@@ -150,14 +151,11 @@ def decode_prompt(model: DeepseekV3ForCausalLM, recorder: Recorder, prompt: np.n
     ids, vals = torch.stack(ids).cpu().numpy(), torch.stack(vals).double().cpu().numpy()
     out = {"tokens": ids[:, 0].tolist(), "topk_ids": ids.tolist(), "topk_logits": vals.tolist(),
            "fingerprints": torch.stack(hidden).cpu().numpy().tolist()}
-    if routed:
-        out["positions_routed"] = torch.cat(routed).cpu().numpy()  # [P + N - 1, M, k]
-    return out
+    return out, (torch.cat(routed).cpu().numpy() if routed else None)
 
 
 def greedy(model, recorder, prompt: np.ndarray, n_new: int, top_k: int) -> dict:
-    out = decode_prompt(model, recorder, prompt, n_new, top_k, lambda step, argmax: argmax)
-    routed = out.pop("positions_routed", None)
+    out, routed = decode_prompt(model, recorder, prompt, n_new, top_k, lambda step, argmax: argmax)
     if routed is not None:  # the token fed at step j: the last prompt token, then generated tokens
         out["router_experts"] = routed[prompt.size - 1:].tolist()
     return out
@@ -165,8 +163,7 @@ def greedy(model, recorder, prompt: np.ndarray, n_new: int, top_k: int) -> dict:
 
 def score(model, recorder, prompt: np.ndarray, golden: np.ndarray, n_new: int, top_k: int) -> dict:
     fed = torch.as_tensor(golden, dtype=torch.long, device=model.device)
-    out = decode_prompt(model, recorder, prompt, n_new, top_k, lambda step, argmax: fed[step])
-    routed = out.pop("positions_routed", None)
+    out, routed = decode_prompt(model, recorder, prompt, n_new, top_k, lambda step, argmax: fed[step])
     if routed is not None:  # every fed position: the prompt, then golden tokens 0..N-2
         out["router_experts"] = routed.tolist()
     return out
