@@ -134,15 +134,18 @@ def test_numpy_engine_matches_golden_exactly(pipeline):
                     assert sum((x[field] for x in rounds), []) == g[pre + name].tolist(), (path.name, field)
 
 
-def assert_score_equals_golden(p: dict, g, i: int, steps: slice, where) -> None:
-    """A score-mode prompt equals golden `g`'s prompt i bit for bit on `steps` (router: on the positions
-    those steps feed, prompt positions included)."""
+def assert_score_equals_golden(p: dict, g, i: int, steps: slice, where, rel: float = 0.0) -> None:
+    """A score-mode prompt equals golden `g`'s prompt i on `steps` (router: on the positions those steps
+    feed, prompt positions included): bit for bit, or logits and fingerprints within `rel` of their largest."""
     P = g[f"prompt.p{i}.tokens"].size
     pre = f"golden.p{i}."
     assert np.array_equal(np.array(p["tokens"])[steps], g[pre + "tokens"][steps]), where
     assert np.array_equal(np.array(p["topk_ids"])[steps], g[pre + "topk_ids"][steps]), where
-    assert np.array_equal(np.array(p["topk_logits"])[steps], g[pre + "topk_logits"][steps]), where
-    assert np.array_equal(np.array(p["fingerprints"], np.float32)[steps], g[pre + "fingerprints"][steps]), where
+    # float32 fingerprints: a 1e-16 change of the float64 value may round to the next float32
+    for key, dtype, tol in (("topk_logits", np.float64, rel), ("fingerprints", np.float32, rel and 1e-6)):
+        got, want = np.array(p[key], dtype)[steps], g[pre + key][steps]
+        assert got.shape == want.shape, where
+        assert np.abs(got - want).max() <= tol * np.abs(want).max(), (where, key)
     stop = g[pre + "tokens"].size if steps.stop is None else steps.stop
     routed = np.array(p["router_experts"])
     assert routed.shape[0] == P + g[pre + "tokens"].size - 1, where
@@ -165,7 +168,9 @@ def test_format_effect_run_reproduces_the_int4_golden(pipeline):
         for i, p in enumerate(r["runs"][0]["prompts"]):
             differ = np.flatnonzero(fp[f"golden.p{i}.tokens"] != q[f"golden.p{i}.tokens"])
             k = int(differ[0]) if differ.size else len(p["tokens"]) - 1
-            assert_score_equals_golden(p, q, i, steps=slice(0, k + 1), where=(model, i))
+            # not bit for bit: the batch's other prompts feed other tokens than in the int4 golden's run,
+            # so its MoE row blocks differ (BLAS blocking: measured 7e-16 of the largest logit)
+            assert_score_equals_golden(p, q, i, steps=slice(0, k + 1), where=(model, i), rel=1e-12)
             forced_differ = np.flatnonzero(np.array(p["tokens"]) != fp[f"golden.p{i}.tokens"])
             assert (forced_differ[0] if forced_differ.size else None) == (differ[0] if differ.size else None)
             diverged += differ.size > 0

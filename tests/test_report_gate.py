@@ -13,6 +13,9 @@ def rows(*specs):
 @pytest.mark.parametrize("specs, fails", [
     ([("greedy", "exact", None), ("ddtree-b4", "exact", True)], None),
     ([("greedy", "near-tie", None), ("greedy", "router-near-tie", None)], None),
+    ([("greedy", "precision-tie", None), ("score", "within-budget", None), ("score", "exact", None)], None),
+    ([("score", "over-budget", None)], "e/m-int4-score: over-budget"),
+    ([("greedy", "over-budget", None)], "e/m-int4-greedy: over-budget"),
     ([("greedy", "real", None)], "e/m-int4-greedy: real"),
     ([("greedy", "failed", None)], "e/m-int4-greedy: failed"),
     ([("ddtree-b4", "exact", False)], "e/m-int4-ddtree-b4: tree differs"),

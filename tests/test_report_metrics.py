@@ -468,3 +468,29 @@ def test_ddtree_budget_without_golden_trace_is_compared_by_tokens_and_said(tmp_p
     m = metrics_for(tmp_path, goldens, {"e": ("ddtree-b8", res)})     # the golden has budgets 1 and 4
     assert (m.rows["class"] == "exact").all() and m.rows["tree_match"].isna().all()
     assert "no golden trace for ddtree-b8" in summary_text(m)
+
+
+def test_router_near_tie_at_a_prompt_position_from_the_engines_score_run(tmp_path, goldens, gold):
+    """The engine's own routing at prompt positions comes from its score run (greedy results cannot
+    give it): a decision it took otherwise there, at a golden near-tie, explains a later divergence."""
+    p, k = 0, 2
+    rm, P = gold[f"golden.p{p}.router_margins"], len(gold[f"prompt.p{p}.tokens"])
+    layer_i, pos = np.unravel_index(np.argmin(rm[:, :P - 1]), rm[:, :P - 1].shape)   # a prompt position
+    thr = rm[layer_i, pos] * 1.01
+    assert gold[f"golden.p{p}.margins"][k] > 1e-3 and rm[:, P - 1:].min() > thr
+    greedy = perfect_result(goldens[("tiny", "fp32")], "greedy")
+    flip(greedy, p, k, gold)
+    score, score_same = (perfect_result(goldens[("tiny", "fp32")], "score") for _ in range(2))
+    chosen = score["runs"][0]["prompts"][p]["router_experts"][pos][layer_i]
+    chosen[-1] = next(e for e in range(64) if e not in chosen)
+    runs = [{"engine": e, "model": "tiny", "precision": "fp32", "mode": mode,
+             "result": write_result(tmp_path, f"{e}-{mode}", r)}
+            for e, mode, r in (("a", "greedy", greedy), ("a", "score", score),
+                               ("b", "greedy", greedy), ("b", "score", score_same))]
+    m = compute_metrics(runs, {("tiny", "fp32"): goldens[("tiny", "fp32")]}, router_near_tie=thr)
+    ra = m.rows[(m.rows["engine"] == "a") & (m.rows["mode"] == "greedy") & (m.rows["prompt"] == p)].iloc[0]
+    assert ra["class"] == "router-near-tie" and ra["router_evidence"] == "engine routing differs (its score run)"
+    assert (ra["router_position"], ra["router_layer"]) == (pos, gold["md"]["moe_layers"][layer_i])
+    # the same greedy run beside a score run that routed like the golden: nothing explains it
+    rb = m.rows[(m.rows["engine"] == "b") & (m.rows["mode"] == "greedy") & (m.rows["prompt"] == p)].iloc[0]
+    assert rb["class"] == "real"

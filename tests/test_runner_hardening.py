@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from test_report_metrics import make_goldens
-from test_runner import EXPECT, fake_engine, good_result, tiny_bundle
+from test_runner import EXPECT, SCORE_EXPECT, fake_engine, good_result, tiny_bundle
 
 from k2vec.engines import runner
 from k2vec.engines.runner import MAX_RESULT_NESTING, expectations_from_bundle, json_nesting, run_engine
@@ -251,14 +251,17 @@ def test_json_nesting_ignores_strings_and_escapes_across_chunks(monkeypatch, chu
 
 def make_bundle(path) -> None:
     meta = {"golden": {"prompts": 2, "ddtree": {"accuracies": [0.9, 0.3]}}, "decoding": {"max_new_tokens": 3},
-            "model": {"vocab_size": 100}}
-    write_bundle(path, [("w", np.arange(4096, dtype=np.float32))], meta)
+            "model": {"vocab_size": 100},
+            "hf_config": {"num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8,
+                          "num_experts_per_tok": 2}}
+    write_bundle(path, [("w", np.arange(4096, dtype=np.float32)), ("prompt.p0.tokens", np.arange(4, dtype=np.int32)),
+                        ("prompt.p1.tokens", np.arange(2, dtype=np.int32))], meta)
     write_record(path)
 
 
 def test_verified_bundle_gives_the_expectations(tmp_path):
     make_bundle(tmp_path / "b.kdtr")
-    assert expectations_from_bundle(tmp_path / "b.kdtr") == EXPECT
+    assert expectations_from_bundle(tmp_path / "b.kdtr") == SCORE_EXPECT
     r = run_on(tmp_path, fake_engine(tmp_path, dump_with("")), expect=None, bundle=str(tmp_path / "b.kdtr"))
     assert r["status"] == "ok", r["reason"]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import platform
-import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,7 +33,6 @@ def format_effect_result(model_spec: dict[str, Any], int4_weights: Mapping[str, 
                          fp32_golden: str | Path) -> dict[str, Any]:
     """The score-mode result of the int4 golden model on the fp32 golden's prompts and tokens.
     The fp32 golden is verified (KDTR checksums and its sha256 record) before anything is read."""
-    t0 = time.perf_counter()
     golden_sha256 = verify_kdtr(fp32_golden)
     with open_bundle(fp32_golden) as g:
         md = g.metadata
@@ -46,13 +44,11 @@ def format_effect_result(model_spec: dict[str, Any], int4_weights: Mapping[str, 
         forced = [np.asarray(g[f"golden.p{i}.tokens"], np.int64) for i in range(n)]
         n_new, top_k = int(md["max_new_tokens"]), int(md["top_k"])
     model = reference_model(model_spec, int4_weights)
-    t_load = time.perf_counter()
     results = greedy_generate(model, prompts, n_new, top_k=top_k, forced=forced)
-    t_end = time.perf_counter()
+    # no timing: the same inputs give the same bytes (the rule's benchmark file has the time)
     result = {"format": "k2vec-engine-result", "version": 1,
             "engine": ENGINE_NAME, "model": model_spec["name"], "precision": "fp32", "mode": "score",
             "device": f"cpu ({platform.machine()}, numpy {np.__version__}, float64): the int4 golden model",
-            "timing": {"load_s": t_load - t0, "decode_s": t_end - t_load},
             "inputs": {"forced_golden": {"path": str(fp32_golden), "sha256": golden_sha256}},
             "status": "ok", "reason": None,
             "runs": [{"drafter": None, "prompts": [score_prompt(r) for r in results]}]}

@@ -36,8 +36,8 @@ BUDGET_KEYS = ("logit_abs", "hidden_rel", "same_top1", "kl_mean", "kl_p99")
 DEFAULT_BUDGETS: dict[str, dict[str, float | None]] = {
     "float32": {"logit_abs": 1.0e-3, "hidden_rel": 1.0e-3, "same_top1": 0.98, "kl_mean": 1.0e-6, "kl_p99": 1.0e-5},
     "bfloat16": {"logit_abs": 4.0, "hidden_rel": None, "same_top1": 0.8, "kl_mean": 0.1, "kl_p99": 2.0},
-    "float16": {"logit_abs": 1.0, "hidden_rel": None, "same_top1": 0.9, "kl_mean": 0.01, "kl_p99": 0.3},
-    "fp8": {"logit_abs": 8.0, "hidden_rel": None, "same_top1": 0.75, "kl_mean": 0.2, "kl_p99": 3.0},
+    "float16": {"logit_abs": 1.0, "hidden_rel": None, "same_top1": 0.9, "kl_mean": 0.05, "kl_p99": 1.0},
+    "fp8": {"logit_abs": 5.0, "hidden_rel": None, "same_top1": 0.75, "kl_mean": 0.3, "kl_p99": 3.0},
 }
 
 

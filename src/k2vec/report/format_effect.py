@@ -33,7 +33,7 @@ def format_effect(opened: dict[tuple[str, str], Golden], th: dict[str, float], b
                   "router_experts": q.router_ids[i, q.prompt_lengths[i] - 1:q.prompt_lengths[i] - 1 + q.N]}
                  for i in range(q.n_prompts)]
         prompt = np.arange(q.n_prompts)
-        cols, steps = compare_rows(fp, datas, prompt, fp.tokens, fingerprint_rtol=th["fingerprint_rtol"])
+        cols, steps, _ = compare_rows(fp, datas, prompt, fp.tokens, fingerprint_rtol=th["fingerprint_rtol"])
         df = pd.DataFrame({"model": model, "prompt": prompt, **cols})
         # classified without a precision budget or noise credit: near-tie, router-near-tie or real
         df = classify(df.assign(kind="greedy", precision_class=None, run_over_budget=None, score_noise=np.nan,

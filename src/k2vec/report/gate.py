@@ -1,4 +1,5 @@
-"""`report.strict: true`: fail the pipeline when a run diverged for real or failed."""
+"""`report.strict: true`: fail the pipeline when a run diverged for real, went over the budget of its
+declared precision (docs/report.md), or failed."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def check_strict(csv_path: str, ok_path: str) -> None:
     if len(bad):
         runs = bad.groupby(["engine", "model", "precision", "mode"], sort=True)["verdict"].first()
         listing = "; ".join(f"{e}/{m}-{p}-{mode}: {c}" for (e, m, p, mode), c in runs.items())
-        raise StrictFailure(f"report.strict: {len(bad)} prompt run(s) with a real divergence, a failure or a "
-                            f"DDTree tree that differs from the golden: {listing} "
+        raise StrictFailure(f"report.strict: {len(bad)} prompt run(s) with a real divergence, errors over the "
+                            f"budget of the engine's declared precision, a failure or a DDTree tree that "
+                            f"differs from the golden: {listing} "
                             f"(see results/report/divergence.html)")
-    near = int((rows["class"].isin(("near-tie", "router-near-tie"))).sum())
+    near = int((rows["class"].isin(("near-tie", "router-near-tie", "precision-tie"))).sum())
     write_text_atomic(ok_path, f"strict: ok ({len(rows)} prompt runs, {near} near-tie divergence(s))\n")

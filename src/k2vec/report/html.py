@@ -229,7 +229,8 @@ def _summary_table(m: Metrics) -> str:
     runs = runs.assign(sev=runs["worst"].map(SEVERITY)).sort_values(["sev", "run", "accuracy"],
                                                                      ascending=[False, True, True], kind="stable")
     runs, note = _capped(runs, MAX_SUMMARY_ROWS, "run x accuracy rows (worst first)")
-    header = [("run", "wrap"), ("worst", ""), ("prompts", ""), ("exact", "num"), ("first div. step", "num"),
+    header = [("run", "wrap"), ("precision", ""), ("worst", ""), ("prompts", ""), ("exact", "num"),
+              ("first div. step", "num"),
               ("max |\u0394logit|", "num"), ("max KL", "num"), ("bad fingerprint", ""),
               ("router diff step", "num"), ("trees differ", "num"), ("\u03c4 eng / gold", "num"), ("tok/s", "num"),
               ("GPU", "wrap")]
@@ -239,7 +240,7 @@ def _summary_table(m: Metrics) -> str:
         trees = "\u2013" if not r["trees"] else f"{int(r['trees_differ'])} of {int(r['trees'])}"
         body.append([
             _e(r["label"]) + ("" if _na(r["reason"]) else f'<div class="reason">{_e(r["reason"])}</div>'),
-            badge(r["worst"]), _class_bar(r, int(r["prompts"])),
+            _e(r["precision_class"]), badge(r["worst"]), _class_bar(r, int(r["prompts"])),
             f"{int(r['exact'])}/{int(r['prompts'])}", fmt(r["first_step"], "int"), fmt(r["logit_abs_max"], "e"),
             fmt(r["kl_max"], "e"), _step_layer(r["first_bad_step"], r["first_bad_layer"]),
             fmt(r["router_diff_step"], "int"), trees, tau, fmt(r["tokens_per_s"], "f2"),

@@ -36,7 +36,7 @@ from .fingerprints import compare_fingerprints
 from .golden import Golden, ReportError
 from .integrity import CHANGED, RunChecks
 from .logits import STEP_COLUMNS, compare_logits
-from .routing import compare_routing
+from .routing import compare_routing, score_evidence
 from .score import SCORE_COLUMNS, score_stats
 from .tokens import compare_tokens
 
@@ -206,20 +206,22 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
 
 def compare_rows(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.ndarray, ref_tokens: np.ndarray,
                  *, score: np.ndarray | None = None, fingerprint_rtol: float
-                 ) -> tuple[dict[str, np.ndarray], pd.DataFrame]:
+                 ) -> tuple[dict[str, np.ndarray], pd.DataFrame, dict[int, tuple[np.ndarray, np.ndarray]]]:
     """Token, logit, fingerprint and router comparison of R engine rows against golden `g` (unclassified).
 
     datas[r]: the engine's prompt object ({"tokens", optional "topk_ids", "topk_logits",
     "fingerprints", "router_experts"}); prompt[r]: golden prompt index; ref_tokens: [R, N] the golden
     tokens to match (greedy, or the DDTree trace); score[r]: row r is a score-mode row. Returns column
-    arrays and the per-step frame (logits.STEP_COLUMNS)."""
+    arrays, the per-step frame (logits.STEP_COLUMNS) and the score rows' routing evidence by position
+    (routing.compare_routing)."""
     score = np.zeros(len(datas), bool) if score is None else score
     cols, t = compare_tokens(g, datas, prompt, ref_tokens, score)
     logit_cols, steps = compare_logits(g, datas, prompt, t["upto"], t["fs"], t["fs_c"], t["has_div"], t["g_tok"])
     cols.update(logit_cols)
     cols.update(compare_fingerprints(g, datas, prompt, t["upto"], t["fs"], fingerprint_rtol))
-    cols.update(compare_routing(g, datas, prompt, t["fs"], score))
-    return cols, steps
+    routing, by_pos = compare_routing(g, datas, prompt, t["fs"], score)
+    cols.update(routing)
+    return cols, steps, by_pos
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -327,6 +329,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     base = pd.DataFrame([it.base for it in items])
     extra: dict[str, np.ndarray] = {}
     step_frames, hist_rows = [], []
+    score_routing: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def put(idx: np.ndarray, name: str, values) -> None:
         if name not in extra:
@@ -346,8 +349,12 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
             if items[i].rounds_ref is not None:
                 traces[j] = g.trace(*items[i].rounds_ref, int(prompt[j]))
                 ref[j] = traces[j]["tokens"][:g.N]
-        cols, steps = compare_rows(g, [items[i].data for i in idx], prompt, ref,
-                                   score=(grp["kind"] == "score").to_numpy(), fingerprint_rtol=th["fingerprint_rtol"])
+        cols, steps, by_pos = compare_rows(g, [items[i].data for i in idx], prompt, ref,
+                                           score=(grp["kind"] == "score").to_numpy(),
+                                           fingerprint_rtol=th["fingerprint_rtol"])
+        for j, ev in by_pos.items():
+            b = items[idx[j]].base
+            score_routing[(b["engine"], b["model"], b["precision"], b["prompt"])] = ev
         for name, values in cols.items():
             put(idx, name, values)
         if len(steps):
@@ -390,6 +397,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     for c in ROW_COLUMNS + ["noise_before"]:
         if c not in base:
             base[c] = np.nan
+    _take_score_routing(base, score_routing, opened)
     # score statistics first: a run over its budget gets no tie credit in its greedy / DDTree rows either
     judged = base["status"] == "ok"
     scored = score_stats(base[judged & (base["kind"] == "score")], steps, budgets)
@@ -408,6 +416,25 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     steps = steps[steps["row"].isin(new_index.index)].assign(row=lambda s: new_index.reindex(s["row"]).to_numpy())
     return rows, _run_summary(rows, stderr), steps.reset_index(drop=True), acceptance_hist(hist_rows), scored, \
         ref[["model", "prompt", "step", "kl"]].reset_index(drop=True)
+
+
+def _take_score_routing(base: pd.DataFrame, score_routing, opened: dict[tuple[str, str], Golden]) -> None:
+    """Router evidence for greedy / DDTree divergences from the same engine's score run (routing.py):
+    kept where it is a nearer tie than the row's own evidence. A Python loop, but over the divergent
+    rows of engines with a score run only (few; each a slice and a min)."""
+    if not score_routing:
+        return
+    div = base.index[(base["kind"] != "score") & base["first_step"].notna()]
+    for i in div:
+        b = base.loc[i]
+        ev = score_routing.get((b["engine"], b["model"], b["precision"], b["prompt"]))
+        if ev is None:
+            continue
+        g = opened[(b["model"], b["precision"])]
+        found = score_evidence(*ev, int(g.prompt_lengths[int(b["prompt"])] - 1 + b["first_step"]))
+        if found and not found[0] >= b["router_margin"]:   # NaN own evidence: take the score run's
+            base.loc[i, ["router_margin", "router_layer", "router_position"]] = found
+            base.loc[i, "router_evidence"] = "engine routing differs (its score run)"
 
 
 def _not_judged_class(status: pd.Series, judged) -> np.ndarray:

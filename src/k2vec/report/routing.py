@@ -8,6 +8,8 @@ The router evidence of a divergence (for the `router-near-tie` class) is taken a
 only: where the engine reports its routing, the smallest golden routing margin among the decisions
 (position, layer) where the engine chose other experts, up to the divergent step; where it does not,
 the smallest golden routing margin over the MoE layers at the position the divergent step fed.
+A greedy or DDTree row also takes the evidence of the same engine's score run on the same prompt at
+the positions before the divergence (the prompt's included): up to there both runs fed the same tokens.
 """
 
 from __future__ import annotations
@@ -24,15 +26,18 @@ ROUTER_COLUMNS = ("router_diff_step", "router_diff_layer", "router_margin", "rou
 
 
 def compare_routing(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.ndarray, fs: np.ndarray,
-                    score: np.ndarray) -> dict[str, np.ndarray]:
+                    score: np.ndarray) -> tuple[dict[str, np.ndarray], dict[int, tuple[np.ndarray, np.ndarray]]]:
     """Columns: the first (step, MoE layer) whose expert set differs (step < 0: a prompt position of a
-    score row), and the router evidence at the divergence (margin, layer, position, evidence kind)."""
+    score row), and the router evidence at the divergence (margin, layer, position, evidence kind);
+    and per score row that reports routing, ([positions] smallest golden margin among the decisions
+    where the engine chose otherwise (inf: none), [positions] its MoE layer), for score_evidence."""
     R, N = len(datas), g.N
     cols = {c: np.full(R, np.nan) for c in ROUTER_COLUMNS}
     cols["router_evidence"] = np.full(R, None, object)
+    by_pos: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     M = g.moe_layers.size
     if not M or not R:
-        return cols
+        return cols, by_pos
     n_pos, k = g.router_ids.shape[1], g.router_ids.shape[3]
     P = g.prompt_lengths[prompt]
     # fed position of the divergent step; the last one compared
@@ -65,6 +70,11 @@ def compare_routing(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.nd
         cols["router_position"][r_idx] = np.where(has, arg // M, np.nan)
         cols["router_layer"][r_idx] = np.where(has, g.moe_layers[arg % M], np.nan)
         cols["router_evidence"][r_idx] = np.where(has, "engine routing differs", None)
+        s_rows = np.flatnonzero(score[r_idx])
+        if s_rows.size:
+            dm = np.where(differ[s_rows], g.router_margins[prompt[r_idx[s_rows]]], np.inf)    # [S, pos, M]
+            for j, (m_min, m_arg) in zip(r_idx[s_rows], zip(dm.min(-1), g.moe_layers[dm.argmin(-1)])):
+                by_pos[int(j)] = (m_min, m_arg)
     u_idx = np.flatnonzero(~reported)
     if u_idx.size:   # no routing from the engine: the golden's margins at the divergent step's position
         at = g.router_margins[prompt[u_idx], div_pos[u_idx]]                       # [U, M]
@@ -73,4 +83,14 @@ def compare_routing(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.nd
         cols["router_position"][u_idx] = div_pos[u_idx]
         cols["router_layer"][u_idx] = g.moe_layers[m_at]
         cols["router_evidence"][u_idx] = "golden margin at the divergent position"
-    return cols
+    return cols, by_pos
+
+
+def score_evidence(margin: np.ndarray, layer: np.ndarray, div_pos: int) -> tuple[float, int, int] | None:
+    """(golden margin, MoE layer, position) of the nearest-tied decision the engine's score run took
+    otherwise at a position up to `div_pos`, or None."""
+    m = margin[:div_pos + 1]
+    if not m.size or not np.isfinite(m.min()):
+        return None
+    pos = int(m.argmin())
+    return float(m[pos]), int(layer[pos]), pos
