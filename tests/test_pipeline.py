@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from k2vec.kdtr import open_bundle
+from k2vec.report.gate import FAILING_CLASSES, check_strict
 from conftest import REPO, copy_workflow, default_config, snakemake, write_config
 from test_workflow import scheduled_jobs
 
@@ -173,6 +175,95 @@ def test_format_effect_run_reproduces_the_int4_golden(pipeline):
             assert (forced_differ[0] if forced_differ.size else None) == (differ[0] if differ.size else None)
             diverged += differ.size > 0
         assert diverged > 0, model  # else the check above says nothing about the steps after it
+
+
+# ---------------------------------------------------------------------------- transformers engine
+
+HF_RUNS = 2 * 2 * 2  # tiny, small x fp32, int4 x greedy, score
+HF_BUG_ENGINE = REPO / "tests" / "engines" / "hf_bug_engine.py"
+HF_BUGS = ["no-routed-scaling", "no-shared-expert"]
+
+
+def test_hf_fp32_engine_matches_the_golden_on_every_run(pipeline):
+    """transformers in float32 (k2vec.engines.hf): the golden's tokens (score mode: its argmax on the golden
+    sequence) and top-k ids, logits within float32 rounding, the same hidden states, and the same experts
+    at every routed position, prompt positions included in score mode."""
+    root = pipeline[0]
+    results = sorted((root / "results/runs/hf_fp32").glob("*.json"))
+    assert len(results) == HF_RUNS
+    for path in results:
+        r = json.loads(path.read_text())
+        assert r["status"] == "ok", (path.name, r.get("reason"))
+        model, precision, mode = path.stem.split("-", 2)
+        g = golden(root, model, precision)
+        for i, p in enumerate(r["runs"][0]["prompts"]):
+            pre, where = f"golden.p{i}.", (path.name, i)
+            assert p["tokens"] == g[pre + "tokens"].tolist(), where
+            assert np.array_equal(p["topk_ids"], g[pre + "topk_ids"]), where
+            assert np.abs(np.array(p["topk_logits"]) - g[pre + "topk_logits"]).max() < 1e-4, where
+            fp, gfp = np.array(p["fingerprints"]), g[pre + "fingerprints"]
+            assert (np.linalg.norm(fp - gfp, axis=-1) / np.linalg.norm(gfp, axis=-1)).max() < 1e-5, where
+            routed = g[pre + "router_ids"].transpose(1, 0, 2)  # [P + N - 1 fed positions, MoE layers, k]
+            if mode == "greedy":  # the token fed at each step: the last prompt token, then generated ones
+                routed = routed[g[f"prompt.p{i}.tokens"].size - 1:]
+            assert np.array_equal(np.sort(p["router_experts"], axis=-1), np.sort(routed, axis=-1)), where
+
+
+def test_hf_engines_in_the_default_report(pipeline, tmp_path):
+    """float32: exact on every row; bfloat16: no real row, within its declared budget, so the gate passes;
+    both engines' score statistics are in the score table."""
+    root = pipeline[0]
+    rows = pd.read_csv(root / "default-report/divergence.csv")
+    fp32, bf16 = rows[rows["engine"] == "hf_fp32"], rows[rows["engine"] == "hf_bf16"]
+    assert len(fp32) == len(bf16) == HF_RUNS * 4
+    assert set(fp32["class"]) == {"exact"} and set(fp32["precision_class"]) == {"float32"}
+    assert set(bf16["precision_class"]) == {"bfloat16"}
+    assert not bf16["class"].isin(FAILING_CLASSES).any(), bf16[["model", "precision", "mode", "prompt", "class",
+                                                                "over_budget"]].to_string()
+    only_hf = tmp_path / "hf.csv"
+    rows[rows["engine"].isin(["hf_fp32", "hf_bf16"])].to_csv(only_hf, index=False)
+    check_strict(str(only_hf), str(tmp_path / "strict.ok"))  # raises StrictFailure on a failing row
+    score = pd.read_csv(root / "default-report/score.csv")
+    for engine in ("hf_fp32", "hf_bf16"):
+        mine = score[score["engine"] == engine]
+        assert len(mine) == 4 and mine[["same_top1", "kl_mean", "kl_p99"]].notna().all().all(), engine
+    assert (score.loc[score["engine"] == "hf_fp32", "same_top1"] == 1).all()
+
+
+@pytest.fixture(scope="module")
+def hf_bug_run(pipeline, tmp_path_factory):
+    """The default config's hf_bf16 beside two copies with a real bug each (small model, int4), strict."""
+    root, env = pipeline
+    work = tmp_path_factory.mktemp("hfbug")
+    config = default_config()
+    bf16 = config["engines"]["hf_bf16"]
+    config["engines"] = {"hf_bf16": bf16}
+    for bug in HF_BUGS:
+        config["engines"]["hf_bug_" + bug.replace("-", "_")] = {
+            **bf16, "command": bf16["command"].replace("-m k2vec.engines.hf", f"{HF_BUG_ENGINE} {bug}"),
+            "sources": [str(HF_BUG_ENGINE), "src/k2vec/engines/hf.py"], "models": ["small"], "precisions": ["int4"]}
+    config["report"]["strict"] = True
+    cfg = write_config(work / "bug.yaml", config)
+    res = snakemake("--cores", "2", "--configfile", str(cfg), "--replace-workflow-config",
+                    snakefile=root / "Snakefile", cwd=root, env=env, timeout=900)
+    return res, pd.read_csv(root / "results/report/divergence.csv")
+
+
+@pytest.mark.parametrize("bug", HF_BUGS)
+def test_hf_bf16_engine_with_a_real_bug_is_real_and_fails_the_gate(hf_bug_run, bug):
+    """The precision-aware classification is no blindfold: a bfloat16 engine whose routed experts go
+    unscaled, or whose shared expert is dropped, diverges for real, and strict mode fails naming it,
+    while the correct bfloat16 engine beside it is not named."""
+    res, rows = hf_bug_run
+    engine = "hf_bug_" + bug.replace("-", "_")
+    assert res.returncode != 0
+    failing = "\n".join(line for line in res.stderr.splitlines() if "report.strict:" in line)  # the runs it names
+    assert f"{engine}/small-int4-greedy: real" in failing, res.stderr[-3000:]
+    assert f"{engine}/small-int4-score: over-budget" in failing, res.stderr[-3000:]
+    assert "hf_bf16/" not in failing
+    mine = rows[rows["engine"] == engine]
+    assert set(mine.loc[mine["mode"] == "greedy", "class"]) == {"real"}
+    assert set(mine["precision_class"]) == {"bfloat16"}
 
 
 # ------------------------------------------------------------------ GPU slots, failure isolation

@@ -28,6 +28,7 @@ def tiny_config() -> dict:
     config["decoding"]["max_new_tokens"] = 3
     config["decoding"]["ddtree"].update(block_size=4, budgets=[2], accuracies=[0.9])
     engine = config["engines"]["numpy"]
+    config["engines"] = {"numpy": engine}
     engine["precisions"] = ["int4"]
     # With the variable set, the greedy run's engine stays alive after writing its result until killed.
     engine["command"] += (f' && if [ -n "${HOLD_ENGINE_ENV}" ] && [ {{mode}} = greedy ]; then echo $$ > "${HOLD_ENGINE_ENV}.tmp"'

@@ -289,7 +289,7 @@ def schema_error(config: dict[str, Any], schema_path: str) -> ConfigError | None
 ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "timeout_s": 600.0,
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
                                    "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
-                                   "sandbox": False, "precision": "float32"}
+                                   "sandbox": False, "precision": "float32", "requires": []}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 
 
@@ -356,6 +356,19 @@ def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str,
 def engines_short_of_gpus(engines: dict[str, dict[str, Any]], n_devices: int) -> list[str]:
     """Engines that need more GPUs per run than the node's pool has (all GPU engines on a CPU machine)."""
     return [name for name, e in engines.items() if e["gpus"] > n_devices]
+
+
+def engines_missing_modules(engines: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """Engine name -> the modules of its `requires` that the pipeline's Python cannot import (e.g. the
+    transformers engine where transformers is not installed); engines missing none are not listed."""
+    import importlib.util
+
+    missing = {}
+    for name, e in engines.items():
+        absent = [m for m in e["requires"] if importlib.util.find_spec(m) is None]
+        if absent:
+            missing[name] = absent
+    return missing
 
 
 def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int],

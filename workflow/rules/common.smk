@@ -8,7 +8,8 @@ from k2vec.budget import check_config
 from k2vec.deps import module_sources
 from k2vec.errors import ConfigError
 from k2vec.gpus import detect_devices
-from k2vec.spec import engine_runs, engines_short_of_gpus, expand_config, resolve_engines, schema_error
+from k2vec.spec import (engine_runs, engines_missing_modules, engines_short_of_gpus, expand_config, resolve_engines,
+                        schema_error)
 
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
@@ -52,7 +53,14 @@ if workflow.local_exec:
     _gpu_jobs = any(e["gpus"] for name, e in ENGINES.items() if name not in GPU_LEFT_OUT)
     if _gpu_jobs and (_gpu_limit is None or _gpu_limit > len(GPU_DEVICES)):
         workflow.register_resource("gpu", len(GPU_DEVICES))
-RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], GPU_LEFT_OUT)
+# An engine whose packages (its `requires`) this interpreter cannot import could only fail: leave it
+# out too, in one line (the transformers engine where transformers or torch is not installed).
+MODULES_LEFT_OUT = engines_missing_modules(ENGINES)
+if MODULES_LEFT_OUT and workflow.is_main_process:
+    _absent = sorted({m for ms in MODULES_LEFT_OUT.values() for m in ms})
+    print(f"k2vec: no run of engine(s) {', '.join(MODULES_LEFT_OUT)}: {', '.join(_absent)} not importable by "
+          f"{sys.executable} (engines.<name>.requires)", file=sys.stderr)
+RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], GPU_LEFT_OUT + list(MODULES_LEFT_OUT))
 
 
 wildcard_constraints:
