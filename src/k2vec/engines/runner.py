@@ -175,15 +175,16 @@ def _check_step_arrays(prompt: dict, kind: str, p_i: int, expect: Expectations) 
                                 f"[layers = {expect.layers}][hidden]")
 
 
-def expectations_from_bundle(path: str | os.PathLike) -> Expectations:
+def expectations_from_bundle(path: str | os.PathLike, verify: bool = True) -> Expectations:
     """What the engine's result must hold, from the bundle's metadata (the engine sees the same).
 
-    The bundle's checksums are verified first: an engine must never be run, nor judged, on a damaged
-    bundle. Raises InvalidResult naming the file and what is wrong, so the run becomes a failed row."""
+    The bundle's checksums are verified first (`verify=False` only where the caller has just verified
+    them): an engine must never be run, nor judged, on a damaged bundle. Raises InvalidResult naming
+    the file and what is wrong, so the run becomes a failed row."""
     from ..kdtr import KdtrError, open_bundle
 
     try:
-        with open_bundle(path, verify=True) as b:
+        with open_bundle(path, verify=verify) as b:
             meta = b.metadata
             lengths = {t.name: int(np.prod(t.shape)) for t in b.tensors if t.name.startswith("prompt.p")}
     except (KdtrError, OSError) as err:
@@ -441,7 +442,7 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
         bundle_sha256 = verify_bundle(bundle)
         record["inputs"] = {"bundle": {"path": str(bundle), "sha256": bundle_sha256}}
         if expect is None:
-            expect = expectations_from_bundle(bundle)
+            expect = expectations_from_bundle(bundle, verify=False)   # verify_bundle just checked every tensor
         if sandbox and (problem := sandbox_problem()) is not None:
             raise InvalidResult(f"sandbox: true, but {problem}")
         if bundle_path.exists():
