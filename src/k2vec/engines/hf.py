@@ -16,7 +16,6 @@ bias), as transformers' `from_pretrained` does (`_keep_in_fp32_modules_strict`).
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import platform
@@ -30,6 +29,7 @@ import transformers
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from ..kdtr import open_bundle
+from .cli import contract_parser
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # transformers renamed forward's `past_key_values` to `cache` (5.x); pass the cache by the name it takes.
@@ -201,11 +201,7 @@ def run(bundle_path: str, mode: str, dtype: str, device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle", required=True)
-    ap.add_argument("--mode", required=True, choices=["greedy", "score"])
-    ap.add_argument("--budget", type=int, default=0, help="unused (no DDTree mode)")
-    ap.add_argument("--output", required=True)
+    ap = contract_parser(__doc__.splitlines()[0], modes=("greedy", "score"))   # no DDTree mode
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--gpus", default="", help="the runner's {gpus}: empty runs on the CPU, else on cuda:0")
     args = ap.parse_args(argv)

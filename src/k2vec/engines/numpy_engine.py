@@ -12,7 +12,6 @@ Small matrices: run it with OPENBLAS_NUM_THREADS=1 (config.yaml does), extra BLA
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -26,6 +25,7 @@ from ..kdtr import bf16_to_f32, open_bundle
 from ..reference.generate import greedy_generate
 from ..reference.model import ReferenceModel
 from ..reference.speculative import DDTreeJob, ddtree_generate
+from .cli import contract_parser
 
 
 def unpack_int4(packed: np.ndarray) -> np.ndarray:
@@ -123,12 +123,7 @@ def _round(x) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle", required=True)
-    ap.add_argument("--mode", required=True, choices=["greedy", "ddtree", "score"])
-    ap.add_argument("--budget", type=int, default=0)
-    ap.add_argument("--output", required=True)
-    args = ap.parse_args(argv)
+    args = contract_parser(__doc__.splitlines()[0]).parse_args(argv)
     result = run(args.bundle, args.mode, args.budget)
     with open(args.output, "w") as fh:
         json.dump(result, fh)

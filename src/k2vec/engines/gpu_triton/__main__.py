@@ -9,7 +9,6 @@ Reads only the bundle, onto one device (`cuda:0`: the runner's CUDA_VISIBLE_DEVI
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 
 from ...ddtree.drafter import RecordedDrafts
 from ...kdtr import open_bundle
+from ..cli import contract_parser
 from .ddtree import ddtree_decode
 from .model import Segment, Transformer
 
@@ -120,11 +120,7 @@ def run(bundle_path: str, mode: str, budget: int, dtype: str, device: str) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle", required=True)
-    ap.add_argument("--mode", required=True, choices=["greedy", "ddtree", "score"])
-    ap.add_argument("--budget", type=int, default=0)
-    ap.add_argument("--output", required=True)
+    ap = contract_parser(__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda:0", help="cuda:0 (default) or cpu (with TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)

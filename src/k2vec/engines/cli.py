@@ -1,0 +1,19 @@
+"""The command-line arguments every shipped engine takes from the contract's placeholders
+(docs/engine-contract.md §2); each engine adds its own options to the parser."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+CONTRACT_MODES = ("greedy", "ddtree", "score")
+
+
+def contract_parser(description: str, modes: Sequence[str] = CONTRACT_MODES) -> argparse.ArgumentParser:
+    """--bundle, --mode (one of `modes`), --budget (DDTree node budget, 0 otherwise), --output."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--mode", required=True, choices=list(modes))
+    ap.add_argument("--budget", type=int, default=0, help="DDTree node budget ({budget}; 0 outside ddtree)")
+    ap.add_argument("--output", required=True)
+    return ap
