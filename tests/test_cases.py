@@ -84,3 +84,37 @@ def test_default_positions_are_where_yarn_interpolation_matters():
     print(f"|logit change| without interpolation, median and max over positions: default {default}, K2's 4096 {k2}")
     assert default[0] > 2.0 and default[1] > 5.0 and k2[0] < 0.1
 
+
+def test_report_shows_golden_strength_and_flags_blind_prompts(tmp_path):
+    from k2vec.report import build_report
+    from k2vec.report.golden import Golden, golden_strength
+    from k2vec.report.synthetic import perfect_result, write_result
+    from test_report_metrics import make_goldens
+
+    goldens = make_goldens(tmp_path / "goldens")
+    opened = {k: Golden(*k, p) for k, p in goldens.items()}
+    try:
+        per_golden, per_prompt = golden_strength(opened, 1e-3, 1e-3)
+        strict = golden_strength(opened, 1e-3, 1.0)[1]    # every router margin is below 1: all blind
+    finally:
+        for g in opened.values():
+            g.close()
+    with open_bundle(goldens[("tiny", "fp32")]) as b:
+        md = b.metadata["summary"]
+        routed = [np.unique(np.asarray(b[f"golden.p{i}.router_ids"])[0]) for i in range(b.metadata["prompts"])]
+    row = per_golden[per_golden["precision"] == "fp32"].iloc[0]
+    assert row["experts_routed"] == md["experts_routed"] and row["experts_routed"][0] == np.unique(np.concatenate(routed)).size
+    assert row["n_routed_experts"] == 8 and row["n_group"] == 2 and all(1 <= x <= 2 for x in row["groups_routed"])
+    fp32 = per_prompt[per_prompt["precision"] == "fp32"]
+    np.testing.assert_allclose(fp32["prompt_router_margin"], md["prompt_router_margin"])
+    np.testing.assert_allclose(fp32["step0_margin"], md["prompt_token_margin"])
+    assert list(fp32["distinct_tokens"]) == md["distinct_tokens"]
+    assert not per_prompt["blind"].any() and strict["blind"].all()
+
+    path = write_result(tmp_path / "r.json", perfect_result(goldens[("tiny", "fp32")], "greedy"))
+    res = build_report([{"engine": "e", "model": "tiny", "precision": "fp32", "mode": "greedy", "result": path}],
+                       goldens, tmp_path / "out", router_near_tie=1.0)   # every prompt blind
+    html = res.paths["html"].read_text()
+    assert 'id="strength-table"' in html and 'id="prompt-strength-table"' in html and "tiny/int4" in html
+    assert "2 of 2" in html and "blind prompt(s), near-tied at a prompt position: tiny/fp32 p0" in \
+        res.paths["summary"].read_text()
