@@ -69,6 +69,9 @@ def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precisi
                 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """All golden tensors (by name) and the golden metadata for one case and precision."""
     model_spec, decoding = case["model"], case["decoding"]
+    if "tokens" not in case["prompts"]:
+        raise ValueError("the case's prompts section holds settings only: draw the prompts first "
+                         "(k2vec.prompts.draw_prompts, the prompts stage: results/prompts/{model}.json)")
     prompts = case["prompts"]["tokens"]
     n_new, top_k = decoding["max_new_tokens"], decoding["top_k"]
     dd = decoding["ddtree"]
