@@ -71,7 +71,7 @@ def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precisi
     model_spec, decoding = case["model"], case["decoding"]
     if "tokens" not in case["prompts"]:
         raise ValueError("the case's prompts section holds settings only: draw the prompts first "
-                         "(k2vec.prompts.draw_prompts, the prompts stage: results/prompts/{model}.json)")
+                         "(k2vec.prompts.draw_prompts, the prompts stage: results/prompts/{model}-{precision}.json)")
     prompts = case["prompts"]["tokens"]
     n_new, top_k = decoding["max_new_tokens"], decoding["top_k"]
     dd = decoding["ddtree"]

@@ -7,8 +7,11 @@ prompt position and MoE layer, or a top-1/top-2 logit gap below `near_tie` at it
 every later divergence of that row (class `router-near-tie`), so such a row cannot show a real bug.
 
 Each prompt index draws candidates from a stream seeded by (seed, model, "prompt", index, attempt),
-never by call order, and keeps the first that is blind under neither the fp32 nor the int4 weights
-(both goldens of a model then share their prompts). A candidate is judged by one prefill forward.
+never by call order. The fp32 prompts keep, per index, the first candidate not blind under the fp32
+weights. The int4 prompts start from the fp32 choice (same attempt) and move on only where it is
+blind under the int4 weights, so both goldens share nearly all their prompts while the fp32 side
+never depends on the quantizer (a quantizer edit reruns the int4 side only). A candidate is judged
+by one prefill forward.
 """
 
 from __future__ import annotations
@@ -43,14 +46,15 @@ def prompt_margins(model: ReferenceModel, prompts: list[list[int]]) -> tuple[np.
 
 
 def draw_prompts(settings: Mapping[str, Any], model_spec: Mapping[str, Any],
-                 models: Mapping[str, ReferenceModel]) -> dict[str, Any]:
-    """The prompts section with `tokens` filled in: for each index, the first candidate blind under
-    none of `models` (precision -> reference model), with its attempt count and margins per precision.
+                 models: Mapping[str, ReferenceModel], first_attempts: list[int] | None = None) -> dict[str, Any]:
+    """The prompts section with `tokens` filled in: for each index, the first candidate from attempt
+    `first_attempts[index]` (default 0) blind under none of `models` (precision -> reference model),
+    with its attempt (`attempts`: the chosen attempt + 1) and margins per precision.
     ConfigError naming `prompts.redraw_attempts` when an index finds none."""
     count, limit = settings["count"], settings["redraw_attempts"]
     r_thr, t_thr = settings["router_near_tie"], settings["near_tie"]
     chosen: dict[int, list[int]] = {}
-    attempts = np.zeros(count, np.int64)
+    attempts = np.zeros(count, np.int64) if first_attempts is None else np.asarray(first_attempts, np.int64)
     margins: dict[str, dict[str, list[float]]] = {p: {"router": [0.0] * count, "token": [0.0] * count} for p in models}
     pending = list(range(count))
     while pending:   # one batched prefill per round over every index still looking

@@ -95,6 +95,15 @@ def engine_run_inputs(wildcards):
     return inputs
 
 
+def prompts_inputs(wildcards):
+    """The prompts stage reads the weights of its precision; int4 starts from the fp32 prompts."""
+    inputs = {"weights": f"results/models/{wildcards.model}/{wildcards.precision}"}
+    if wildcards.precision == "int4":
+        inputs["fp32_weights"] = f"results/models/{wildcards.model}/fp32"
+        inputs["fp32_prompts"] = f"results/prompts/{wildcards.model}-fp32.json"
+    return inputs
+
+
 def golden_weights(wildcards):
     """The weights a golden reads: fp32, plus the INT4 files for the int4 precision."""
     weights = {"fp32": f"results/models/{wildcards.model}/fp32"}

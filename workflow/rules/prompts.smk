@@ -1,20 +1,21 @@
-# Prompts: drawn per model from the prompt settings, re-drawn where the golden would be near-tied at a
-# prompt position under the fp32 or int4 weights (k2vec.prompts); both goldens of a model read them.
+# Prompts: drawn per model and precision from the prompt settings, re-drawn where the golden would be
+# near-tied at a prompt position (k2vec.prompts). The fp32 prompts read the fp32 weights only; the
+# int4 prompts start from the fp32 ones and re-draw only those blind under the int4 weights, so a
+# quantizer edit never reaches the fp32 golden.
 
 
 rule prompts:
     input:
+        unpack(prompts_inputs),
         model="results/cases/{model}/model.json",
         settings="results/cases/{model}/prompts.json",
-        fp32="results/models/{model}/fp32",
-        int4="results/models/{model}/int4",
         code=sources("k2vec.prompts", "k2vec.golden", "k2vec.cases", "k2vec.stage"),
     output:
-        "results/prompts/{model}.json",
+        "results/prompts/{model}-{precision}.json",
     log:
-        "results/logs/prompts/{model}.log",
+        "results/logs/prompts/{model}-{precision}.log",
     benchmark:
-        "results/benchmarks/prompts/{model}.tsv"
+        "results/benchmarks/prompts/{model}-{precision}.tsv"
     threads: 1
     conda:
         "../envs/pipeline.yaml"

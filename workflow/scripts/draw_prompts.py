@@ -1,4 +1,4 @@
-"""Draw one model's prompts, rejecting those near-tied at a prompt position (k2vec.prompts)."""
+"""Draw one model's prompts for one precision, rejecting those near-tied at a prompt position (k2vec.prompts)."""
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", str(snakemake.threads))  # before numpy loads
@@ -11,7 +11,12 @@ from k2vec.stage import fail_to_stderr, stage_logging  # noqa: E402
 
 fail_to_stderr()
 with stage_logging(snakemake.log[0], "prompts"):
-    inp = snakemake.input
+    inp, precision = snakemake.input, snakemake.wildcards.precision
     model = read_json(inp.model)
-    models = {p: reference_model(model, open_weights(p, inp.fp32, inp.int4)) for p in ("fp32", "int4")}
-    write_json(snakemake.output[0], draw_prompts(read_json(inp.settings), model, models))
+    if precision == "fp32":
+        weights, first = open_weights("fp32", inp.weights, None), None
+    else:  # start each index from the fp32 choice: the goldens share every prompt not blind under int4
+        weights = open_weights("int4", inp.fp32_weights, inp.weights)
+        first = [a - 1 for a in read_json(inp.fp32_prompts)["attempts"]]
+    models = {precision: reference_model(model, weights)}
+    write_json(snakemake.output[0], draw_prompts(read_json(inp.settings), model, models, first))

@@ -24,16 +24,20 @@ def format_effect(opened: dict[tuple[str, str], Golden], th: dict[str, float], b
         if (model, "fp32") not in opened or (model, "int4") not in opened:
             continue
         fp, q = opened[(model, "fp32")], opened[(model, "int4")]
-        if fp.n_prompts != q.n_prompts or fp.N != q.N or any(
-                not np.array_equal(a, b) for a, b in zip(fp.prompts, q.prompts)):
-            raise ReportError(f"the fp32 and int4 goldens of model {model!r} were made from different prompts "
-                              f"or decoding settings ({fp.path}, {q.path})")
+        if fp.n_prompts != q.n_prompts or fp.N != q.N:
+            raise ReportError(f"the fp32 and int4 goldens of model {model!r} were made from different prompt "
+                              f"counts or decoding settings ({fp.path}, {q.path})")
+        # the int4 prompts stage re-draws a prompt blind under the int4 weights: compare the shared ones
+        shared = np.array([i for i in range(q.n_prompts) if np.array_equal(fp.prompts[i], q.prompts[i])], np.int64)
+        redrawn = sorted(set(range(q.n_prompts)) - set(shared.tolist()))
+        if shared.size == 0:
+            continue
         datas = [{"tokens": q.tokens[i], "topk_ids": q.topk_ids[i], "topk_logits": q.topk_logits[i],
                   "fingerprints": q.fingerprints[i],
                   "router_experts": q.router_ids[i, q.prompt_lengths[i] - 1:q.prompt_lengths[i] - 1 + q.N]}
-                 for i in range(q.n_prompts)]
-        prompt = np.arange(q.n_prompts)
-        cols, steps, _ = compare_rows(fp, datas, prompt, fp.tokens, fingerprint_rtol=th["fingerprint_rtol"])
+                 for i in shared]
+        prompt = shared
+        cols, steps, _ = compare_rows(fp, datas, prompt, fp.tokens[shared], fingerprint_rtol=th["fingerprint_rtol"])
         df = pd.DataFrame({"model": model, "prompt": prompt, **cols})
         # classified without a precision budget or noise credit: near-tie, router-near-tie or real
         df = classify(df.assign(kind="greedy", precision_class=None, run_over_budget=None, score_noise=np.nan,
@@ -48,7 +52,7 @@ def format_effect(opened: dict[tuple[str, str], Golden], th: dict[str, float], b
         step_frames.append(steps)
         # pooled over prompts: the fraction of compared steps with the same top-1 (the censored
         # geometric estimate of the per-step agreement probability)
-        model_rows.append({"model": model, "prompts": len(df), "max_new_tokens": fp.N,
+        model_rows.append({"model": model, "prompts": len(df), "int4_redrawn_prompts": redrawn, "max_new_tokens": fp.N,
                            "diverged": int(df["first_step"].notna().sum()),
                            "same_top1_rate": df["matched_steps"].sum() / compared.sum(),
                            "mean_first_step": df["first_step"].mean(), "kl_mean": steps["kl"].mean(),

@@ -342,14 +342,16 @@ def _format_section(m: Metrics) -> str:
     out = ['<section id="format-effect"><h2>Format effect (fp32 vs int4 golden)</h2>',
            '<p class="note">How far INT4 quantization moves the model: the int4 golden compared to the fp32 golden '
            'as if it were an engine. Both decode their own tokens, so steps are compared up to and including the '
-           'first divergence. Same top-1 = matched steps / compared steps, pooled over prompts.</p>']
+           'first divergence. Same top-1 = matched steps / compared steps, pooled over prompts. Compared: the prompts both '
+           'goldens share (the int4 prompts stage re-draws a prompt blind under the int4 weights).</p>']
     if m.format_models.empty:
         out.append('<p class="note" id="format-model-table">No model has both an fp32 and an int4 golden.</p>')
     else:
         header = [("model", ""), ("prompts", "num"), ("diverged", "num"), ("same top-1", "num"),
                   ("mean first div. step", "num"), ("mean KL", "num"), ("max KL", "num"), ("top-k overlap", "num"),
                   ("max |\u0394logit|", "num")]
-        body = [[_e(r["model"]), str(r["prompts"]), str(r["diverged"]), fmt(r["same_top1_rate"], "pct"),
+        body = [[_e(r["model"]), str(r["prompts"]) + (f" (int4 re-drew {', '.join(map(str, r['int4_redrawn_prompts']))})"
+                                                     if len(r["int4_redrawn_prompts"]) else ""), str(r["diverged"]), fmt(r["same_top1_rate"], "pct"),
                  fmt(r["mean_first_step"], "f2"), fmt(r["kl_mean"], "e"), fmt(r["kl_max"], "e"),
                  fmt(r["topk_overlap"], "pct"), fmt(r["logit_abs_max"], "e")] for _, r in m.format_models.iterrows()]
         out.append('<div class="card">' + _table("format-model-table", header, body) + "</div>")
@@ -427,7 +429,7 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
                            f"fed at the divergent step is.",
         "precision-tie": "otherwise, the golden's gap between its token and the engine's at the divergent step is "
                          "within twice the engine's own logit noise (largest logit error before the divergence, or "
-                         "the p99 of its score run on the same prompt), and that noise is within its precision's "
+                         "the largest of its score run on the same model and weights), and that noise is within its precision's "
                          "budget.",
         "over-budget": "tokens equal (or a score run), but the logit or fingerprint errors, or the score run's "
                        "same-top-1 / KL, exceed the budget of the engine's declared precision.",

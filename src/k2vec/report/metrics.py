@@ -405,9 +405,12 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     judged = base["status"] == "ok"
     scored = score_stats(base[judged & (base["kind"] == "score")], steps, budgets)
     over = {(r.engine, r.model, r.precision): r.over_budget for r in scored.itertuples() if r.over_budget}
-    noise = base[judged & (base["kind"] == "score")].set_index(["engine", "model", "precision", "prompt"])["logit_abs_p99"]
+    # An engine's noise is a property of the engine on these weights, not of one prompt: one prompt's
+    # errors before its divergence can be 10x smaller than the same engine's elsewhere (bfloat16 on the
+    # default cases: 0.2 to 3.2). So the tie credit uses the largest error of its whole score run.
+    noise = base[judged & (base["kind"] == "score")].groupby(["engine", "model", "precision"])["logit_abs_max"].max()
     keys = pd.MultiIndex.from_frame(base[["engine", "model", "precision", "prompt"]])
-    base["score_noise"] = noise.reindex(keys).to_numpy(float) if len(noise) else np.nan
+    base["score_noise"] = noise.reindex(keys.droplevel("prompt")).to_numpy(float) if len(noise) else np.nan
     base["run_over_budget"] = [over.get(k[:3]) for k in keys]
     classified = classify(base, budgets, near_tie=th["near_tie"], router_near_tie=th["router_near_tie"])
     classified["class"] = _not_judged_class(base["status"], classified["class"])

@@ -38,12 +38,15 @@ def case_goldens(case: dict[str, Any], root: str | Path) -> dict[tuple[str, str]
     write_checkpoint(case["model"], root / "fp32")
     quantize_checkpoint(root / "fp32", root / "int4", case["quantization"])
     weights = {p: open_weights(p, root / "fp32", root / "int4") for p in ("fp32", "int4")}
-    prompts = draw_prompts(case["prompts"], case["model"],
-                           {p: reference_model(case["model"], w) for p, w in weights.items()})
-    case = {**case, "prompts": prompts}   # as the prompts stage draws them
+    # as the prompts stage draws them: fp32 first, int4 from the fp32 choice on
+    prompts = {"fp32": draw_prompts(case["prompts"], case["model"],
+                                    {"fp32": reference_model(case["model"], weights["fp32"])})}
+    prompts["int4"] = draw_prompts(case["prompts"], case["model"],
+                                   {"int4": reference_model(case["model"], weights["int4"])},
+                                   [a - 1 for a in prompts["fp32"]["attempts"]])
     out = {}
     for precision in ("fp32", "int4"):
-        tensors, metadata = make_golden(case, weights[precision], precision)
+        tensors, metadata = make_golden({**case, "prompts": prompts[precision]}, weights[precision], precision)
         write_golden(root / f"{precision}.kdtr", tensors, metadata)
         out[(case["model"]["name"], precision)] = root / f"{precision}.kdtr"
     return out
