@@ -1,4 +1,5 @@
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -116,15 +117,19 @@ def test_logits_path_matches_torch_topk_and_logsumexp():
 
 
 def test_rejects_bad_inputs():
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match="log-probs must be non-increasing along the rank axis"):
         build_tree((HAND_IDS, HAND_LP[:, ::-1]), 4)  # increasing log-probs
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match="token ids must be distinct within each position"):
         build_tree((np.array([[1, 1]]), np.array([[-1.0, -2.0]], np.float32)), 4)  # duplicate sibling ids
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match=re.escape("log-probs must be finite and <= 0")):
         build_tree((HAND_IDS, -HAND_LP), 4)  # positive log-probs
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match=re.escape("log-probs must be finite and <= 0")):
+        build_tree((np.array([[1, 2]]), np.array([[0.5, 0.25]], np.float32)), 4)  # positive, yet in order
+    with pytest.raises(TreeInputError, match=re.escape("log-probs must be finite and <= 0")):
+        build_tree((np.array([[1, 2]]), np.array([[-0.5, np.nan]], np.float32)), 4)
+    with pytest.raises(TreeInputError, match="draft logits contain NaN or infinity"):
         build_tree(np.array([[0.0, np.nan]], np.float32), 2)
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match="budget must be >= 0, got -1"):
         build_tree((HAND_IDS, HAND_LP), -1)
 
 
