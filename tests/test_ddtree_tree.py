@@ -3,6 +3,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from k2vec.ddtree import (
     TreeInputError, accept_walk, build_tree, compacted_kv_rows, top_k_logprobs, tree_attention_mask,
@@ -97,7 +98,6 @@ def test_log_softmax_uses_a_correctly_rounded_logsumexp():
 
 
 def test_logits_path_matches_torch_topk_and_logsumexp():
-    torch = pytest.importorskip("torch")
     rng = np.random.default_rng(7)
     for L, V, budget in [(15, 1000, 64), (4, 50, 16), (15, 300, 300), (6, 20, 64)]:
         logits = (3 * rng.standard_normal((L, V))).astype(np.float32)  # continuous: no ties
