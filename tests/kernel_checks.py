@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import triton  # noqa: F401  (the test extra requires it: a broken install fails, not skips)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,7 +28,6 @@ print(json.dumps(out))
 
 def run_interpreted(calls: list[tuple[str, list, dict]]) -> list[dict]:
     """[(verify function, args, kwargs)] -> their CheckResults as dicts, computed on CPU by Triton's interpreter."""
-    pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(calls), capture_output=True, text=True,
@@ -36,8 +37,6 @@ def run_interpreted(calls: list[tuple[str, list, dict]]) -> list[dict]:
 
 
 def cuda_device():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("triton")
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("needs a CUDA device (and TRITON_INTERPRET unset)")
     return torch.device("cuda")

@@ -2,25 +2,22 @@
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-ct = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors import ModelCompressor  # noqa: E402
-from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32  # noqa: E402
-from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,  # noqa: E402
+import torch
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                              apply_quantization_config)
-from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize  # noqa: E402
-from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize  # noqa: E402
-from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp  # noqa: E402
+from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+from safetensors.torch import load_file
 
-from safetensors.torch import load_file  # noqa: E402
-
-from k2vec.checkpoint import Checkpoint  # noqa: E402
-from k2vec.int4_checkpoint import export_compressed_tensors, load_dequantized, quantize_checkpoint  # noqa: E402
-from k2vec.quant import dequantize, pack, pack_int32, quantize, round_to_bf16  # noqa: E402
-from k2vec.schemes import is_linear  # noqa: E402
-from test_quant import make_fp32_checkpoint, make_spec, worked_example  # noqa: E402
+from k2vec.checkpoint import Checkpoint
+from k2vec.int4_checkpoint import export_compressed_tensors, load_dequantized, quantize_checkpoint
+from k2vec.quant import dequantize, pack, pack_int32, quantize, round_to_bf16
+from k2vec.schemes import is_linear
+from test_quant import make_fp32_checkpoint, make_spec, worked_example
 
 
 def ct_args(group_size, scale_dtype):

@@ -171,6 +171,15 @@ def test_engine_command_template_errors_name_key_and_position(tmp_path, command,
     assert not (tmp_path / "results").exists()
 
 
+def test_engine_sources_matching_nothing_stop_a_dry_run(tmp_path):
+    config = default_config()
+    config["engines"] = {"mine": {"command": "run {bundle} {output}", "sources": ["kernels/*.cu"]}}
+    rc, msg = _run(tmp_path, config, "-n")
+    assert rc != 0
+    assert "config key 'engines.mine.sources': pattern 'kernels/*.cu' matches no file" in msg, msg[-2000:]
+    assert not (tmp_path / "results").exists()
+
+
 def test_command_template_rules():
     ok = check_command_template("awk '{{print $1}}' {bundle} > {output}", "k")
     assert ok == {"bundle", "output"}

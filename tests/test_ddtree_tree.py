@@ -1,7 +1,9 @@
 import itertools
+import re
 
 import numpy as np
 import pytest
+import torch
 
 from k2vec.ddtree import (
     TreeInputError, accept_walk, build_tree, compacted_kv_rows, top_k_logprobs, tree_attention_mask,
@@ -96,7 +98,6 @@ def test_log_softmax_uses_a_correctly_rounded_logsumexp():
 
 
 def test_logits_path_matches_torch_topk_and_logsumexp():
-    torch = pytest.importorskip("torch")
     rng = np.random.default_rng(7)
     for L, V, budget in [(15, 1000, 64), (4, 50, 16), (15, 300, 300), (6, 20, 64)]:
         logits = (3 * rng.standard_normal((L, V))).astype(np.float32)  # continuous: no ties
@@ -116,15 +117,19 @@ def test_logits_path_matches_torch_topk_and_logsumexp():
 
 
 def test_rejects_bad_inputs():
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match="log-probs must be non-increasing along the rank axis"):
         build_tree((HAND_IDS, HAND_LP[:, ::-1]), 4)  # increasing log-probs
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match="token ids must be distinct within each position"):
         build_tree((np.array([[1, 1]]), np.array([[-1.0, -2.0]], np.float32)), 4)  # duplicate sibling ids
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match=re.escape("log-probs must be finite and <= 0")):
         build_tree((HAND_IDS, -HAND_LP), 4)  # positive log-probs
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match=re.escape("log-probs must be finite and <= 0")):
+        build_tree((np.array([[1, 2]]), np.array([[0.5, 0.25]], np.float32)), 4)  # positive, yet in order
+    with pytest.raises(TreeInputError, match=re.escape("log-probs must be finite and <= 0")):
+        build_tree((np.array([[1, 2]]), np.array([[-0.5, np.nan]], np.float32)), 4)
+    with pytest.raises(TreeInputError, match="draft logits contain NaN or infinity"):
         build_tree(np.array([[0.0, np.nan]], np.float32), 2)
-    with pytest.raises(TreeInputError):
+    with pytest.raises(TreeInputError, match="budget must be >= 0, got -1"):
         build_tree((HAND_IDS, HAND_LP), -1)
 
 

@@ -2,16 +2,14 @@
 left out with one notice where its packages are missing. Its runs against the golden are in test_pipeline.py."""
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, default_config, snakemake, write_config
 from test_workflow import scheduled_jobs
 
 from k2vec import quant
+from k2vec.engines import hf
 from k2vec.spec import engine_runs, engines_missing_modules, resolve_engines
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-from k2vec.engines import hf  # noqa: E402
 
 HF_ENGINES = ["hf_fp32", "hf_bf16"]
 

@@ -1,14 +1,12 @@
 """Every default model's fp32 checkpoint loads in transformers' DeepseekV3ForCausalLM and generates."""
 import pytest
+import torch
+import transformers
 
 from k2vec.prompts import candidate
 from k2vec.spec import expand_config
 from k2vec.weights import write_checkpoint
 from conftest import default_config
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 
 @pytest.mark.parametrize("model_name", sorted(default_config()["models"]))
 def test_from_pretrained_no_missing_keys_and_generates(model_name, tmp_path):

@@ -1,6 +1,8 @@
 """The int4 golden is what transformers computes on the dequantized .qw/.sc weights."""
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from k2vec.checkpoint import Checkpoint, write_shards
 from k2vec.golden import make_golden, open_weights, reference_model
@@ -9,10 +11,6 @@ from k2vec.prompts import draw_prompts
 from k2vec.spec import expand_config
 from k2vec.weights import shard_groups, write_checkpoint
 from conftest import default_config
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 
 @pytest.mark.parametrize("model_name", ["tiny", "small"])
 def test_hf_on_dequantized_weights_reproduces_int4_golden(model_name, tmp_path):

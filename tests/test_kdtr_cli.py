@@ -21,15 +21,20 @@ def cli(*args):
     return rc, out.getvalue()
 
 
+def _changed():
+    changed = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    changed[1, 2] += 0.25   # 1/11 -> 1/11 + 1/4: abs 0.25, rel 0.25 / max(|a|, |b|) = 0.7333
+    changed[2, 3] = 2.0     # 1 -> 2: abs 1, rel 0.5
+    return changed
+
+
 @pytest.fixture
 def pair(tmp_path):
     base = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
     a = {"same": np.arange(5, dtype=np.int64), "f": base, "i": np.arange(10, dtype=np.int32),
          "bf": bf16(f32_to_bf16(base)), "shape": np.zeros((2, 2), np.float32), "gone": np.zeros(1, np.uint8),
          "q": int4(np.zeros(4, np.uint8))}
-    changed = base.copy()
-    changed[1, 2] += 0.25   # 1/11 -> 1/11 + 1/4: abs 0.25, rel 0.25 / max(|a|, |b|) = 0.7333
-    changed[2, 3] = 2.0     # 1 -> 2: abs 1, rel 0.5
+    changed = _changed()
     b = dict(a, f=changed, i=np.where(np.arange(10) == 3, 1000, np.arange(10)).astype(np.int32),
              bf=bf16(f32_to_bf16(changed)), shape=np.zeros((4,), np.float32), new=np.ones(2, np.float16))
     del b["gone"]
@@ -81,8 +86,14 @@ def test_diff_reports_tensors_and_metadata(pair):
     assert "~ shape: f32 [2,2] vs f32 [4]" in lines
     f = next(ln for ln in lines if ln.startswith("~ f "))
     assert f.endswith("2/12 elements differ, max_abs 1, max_rel 0.733333")
-    bfl = next(ln for ln in lines if ln.startswith("~ bf "))
-    assert "elements differ" in bfl and "max_abs" in bfl
+    # bf16 is compared by value: 1 -> 2 is bits 0x3f80 -> 0x4000 (128 apart; 245 at the other element),
+    # a value difference of exactly 1
+    bits_a, bits_b = f32_to_bf16(np.linspace(-1, 1, 12, dtype=np.float32)), f32_to_bf16(_changed())
+    va, vb = [(x.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for x in (bits_a, bits_b.ravel())]
+    differ = va != vb
+    rel = (np.abs(va - vb) / np.maximum(np.abs(va), np.abs(vb)))[differ].max()
+    assert np.abs(bits_a.astype(np.int64) - bits_b.ravel()).max() == 245 and np.abs(va - vb).max() == 1
+    assert f"~ bf bf16 [3,4]: 2/12 elements differ, max_abs 1, max_rel {rel:.6g}" in lines
     assert "~ i i32 [10]: 1/10 elements differ, 2/40 bytes differ" in lines  # 3 -> 1000 = 0x3e8
     assert not any(ln.startswith(("~ same", "~ q")) for ln in lines)
     assert "~ metadata model.layers: 2 vs 3" in lines

@@ -3,6 +3,7 @@
 The cases live in k2vec.kdtr.fuzz.malformed_cases so that tests/test_kdtr_c.py holds the C
 reader to the very same field and offset."""
 
+import struct
 import tracemalloc
 
 import pytest
@@ -37,9 +38,7 @@ def test_malformed_bundle_is_rejected(tmp_path, cid, data, field, offset, stage)
     finally:
         tracemalloc.stop()
     err = e.value
-    assert err.field == field
-    if offset is not None:
-        assert err.offset == offset
+    assert (err.field, err.offset) == (field, offset)
     assert f"offset {err.offset} ({field}):" in str(err)
     assert peak < len(data) + ALLOC_SLACK
     # the same verdict through the mmap path
@@ -49,6 +48,35 @@ def test_malformed_bundle_is_rejected(tmp_path, cid, data, field, offset, stage)
         open_bundle(path, verify=True)
     assert (e2.value.field, e2.value.offset) == (err.field, err.offset)
     assert str(path) in str(e2.value)
+
+
+@pytest.mark.parametrize("cid, reason", [
+    ("meta-utf8", "not valid UTF-8 (invalid start byte) at metadata byte 10"),
+    ("meta-json", "not valid JSON: Expecting value at metadata byte 9"),
+    ("meta-not-object", "top level is a JSON list, not an object"),
+    ("meta-dup-key", "duplicate key 'a'"),
+    ("meta-dup-key-escaped", "duplicate key 'a'"),
+    ("meta-nan", "NaN is not JSON"),
+    ("meta-depth", "nested deeper than 128"),
+    ("meta-long-number", "number of 101 characters (max 100)"),
+    ("meta-lone-surrogate", "string with an unpaired UTF-16 surrogate escape"),
+    ("meta-empty", "not valid JSON: Expecting value at metadata byte 0"),
+])
+def test_metadata_errors_are_at_the_block_start(cid, reason):
+    """A metadata error's offset is meta_offset, the block's start (docs/kdtr-format.md, rule 23): the
+    Python and C JSON parsers stop at different bytes for some texts, so the offset both must agree on
+    is the block's; where the parser knows the byte inside the block, the reason names it."""
+    data = next(c[1] for c in CASES if c[0] == cid)
+    meta_offset = struct.unpack_from("<Q", data, 48)[0]   # header field meta_offset
+    with pytest.raises(KdtrError) as e:
+        open_bundle_buffer(data)
+    assert (e.value.field, e.value.offset) == ("metadata", meta_offset)
+    assert str(e.value).endswith(f"offset {meta_offset} (metadata): {reason}")
+
+
+def test_every_case_has_an_offset():
+    assert all(type(c[3]) is int and 0 <= c[3] <= len(c[1]) for c in CASES), \
+        [c[0] for c in CASES if type(c[3]) is not int]
 
 
 def test_rules_from_the_spec_each_have_a_case():

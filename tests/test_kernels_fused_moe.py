@@ -8,6 +8,7 @@ program path (BLOCK_M 1) and the expert-sorted tensor-core path (BLOCK_M 16). GP
 import itertools
 
 import pytest
+import torch
 
 from kernel_checks import cuda_device, run_interpreted
 
@@ -70,7 +71,6 @@ def test_interpreted_flipped_nibble_is_detected(cpu_results):
 
 
 def test_sorted_layout_groups_pairs_by_expert():
-    torch = pytest.importorskip("torch")
     from k2vec.engines.gpu_triton.kernels.fused_moe import sort_pairs_by_expert
     ids = torch.tensor([3, 0, 3, 5, 3, 0, 1, 3, 3])     # expert 2 and 4 unused, expert 3 spans two blocks
     pair_ids, block_expert = sort_pairs_by_expert(ids, num_experts=6, block_m=4)

@@ -6,6 +6,7 @@ bfloat16 dots). GPU (marked `gpu`): every M in {1..64}, bfloat16 too. Outputs ar
 import itertools
 
 import pytest
+import torch
 
 from kernel_checks import cuda_device, run_interpreted
 
@@ -53,7 +54,6 @@ def test_interpreted_flipped_nibble_is_detected(cpu_results):
 
 
 def test_flip_nibble_changes_exactly_one_code():
-    torch = pytest.importorskip("torch")
     from k2vec.engines.gpu_triton.kernels.verify import flip_nibble, generator
     packed = torch.randint(0, 256, (5, 7), dtype=torch.uint8, generator=generator("cpu", "flip"))
     for high in (False, True):

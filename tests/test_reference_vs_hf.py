@@ -6,13 +6,11 @@ import math
 
 import numpy as np
 import pytest
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-import hf_helpers as H  # noqa: E402
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
-
-from k2vec.reference import ReferenceModel, greedy_generate, logits_no_cache, rope_tables  # noqa: E402
+import hf_helpers as H
+from k2vec.reference import ReferenceModel, greedy_generate, logits_no_cache, rope_tables
 
 STEPS = 17  # prefill + 16 decode steps
 REL_TOL = 1e-4

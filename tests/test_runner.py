@@ -1,8 +1,10 @@
 """The engine runner: every way an engine can fail becomes a failed result with its reason."""
 import json
+import os
 import re
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -71,15 +73,6 @@ def test_failures_become_failed_results(tmp_path, what, body, reason):
     assert r["runs"] == []
     if what == "crash":
         assert "segfault in kernel gemm_w4a16" in r["stderr_tail"]
-
-
-def test_hang_is_killed_at_the_limit(tmp_path):
-    # The engine leaves a grandchild too: the whole process group must go.
-    body = "import subprocess; subprocess.Popen(['sleep', '60']); open(out, 'w').write('{'); time.sleep(60)"
-    t = __import__("time").monotonic()
-    r = run(tmp_path, fake_engine(tmp_path, body), timeout_s=1.0)
-    assert __import__("time").monotonic() - t < 15
-    assert r["status"] == "failed" and "timed out after 1 s" in r["reason"]
 
 
 def test_ddtree_needs_one_run_per_accuracy():
@@ -181,3 +174,125 @@ def test_score_expectations_come_from_the_bundle(tmp_path):
                    lock_dir=str(tmp_path / "locks"), timeout_s=10.0, stderr_path=str(tmp_path / "err.log"),
                    max_result_mb=1.0, scratch_dir=str(tmp_path / "scratch"))
     assert r["status"] == "ok", r["reason"]
+
+
+# ------------------------------------------------------------------- the time limit: whole group, TERM then KILL
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, within_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+GRANDCHILD = """
+import subprocess
+child = subprocess.Popen(['sleep', '60'])   # same process group as the engine
+open({pidfile!r}, 'w').write(str(child.pid))
+time.sleep(60)
+"""
+
+
+def test_hang_is_killed_at_the_limit(tmp_path):
+    # The engine leaves a grandchild too: the whole process group must go.
+    body = "open(out, 'w').write('{')" + GRANDCHILD.format(pidfile=str(tmp_path / "sleep.pid"))
+    t = time.monotonic()
+    r = run(tmp_path, fake_engine(tmp_path, body), timeout_s=2.0)
+    assert time.monotonic() - t < 15
+    assert r["status"] == "failed" and r["reason"] == "timed out after 2 s (killed)"
+    assert _gone(int((tmp_path / "sleep.pid").read_text()))
+
+
+def test_the_group_kill_alone_ends_the_grandchild(tmp_path, monkeypatch):
+    """Without the leftover reaper (not Linux: no subreaper) the group signal is all there is: a
+    `sleep 60` in the engine's group must still die at the limit, not only the engine process."""
+    from k2vec.engines import runner
+
+    class NoReaper:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def kill_leftovers(self):
+            return None, None
+
+    monkeypatch.setattr(runner, "Reaper", NoReaper)
+    pidfile = tmp_path / "sleep.pid"
+    argv = ["bash", "-c", fake_engine(tmp_path, GRANDCHILD.format(pidfile=str(pidfile))).replace("{output}", "x")]
+    done = runner._run_with_limit(argv, dict(os.environ), tmp_path, tmp_path / "err.log", 2.0)
+    pid = int(pidfile.read_text())
+    try:
+        assert done.rc is None
+        assert _wait_gone(pid), "the engine's grandchild outlived the time limit"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, 9)
+
+
+LIMIT_S = 1.5   # room for the engine to start and install its handler on a busy machine
+TRAPS_TERM = """
+import signal
+def on_term(sig, frame):
+    open({marker!r}, 'w').write(repr(time.monotonic()))
+    {then}
+signal.signal(signal.SIGTERM, on_term)
+open({ready!r}, 'w').write('')
+time.sleep({sleep})
+"""
+
+
+def _limit_run(tmp_path, then: str, sleep: float, timeout_s: float = LIMIT_S):
+    from k2vec.engines import runner
+    marker, ready = tmp_path / "got_term", tmp_path / "ready"
+    body = TRAPS_TERM.format(marker=str(marker), ready=str(ready), then=then, sleep=sleep)
+    argv = ["bash", "-c", fake_engine(tmp_path, body).replace("{output}", "x")]
+    done = runner._run_with_limit(argv, dict(os.environ), tmp_path, tmp_path / "err.log", timeout_s)
+    assert ready.exists(), (tmp_path / "err.log").read_text()   # the handler was in place before the limit
+    return done, marker
+
+
+def test_an_engine_that_ignores_sigterm_is_killed_after_the_grace(tmp_path, monkeypatch):
+    from k2vec.engines import runner
+    assert runner.KILL_GRACE_S == 5.0   # docs/engine-contract.md: SIGKILL 5 s after SIGTERM
+    monkeypatch.setattr(runner, "KILL_GRACE_S", 0.6)
+    # the engine notes the SIGTERM, carries on, and would only end by itself after 8 s
+    done, marker = _limit_run(tmp_path, then="pass", sleep=8)
+    assert marker.exists(), "the engine was not sent SIGTERM first"
+    assert done.rc is None
+    assert LIMIT_S + 0.6 <= done.wall_s < LIMIT_S + 0.6 + 3.0, done.wall_s   # the grace was given, then SIGKILL
+
+
+def test_an_engine_that_exits_on_sigterm_gets_sigterm_first(tmp_path, monkeypatch):
+    from k2vec.engines import runner
+    monkeypatch.setattr(runner, "KILL_GRACE_S", 3.0)
+    done, marker = _limit_run(tmp_path, then="sys.exit(3)", sleep=60)
+    assert marker.exists(), "the engine was killed without SIGTERM first"
+    assert done.rc is None and done.wall_s < LIMIT_S + 2.0   # it exited on SIGTERM: no waiting for the grace
+
+
+# ------------------------------------------------------------------- reasons as the user reads them
+
+def test_no_result_file_reason_names_the_real_path(tmp_path):
+    r = run(tmp_path, fake_engine(tmp_path, "pass"))
+    partial = (tmp_path / "scratch" / "out" / "result.json").resolve()
+    assert r["reason"] == f"engine exited 0 but wrote no result file at {partial}"
+
+
+def test_stderr_tail_is_the_last_20_lines(tmp_path):
+    body = "for i in range(1, 51): print(f'stderr line {i}', file=sys.stderr)\nsys.exit(1)"
+    r = run(tmp_path, fake_engine(tmp_path, body))
+    assert r["status"] == "failed" and r["reason"] == "engine exited with code 1"
+    assert r["stderr_tail"].splitlines() == [f"stderr line {i}" for i in range(31, 51)]

@@ -122,3 +122,22 @@ def test_engines_get_score_runs_unless_they_opt_out_and_null_disables_one():
     modes = {(e, mode) for e, _, _, mode in engine_runs(engines, [4])}
     assert ("plain", "score") in modes and ("no_score", "score") not in modes
     assert {m for e, m in modes if e == "plain"} == {"greedy", "ddtree-b4", "score"}
+
+
+@pytest.mark.parametrize("entry, key, reason", [
+    ({"command": "run {bundle} {output} --layers {layer}"}, "command", "unknown placeholder {layer} at character 32"),
+    ({"command": "run --output {output}"}, "command", "must use {bundle} and {output}"),
+    ({"command": "run --bundle {bundle} > result.json"}, "command", "must use {bundle} and {output}"),
+    ({"command": "run {bundle} {output}", "models": ["tiny", "tiyn"]}, "models", "unknown model 'tiyn'"),
+    ({"command": "run {bundle} {output}", "sources": ["src/k2vec/engines/*.py", "engine/*.cu"]}, "sources",
+     "pattern 'engine/*.cu' matches no file"),
+], ids=["unknown-placeholder", "no-bundle", "no-output", "unknown-model", "sources-match-nothing"])
+def test_bad_engine_entry_names_its_key(entry, key, reason):
+    from k2vec.spec import resolve_engines
+    from conftest import default_config
+    cfg = default_config()
+    cfg["engines"] = {**cfg["engines"], "mine": entry}
+    with pytest.raises(ConfigError) as err:
+        resolve_engines(cfg, str(REPO))
+    assert err.value.key == f"engines.mine.{key}"
+    assert str(err.value).startswith(f"config key 'engines.mine.{key}': {reason}"), str(err.value)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -18,17 +20,29 @@ class BuildError(K2VecError):
 log = logging.getLogger("k2vec.engine_build")
 
 
-def build_engine(command: str, sources: list[str], stamp: str, *, log_path: str, timeout_s: float) -> None:
+def build_engine(engine: str, command: str, sources: list[str], stamp: str, *, log_path: str,
+                 timeout_s: float) -> None:
+    """Run `engine`'s build command; BuildError naming the engine, the step and the log if it fails or
+    runs past `timeout_s`. At the limit its whole process group is killed (make and its compilers,
+    not only the shell)."""
     log.info("build: %s", command)
-    try:
-        proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise BuildError(f"build command timed out after {timeout_s:g} s: {command}") from None
-    for stream in (proc.stdout, proc.stderr):
+    with subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          stdin=subprocess.DEVNULL, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            raise BuildError(f"engine {engine!r}: build command timed out after {timeout_s:g} s (killed): {command} "
+                             f"(see {log_path})") from None
+    for stream in (out, err):
         if stream:
             log.info("%s", stream.rstrip("\n"))
     if proc.returncode != 0:
-        raise BuildError(f"build command exited with code {proc.returncode}: {command} (see {log_path})")
+        raise BuildError(f"engine {engine!r}: build command exited with code {proc.returncode}: {command} "
+                         f"(see {log_path})")
     lines = [f"{hashlib.sha256(Path(s).read_bytes()).hexdigest()}  {s}" for s in sorted(sources)]
     write_text_atomic(stamp, f"build: {command}\n" + "\n".join(lines) + "\n")
