@@ -209,6 +209,19 @@ def test_comment_edit_upstream_reruns_nothing(built_workflow):
     assert elapsed < 30
 
 
+def test_byte_identical_rerun_does_not_cascade(built_workflow):
+    """No early cutoff within one invocation, but on the next one: a forced golden rerun writes the
+    same bytes, and its readers (bundle, format effect) compare checksums (profile max-checksum-file-size)."""
+    root, env = built_workflow
+    golden = root / "results/golden/tiny/fp32.kdtr"
+    before = golden.read_bytes(), golden.stat().st_mtime_ns
+    res = snakemake("--cores", "1", "--force", str(golden.relative_to(root)), snakefile=root / "Snakefile",
+                    cwd=root, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert golden.read_bytes() == before[0] and golden.stat().st_mtime_ns > before[1]
+    assert dry_run(root, env) == {}
+
+
 def dry_run_with(root, env, tmp_path, override):
     """Dry run with `override` merged over the workflow's config.yaml (as users pass --configfile)."""
     return dry_run(root, env, "--configfile", str(write_config(tmp_path / "override.yaml", override)))
@@ -237,6 +250,13 @@ def test_readme_rule_graph_is_current():
     readme = (REPO / "README.md").read_text()
     block = re.search(r"```mermaid\n(.*?)```", readme, re.S).group(1)
     assert edges(block) == edges(res.stdout)
+
+
+def test_readme_says_where_the_summary_is_when_nothing_ran():
+    # Snakemake calls `onsuccess` (which prints the summary) only when jobs ran: README points to the file.
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "a run with nothing to do prints none: the summary is always in `results/report/summary.txt`" in readme
+    assert 'summary="results/report/summary.txt"' in (REPO / "workflow/rules/report.smk").read_text()
 
 
 def test_report_plot_list_matches_the_package():
