@@ -93,10 +93,15 @@ def precision_code(script, *modules):
     return lambda wildcards: by_precision[wildcards.precision]
 
 
+def engine_source_paths(engine):
+    """All of an engine's sources, relative (a moved checkout with its results/ reruns nothing)."""
+    return [os.path.relpath(p) for p in ENGINES[engine]["source_files"]]
+
+
 def engine_sources(engine):
     """An engine's non-Python sources, declared as inputs (their checksums decide); its Python sources
     are in engine_code."""
-    return [os.path.relpath(p) for p in ENGINES[engine]["source_files"] if not p.endswith(".py")]
+    return [p for p in engine_source_paths(engine) if not p.endswith(".py")]
 
 
 def engine_code(script, *modules):
@@ -109,7 +114,7 @@ def engine_code(script, *modules):
 
 def engine_settings(engine):
     """An engine's settings as its runs' params, without the absolute paths its source globs resolved
-    to (those are inputs already): a moved or copied checkout with its results/ reruns nothing."""
+    to (declared by engine_sources and engine_code): a moved or copied checkout with its results/ reruns nothing."""
     return {k: v for k, v in ENGINES[engine].items() if k != "source_files"}
 
 

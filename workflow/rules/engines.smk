@@ -12,6 +12,8 @@ rule engine_build:
         "results/engines/{engine}/build.stamp",
     params:
         code=engine_code("engine_build.py", "k2vec.engines.build", "k2vec.stage"),
+        # every source, Python ones included, hashed into the stamp
+        sources=lambda wc: engine_source_paths(wc.engine),
         command=lambda wc: ENGINES[wc.engine]["build"],
         timeout_s=lambda wc: ENGINES[wc.engine]["build_timeout_s"],
     log:
