@@ -65,9 +65,27 @@ def _package_modules(names: set[str]) -> set[str]:
 
 
 @lru_cache(maxsize=None)
+def _parse(path: str, mtime_ns: int, size: int) -> tuple[bytes, ast.Module | None]:
+    """A file's bytes and syntax tree (None if it is not Python), parsed once per version of the file:
+    the workflow asks for the same files for every rule and job."""
+    data = Path(path).read_bytes()
+    try:
+        return data, ast.parse(data, path)
+    except (SyntaxError, ValueError):
+        return data, None
+
+
+def _parsed(path: str | Path) -> tuple[bytes, ast.Module | None]:
+    st = os.stat(path)
+    return _parse(str(path), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=None)
 def _imports(path: Path) -> tuple[frozenset[str], frozenset[str]]:
     """Package modules imported by the file at `path`: (at import time, only inside function bodies)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parsed(path)[1]
+    if tree is None:
+        tree = ast.parse(path.read_text(), str(path))   # raises the SyntaxError, naming the file
     eager: set[str] = set()
     deferred: set[str] = set()
     todo: list[tuple[ast.AST, bool]] = [(tree, False)]
@@ -120,14 +138,12 @@ def _meaning(path: str) -> bytes:
 @lru_cache(maxsize=None)
 def _meaning_of(path: str, mtime_ns: int, size: int) -> bytes:
     """The file's syntax tree without comments, layout and docstrings (kept where the file reads
-    `__doc__`, say for its --help); the raw bytes of a file that is not Python. (Keyed by mtime and
-    size: the workflow asks once per job.)"""
-    data = Path(path).read_bytes()
-    try:
-        tree = ast.parse(data, path)
-    except (SyntaxError, ValueError):
+    `__doc__`, say for its --help); the raw bytes of a file that is not Python."""
+    data, tree = _parse(path, mtime_ns, size)
+    if tree is None:
         return b"bytes:" + data
     if b"__doc__" not in data:
+        # in place, once (this function is cached): _imports reads the same tree, and a docstring is no import
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
                 first = node.body[0]
