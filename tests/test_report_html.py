@@ -5,6 +5,7 @@ K2VEC_REPORT_SCREENSHOT=/some/path.png to keep the screenshot.
 """
 
 import base64
+import re
 import os
 import shutil
 import struct
@@ -192,3 +193,69 @@ def test_cli_and_snakemake_entry_points(report, goldens, tmp_path):
                             "result": crash.result})
     with pytest.raises(SystemExit, match="strict"):
         snakemake_main(smk)
+
+
+@pytest.fixture(scope="module")
+def one_engine_report(tmp_path_factory, goldens):
+    """One greedy run of one engine with a long name, diverging on every prompt (the golden's second
+    choice taken at step 2)."""
+    root = tmp_path_factory.mktemp("report-one")
+    fp32 = goldens[("tiny", "fp32")]
+    with open_bundle(fp32) as b:
+        gold = {k: np.array(b[k]) for k in b.keys()}
+    res = perfect_result(fp32, "greedy")
+    for p in range(len(res["runs"][0]["prompts"])):
+        flip(res, p, 2, gold)
+    write_result(root / "run.json", res)
+    runs = [{"engine": "vendor_engine_bfloat16_experimental", "model": "tiny", "precision": "fp32",
+             "mode": "greedy", "result": str(root / "run.json")}]
+    return build_report(runs, goldens, root / "out"), gold
+
+
+def test_counts_are_singular_for_one(one_engine_report):
+    from k2vec.report.words import plural
+
+    rep, _ = one_engine_report
+    assert rep.summary.startswith("k2vec divergence report: 1 run, 1 engine, ")
+    text = rep.paths["html"].read_text()
+    assert '<p class="sub">1 engine run, ' in text
+    plurals_of_one = re.findall(r"\b1 (?:runs|engines|engine runs|rows|prompts|traces|trees)\b", rep.summary + text)
+    assert plurals_of_one == []
+    assert [plural(n, "engine") for n in (0, 1, 2, 1000)] == ["0 engines", "1 engine", "2 engines", "1,000 engines"]
+    assert plural(1, "row exceeds", "rows exceed") == "1 row exceeds" and plural(3, "row exceeds", "rows exceed") == "3 rows exceed"
+
+
+def test_ranks_are_one_based_and_token_ids_plain(one_engine_report):
+    from k2vec.report.html import fmt
+
+    rep, gold = one_engine_report
+    # the engine took the golden's second choice, and ranked it first: both ranks are "second place"
+    assert "golden's ranked #2 by the engine, engine's #2 by the golden" in rep.summary
+    assert "#1" not in rep.summary
+    div = rep.paths["html"].read_text().split('id="divergence-table"', 1)[1].split("</table>", 1)[0]
+    cells = re.findall(r'<td class="num">([^<]*)</td>', div)
+    assert cells.count("2 / 2") == len(rep.rows)
+    golden_ids = [int(gold[f"golden.p{p}.tokens"][2]) for p in range(len(rep.rows))]
+    engine_ids = [int(gold[f"golden.p{p}.topk_ids"][2, 1]) for p in range(len(rep.rows))]
+    assert sorted(c for c in cells if "\u2192" in c) == sorted(f"{g} \u2192 {e}" for g, e in zip(golden_ids, engine_ids))
+    assert (fmt(163839, "id"), fmt(0, "rank"), fmt(163839, "int")) == ("163839", "1", "163,839")
+    assert "1 = top" in rep.paths["html"].read_text()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_divergence_table_fits_a_1400_px_window(one_engine_report, tmp_path):
+    """Layout test: in Chromium at 1400 px, the divergent-prompts table needs no horizontal scrolling."""
+    rep, _ = one_engine_report
+    probe = tmp_path / "probe.html"
+    probe.write_text(rep.paths["html"].read_text().replace("</body>", (
+        "<script>window.addEventListener('load', () => { const t = document.getElementById('divergence-table'); "
+        "document.body.setAttribute('data-widths', t.scrollWidth + ' ' + t.parentElement.clientWidth + ' ' + "
+        "document.documentElement.scrollWidth); });</script></body>")))
+    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,900",
+                          "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table, card, page = (int(v) for v in re.search(r'data-widths="(\d+) (\d+) (\d+)"', out.stdout).groups())
+    assert table <= card and page <= 1400, (table, card, page)

@@ -1,6 +1,7 @@
 """The Snakemake workflow as users drive it: bad configs, dry runs, lint, and honest reruns."""
 import re
 import shutil
+import time
 
 import pytest
 
@@ -115,10 +116,14 @@ def test_copied_checkout_with_its_results_reruns_nothing(built_workflow, tmp_pat
         assert (root / rule_log).stat().st_size > 0
 
 
-# Editing a package module schedules exactly the stages that run it, and what follows them.
+# Editing a package module's code schedules exactly the stages that run it, and what follows them.
 # On the one-model test config: 2 precisions, 6 modes (greedy, 4 DDTree budgets, score) for the numpy
 # engine, and the format-effect run (the int4 golden model forced on the fp32 golden).
 AFTER_GOLDEN = {"bundle": 2, "engine_run": 12, "report": 1, "all": 1}
+# The int4 side of one model: its quantization, prompts (re-checked under int4), golden, bundle and 6
+# numpy runs, and the format effect.
+INT4_SIDE = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 1, "bundle": 1, "engine_run": 6,
+             "format_effect": 1, "report": 1, "all": 1}
 # The prompts stage runs per precision (each re-draws prompts near-tied under its own weights).
 AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 2, "golden": 2, "format_effect": 1,
                  **AFTER_GOLDEN}
@@ -126,9 +131,9 @@ CODE_EDITS = [
     ("k2vec/weights.py", {"weights": 1, **AFTER_WEIGHTS}),
     ("k2vec/checkpoint.py", {"weights": 1, **AFTER_WEIGHTS}),
     ("k2vec/cases.py", {"case_section": 4, "case": 1, "weights": 1, **AFTER_WEIGHTS}),
-    # Used from the quantize stage on only: the fp32 weights stay.
-    ("k2vec/quant.py", AFTER_WEIGHTS),
-    ("k2vec/int4_checkpoint.py", AFTER_WEIGHTS),
+    # Run by the int4 side only: the fp32 weights, golden, bundle and engine runs stay.
+    ("k2vec/quant.py", INT4_SIDE),
+    ("k2vec/int4_checkpoint.py", INT4_SIDE),
     # Parse-time only: the resolved content is unchanged, so nothing reruns.
     ("k2vec/spec.py", {}),
     # The reference model: golden data and what follows, and the numpy engine (it shares the math).
@@ -138,6 +143,8 @@ CODE_EDITS = [
     ("k2vec/engines/numpy_engine.py", {"engine_run": 12, "format_effect": 1, "report": 1, "all": 1}),
     # The report alone.
     ("k2vec/report/metrics.py", {"report": 1, "all": 1}),
+    # A stage script: that stage and what follows.
+    ("../workflow/scripts/bundle.py", AFTER_GOLDEN),
 ]
 
 
@@ -147,10 +154,74 @@ def test_editing_a_module_reruns_its_stage_and_what_follows(built_workflow, modu
     path = root / "src" / module
     original = path.read_text()
     try:
-        path.write_text(original + "\n# an edit\n")
+        path.write_text(original + "\n_AN_EDIT = 1\n")  # code, not a comment: it changes the module
         assert dry_run(root, env) == expected
     finally:
         path.write_text(original)
+    assert dry_run(root, env) == {}
+
+
+def scheduled_job_wildcards(stdout: str) -> list[tuple[str, dict[str, str]]]:
+    """(rule, wildcards) of every job a dry run lists."""
+    jobs = []
+    for rule, body in re.findall(r"^(?:local)?rule (\w+):\n(.*?)(?=\n\n|\n\[|\Z)", stdout, re.S | re.M):
+        m = re.search(r"^\s+wildcards: (.*)$", body, re.M)
+        jobs.append((rule, dict(kv.split("=", 1) for kv in m.group(1).split(", ")) if m else {}))
+    return jobs
+
+
+def test_quantizer_code_change_schedules_nothing_on_the_fp32_side(built_workflow):
+    root, env = built_workflow
+    path = root / "src/k2vec/quant.py"
+    original = path.read_text()
+    try:
+        # a real code change: a new function in the quantizer module
+        path.write_text(original + "\n\ndef _new_helper(x):\n    return x + 1\n")
+        res = snakemake("-n", snakefile=root / "Snakefile", cwd=root, env=env)
+    finally:
+        path.write_text(original)
+    assert res.returncode == 0, res.stderr[-3000:]
+    jobs = scheduled_job_wildcards(res.stdout)
+    by_rule = {}
+    for rule, wildcards in jobs:
+        by_rule.setdefault(rule, []).append(wildcards)
+    assert sum(len(v) for v in by_rule.values()) == sum(scheduled_jobs(res.stdout).values())  # all parsed
+    for rule in ("prompts", "golden", "bundle", "engine_run"):
+        assert by_rule[rule] and all(w["precision"] == "int4" for w in by_rule[rule]), (rule, by_rule[rule])
+    assert "weights" not in by_rule
+
+
+def test_comment_edit_upstream_reruns_nothing(built_workflow):
+    """A comment and a docstring edit in the weight generator: no job runs; the whole rerun is one
+    Snakemake start (bench/RESULTS.md records the time)."""
+    root, env = built_workflow
+    path = root / "src/k2vec/weights.py"
+    original = path.read_text()
+    edited = original.replace('"""', '"""Edited docstring. ', 1) + "\n# a new comment\n"
+    try:
+        path.write_text(edited)
+        start = time.monotonic()
+        res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env=env)
+        elapsed = time.monotonic() - start
+    finally:
+        path.write_text(original)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Nothing to be done" in res.stdout + res.stderr, (res.stdout + res.stderr)[-3000:]
+    assert "Finished jobid" not in res.stdout + res.stderr
+    print(f"comment edit in k2vec/weights.py: no job ran, whole rerun {elapsed:.1f} s")
+    assert elapsed < 30
+
+
+def test_byte_identical_rerun_does_not_cascade(built_workflow):
+    """No early cutoff within one invocation, but on the next one: a forced golden rerun writes the
+    same bytes, and its readers (bundle, format effect) compare checksums (profile max-checksum-file-size)."""
+    root, env = built_workflow
+    golden = root / "results/golden/tiny/fp32.kdtr"
+    before = golden.read_bytes(), golden.stat().st_mtime_ns
+    res = snakemake("--cores", "1", "--force", str(golden.relative_to(root)), snakefile=root / "Snakefile",
+                    cwd=root, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert golden.read_bytes() == before[0] and golden.stat().st_mtime_ns > before[1]
     assert dry_run(root, env) == {}
 
 
@@ -183,6 +254,13 @@ def test_readme_rule_graph_is_current():
     readme = (REPO / "README.md").read_text()
     block = re.search(r"```mermaid\n(.*?)```", readme, re.S).group(1)
     assert edges(block) == edges(res.stdout)
+
+
+def test_readme_says_where_the_summary_is_when_nothing_ran():
+    # Snakemake calls `onsuccess` (which prints the summary) only when jobs ran: README points to the file.
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "a run with nothing to do prints none: the summary is always in `results/report/summary.txt`" in readme
+    assert 'summary="results/report/summary.txt"' in (REPO / "workflow/rules/report.smk").read_text()
 
 
 def test_report_plot_list_matches_the_package():

@@ -26,7 +26,6 @@ from . import __version__
 from .architecture import hf_config
 from .checkpoint import Checkpoint
 from .digests import IntegrityError, verify_kdtr, write_record
-from .int4_checkpoint import open_int4
 from .kdtr import TensorData, bf16, int4, open_bundle, write_bundle
 
 QW_SUFFIX, SC_SUFFIX = ".qw", ".sc"
@@ -41,6 +40,9 @@ def _weight_tensors(precision: str, fp32_dir: str | Path, int4_dir: str | Path |
     fp32 = Checkpoint(fp32_dir)
     if precision == "fp32":
         return ((n, _lazy(fp32, n)) for n in fp32), None
+    # Imported here: the fp32 side never runs the quantizer (its stages do not declare it, k2vec.deps).
+    from .int4_checkpoint import open_int4
+
     q = open_int4(int4_dir)
     quantized = set(q.index["tensors"])
 

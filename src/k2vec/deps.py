@@ -1,13 +1,19 @@
-"""Which package source files a pipeline stage runs, for honest Snakemake caching.
+"""Which package source files a pipeline stage runs, and a digest of what that code means.
 
-Snakemake tracks a rule's `script:` but not the modules that script imports. Each rule therefore
-declares, as inputs, the package files reachable by import from the modules it calls; this module
-finds them by reading the import statements (no import is executed), so the lists never go stale.
+Snakemake tracks a rule's `script:` (by mtime) but not the modules that script imports. Each rule
+therefore declares the package files reachable by import from the modules it calls; this module finds
+them by reading the import statements (no import is executed), so the lists never go stale.
+
+Rules declare that code by `code_digest`, a `params:` value: a hash of each file's syntax tree without
+comments, formatting or docstrings. An edit that changes none of those reruns nothing; any other edit
+changes the digest of exactly the stages that execute the file (Snakemake's params trigger).
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -34,35 +40,73 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Package modules imported by the file at `path` (absolute and relative imports)."""
-    this = _module_name(path)
-    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base_parts = package.split(".")
-                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
-                base = ".".join(base_parts + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            found.add(base)
-            # `from pkg import submodule` imports a module, not only a name
-            found.update(f"{base}.{a.name}" for a in node.names)
+def _imported_names(path: Path, node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if node.level:
+        this = _module_name(path)
+        package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+        base_parts = package.split(".")
+        base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+        base = ".".join(base_parts + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    # `from pkg import submodule` imports a module, not only a name
+    return {base, *(f"{base}.{a.name}" for a in node.names)}
+
+
+def _package_modules(names: set[str]) -> set[str]:
     # importing a.b.c runs a/__init__ and a/b/__init__ too
     closed = set()
-    for name in found:
+    for name in names:
         parts = name.split(".")
         closed.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     return {m for m in closed if _module_file(m) is not None}
 
 
 @lru_cache(maxsize=None)
-def module_sources(*modules: str) -> tuple[str, ...]:
-    """Sorted paths of every package file that importing `modules` executes."""
+def _parse(path: str, mtime_ns: int, size: int) -> tuple[bytes, ast.Module | None]:
+    """A file's bytes and syntax tree (None if it is not Python), parsed once per version of the file:
+    the workflow asks for the same files for every rule and job."""
+    data = Path(path).read_bytes()
+    try:
+        return data, ast.parse(data, path)
+    except (SyntaxError, ValueError):
+        return data, None
+
+
+def _parsed(path: str | Path) -> tuple[bytes, ast.Module | None]:
+    st = os.stat(path)
+    return _parse(str(path), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=None)
+def _imports(path: Path) -> tuple[frozenset[str], frozenset[str]]:
+    """Package modules imported by the file at `path`: (at import time, only inside function bodies)."""
+    tree = _parsed(path)[1]
+    if tree is None:
+        tree = ast.parse(path.read_text(), str(path))   # raises the SyntaxError, naming the file
+    eager: set[str] = set()
+    deferred: set[str] = set()
+    todo: list[tuple[ast.AST, bool]] = [(tree, False)]
+    while todo:
+        node, in_function = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            (deferred if in_function else eager).update(_imported_names(path, node))
+        inside = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        todo.extend((child, inside) for child in ast.iter_child_nodes(node))
+    eager_modules = _package_modules(eager)
+    return frozenset(eager_modules), frozenset(_package_modules(deferred) - eager_modules)
+
+
+@lru_cache(maxsize=None)
+def module_sources(*modules: str, without: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Sorted paths of every package file that importing `modules` executes.
+
+    `without`: modules the caller's code path never imports, such as the INT4 modules on the fp32 side.
+    They must be imported only inside functions (deferred), never when a module loads; a module-level
+    import of one is an error, since the stage would then execute it.
+    """
     todo = [PACKAGE, *modules]
     seen: dict[str, Path] = {}
     while todo:
@@ -73,5 +117,48 @@ def module_sources(*modules: str) -> tuple[str, ...]:
         if path is None:
             raise ValueError(f"{name} is not a module of the {PACKAGE} package")
         seen[name] = path
-        todo.extend(_imports(path) - seen.keys())
+        eager, deferred = _imports(path)
+        loaded = sorted(m for m in eager if _excluded(m, without))
+        if loaded:
+            raise ValueError(f"{path} imports {', '.join(loaded)} at module level, so every stage that runs "
+                             f"{name} executes it: import it inside the function that needs it")
+        todo.extend(m for m in (eager | deferred) - seen.keys() if not _excluded(m, without))
     return tuple(sorted(str(p) for p in seen.values()))
+
+
+def _excluded(module: str, without: tuple[str, ...]) -> bool:
+    return any(module == w or module.startswith(w + ".") for w in without)
+
+
+def _meaning(path: str) -> bytes:
+    st = os.stat(path)
+    return _meaning_of(path, st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=None)
+def _meaning_of(path: str, mtime_ns: int, size: int) -> bytes:
+    """The file's syntax tree without comments, layout and docstrings (kept where the file reads
+    `__doc__`, say for its --help); the raw bytes of a file that is not Python."""
+    data, tree = _parse(path, mtime_ns, size)
+    if tree is None:
+        return b"bytes:" + data
+    if b"__doc__" not in data:
+        # in place, once (this function is cached): _imports reads the same tree, and a docstring is no import
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+                first = node.body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                        and isinstance(first.value.value, str):
+                    node.body = node.body[1:] or [ast.Pass()]
+    return b"ast:" + ast.dump(tree).encode()
+
+
+def code_digest(paths: list[str] | tuple[str, ...], root: str) -> str:
+    """sha256 over the meaning of each file (see `_meaning`) and its path relative to `root`, so a moved
+    or copied checkout has the same digest."""
+    h = hashlib.sha256()
+    for path in sorted(paths, key=lambda p: os.path.relpath(p, root)):
+        meaning = _meaning(os.path.abspath(path))
+        h.update(f"{Path(os.path.relpath(path, root)).as_posix()}\0{len(meaning)}\0".encode())
+        h.update(meaning)
+    return "code-meaning:" + h.hexdigest()

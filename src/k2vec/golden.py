@@ -20,7 +20,6 @@ from . import __version__
 from .checkpoint import Checkpoint
 from .ddtree import record_drafts
 from .digests import write_record
-from .int4_checkpoint import open_int4
 from .kdtr import write_bundle
 from .reference.generate import greedy_generate
 from .reference.model import HF_LATENT_NORM_EPS, ReferenceModel
@@ -36,6 +35,9 @@ class DequantizedWeights(Mapping[str, np.ndarray]):
     """The fp32 checkpoint with every quantized weight replaced by its dequantized INT4 value."""
 
     def __init__(self, fp32: Checkpoint, int4_dir: str | Path):
+        # Imported here: the fp32 side never runs the quantizer (its stages do not declare it, k2vec.deps).
+        from .int4_checkpoint import open_int4
+
         self.fp32, self.int4 = fp32, open_int4(int4_dir)
 
     def __getitem__(self, name: str) -> np.ndarray:

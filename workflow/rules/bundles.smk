@@ -7,12 +7,14 @@ rule bundle:
         unpack(bundle_inputs),
         model="results/cases/{model}/model.json",
         decoding="results/cases/{model}/decoding.json",
-        code=sources("k2vec.bundle", "k2vec.cases", "k2vec.stage"),
         golden_sha256="results/golden/{model}/{precision}.kdtr.sha256",
     output:
         "results/bundles/{model}-{precision}.kdtr",
         # its sha256, checked by the engine runner and the report
         "results/bundles/{model}-{precision}.kdtr.sha256",
+    params:
+        # per precision: the fp32 bundle does not run the quantizer
+        code=precision_code("bundle.py", "k2vec.bundle", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/bundle/{model}-{precision}.log",
     benchmark:

@@ -4,12 +4,11 @@
 
 
 rule case_section:
-    input:
-        code=sources("k2vec.cases", "k2vec.stage"),
     output:
         "results/cases/{model}/{section}.json",
     params:
         content=lambda wc: CASES[wc.model][wc.section],
+        code=stage_code("write_json.py", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/cases/{model}/{section}.log",
     benchmark:
@@ -26,9 +25,10 @@ rule case:
             "results/cases/{{model}}/{section}.json",
             section=["model", "quantization", "prompts", "decoding"],
         ),
-        code=sources("k2vec.cases", "k2vec.stage"),
     output:
         "results/cases/{model}.json",
+    params:
+        code=stage_code("merge_case.py", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/cases/{model}.log",
     benchmark:

@@ -1,11 +1,11 @@
 # Shared set-up: validate the config, expand it into resolved cases, and list the package
-# sources each stage runs (Snakemake does not track modules imported by scripts).
+# code each stage runs (Snakemake does not track modules imported by scripts).
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 # k2vec imports come from this checkout's src/, which the Snakefile puts first on sys.path and PYTHONPATH.
 from k2vec.budget import check_config
-from k2vec.deps import module_sources
+from k2vec.deps import code_digest, module_sources
 from k2vec.errors import ConfigError
 from k2vec.gpus import detect_devices
 from k2vec.spec import (engine_runs, engines_missing_modules, engines_short_of_gpus, expand_config, resolve_engines,
@@ -71,18 +71,50 @@ wildcard_constraints:
     mode=r"greedy|score|ddtree-b\d+",
 
 
-def sources(*modules):
-    """Package files executed by `modules`, declared as inputs so that editing them reruns the stage."""
-    return [os.path.relpath(p) for p in module_sources(*modules)]
+# Imported by the int4 side only, inside functions: the fp32 golden and bundle never run the quantizer.
+INT4_ONLY = ("k2vec.int4_checkpoint",)
+
+
+def stage_files(script, *modules, without=()):
+    """A stage's script and the package files it imports."""
+    return [os.path.join(workflow.basedir, "workflow", "scripts", script), *module_sources(*modules, without=without)]
+
+
+def stage_code(script, *modules, without=()):
+    """What a stage executes, as a `params:` value: the meaning (k2vec.deps.code_digest) of its script
+    and of the package modules it imports. Comment, docstring and layout edits change nothing; any other
+    edit reruns exactly the stages that execute the file."""
+    return code_digest(stage_files(script, *modules, without=without), workflow.basedir)
+
+
+def precision_code(script, *modules):
+    """stage_code per {precision}: the fp32 side without the INT4 modules."""
+    by_precision = {p: stage_code(script, *modules, without=() if p == "int4" else INT4_ONLY) for p in PRECISIONS}
+    return lambda wildcards: by_precision[wildcards.precision]
+
+
+def engine_source_paths(engine):
+    """All of an engine's sources, relative (a moved checkout with its results/ reruns nothing)."""
+    return [os.path.relpath(p) for p in ENGINES[engine]["source_files"]]
 
 
 def engine_sources(engine):
-    return [os.path.relpath(p) for p in ENGINES[engine]["source_files"]]
+    """An engine's non-Python sources, declared as inputs (their checksums decide); its Python sources
+    are in engine_code."""
+    return [p for p in engine_source_paths(engine) if not p.endswith(".py")]
+
+
+def engine_code(script, *modules):
+    """stage_code per {engine}, with the meaning of the engine's own Python sources."""
+    def digest(wildcards):
+        python = [p for p in ENGINES[wildcards.engine]["source_files"] if p.endswith(".py")]
+        return code_digest([*stage_files(script, *modules), *python], workflow.basedir)
+    return digest
 
 
 def engine_settings(engine):
     """An engine's settings as its runs' params, without the absolute paths its source globs resolved
-    to (those are inputs already): a moved or copied checkout with its results/ reruns nothing."""
+    to (declared by engine_sources and engine_code): a moved or copied checkout with its results/ reruns nothing."""
     # ddtree_budgets only says which runs exist: adding a budget must not rerun the others
     return {k: v for k, v in ENGINES[engine].items() if k not in ("source_files", "ddtree_budgets")}
 

@@ -1,16 +1,19 @@
 # Engine runs (docs/engine-contract.md): an optional build per engine, then one run per
 # (engine, model, precision, mode), each wrapped by k2vec.engines.runner: time limit, GPU lease,
-# and a result file whatever happens. An engine's sources are inputs of its own jobs only, so
-# editing a kernel reruns exactly that engine's runs and the report.
+# and a result file whatever happens. An engine's sources are declared by its own jobs only (other
+# files as inputs, Python files by meaning: common.smk engine_code), so editing a kernel reruns
+# exactly that engine's runs and the report.
 
 
 rule engine_build:
     input:
         sources=lambda wc: engine_sources(wc.engine),
-        code=sources("k2vec.engines.build", "k2vec.stage"),
     output:
         "results/engines/{engine}/build.stamp",
     params:
+        code=engine_code("engine_build.py", "k2vec.engines.build", "k2vec.stage"),
+        # every source, Python ones included, hashed into the stamp
+        sources=lambda wc: engine_source_paths(wc.engine),
         command=lambda wc: ENGINES[wc.engine]["build"],
         timeout_s=lambda wc: ENGINES[wc.engine]["build_timeout_s"],
     log:
@@ -27,10 +30,11 @@ rule engine_run:
     input:
         unpack(engine_run_inputs),
         bundle="results/bundles/{model}-{precision}.kdtr",
-        code=sources("k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage"),
     output:
         "results/runs/{engine}/{model}-{precision}-{mode}.json",
     params:
+        # the runner's code and the engine's Python sources (its other sources are inputs)
+        code=engine_code("engine_run.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage"),
         # The engine's own settings only: changing another engine's settings reruns nothing here.
         engine=lambda wc: engine_settings(wc.engine),
         devices=GPU_DEVICES,

@@ -10,11 +10,12 @@ rule format_effect:
         model="results/cases/{model}/model.json",
         golden="results/golden/{model}/fp32.kdtr",
         golden_sha256="results/golden/{model}/fp32.kdtr.sha256",
-        code=sources("k2vec.format_effect", "k2vec.cases", "k2vec.stage"),
     output:
         "results/format-effect/{model}.json",
         # its sha256, checked by the report as a run result's
         "results/format-effect/{model}.json.sha256",
+    params:
+        code=stage_code("format_effect.py", "k2vec.format_effect", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/format-effect/{model}.log",
     benchmark:

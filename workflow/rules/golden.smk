@@ -9,11 +9,13 @@ rule golden:
         model="results/cases/{model}/model.json",
         prompts="results/prompts/{model}-{precision}.json",
         decoding="results/cases/{model}/decoding.json",
-        code=sources("k2vec.golden", "k2vec.cases", "k2vec.stage"),
     output:
         "results/golden/{model}/{precision}.kdtr",
         # its sha256, checked by the bundle stage and the report
         "results/golden/{model}/{precision}.kdtr.sha256",
+    params:
+        # per precision: the fp32 golden does not run the quantizer
+        code=precision_code("golden.py", "k2vec.golden", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/golden/{model}/{precision}.log",
     benchmark:

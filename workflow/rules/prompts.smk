@@ -9,9 +9,11 @@ rule prompts:
         unpack(prompts_inputs),
         model="results/cases/{model}/model.json",
         settings="results/cases/{model}/prompts.json",
-        code=sources("k2vec.prompts", "k2vec.golden", "k2vec.cases", "k2vec.stage"),
     output:
         "results/prompts/{model}-{precision}.json",
+    params:
+        # per precision: the fp32 prompts do not run the quantizer
+        code=precision_code("draw_prompts.py", "k2vec.prompts", "k2vec.golden", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/prompts/{model}-{precision}.log",
     benchmark:

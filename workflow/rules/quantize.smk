@@ -6,9 +6,10 @@ rule quantize:
     input:
         fp32="results/models/{model}/fp32",
         quantization="results/cases/{model}/quantization.json",
-        code=sources("k2vec.int4_checkpoint", "k2vec.cases", "k2vec.stage"),
     output:
         directory("results/models/{model}/int4"),
+    params:
+        code=stage_code("quantize.py", "k2vec.int4_checkpoint", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/quantize/{model}.log",
     benchmark:
@@ -23,9 +24,10 @@ rule export_compressed_tensors:
     input:
         fp32="results/models/{model}/fp32",
         int4="results/models/{model}/int4",
-        code=sources("k2vec.int4_checkpoint", "k2vec.stage"),
     output:
         directory("results/models/{model}/compressed-tensors"),
+    params:
+        code=stage_code("export_compressed_tensors.py", "k2vec.int4_checkpoint", "k2vec.stage"),
     log:
         "results/logs/export_compressed_tensors/{model}.log",
     benchmark:

@@ -11,7 +11,6 @@ rule report:
         goldens=expand("results/golden/{model}/{precision}.kdtr", model=MODELS, precision=PRECISIONS),
         # checked by the report, with each result's own record and the bundle it used (report/integrity.py)
         golden_sha256=expand("results/golden/{model}/{precision}.kdtr.sha256", model=MODELS, precision=PRECISIONS),
-        code=sources("k2vec.report", "k2vec.stage"),
     output:
         html=report("results/report/divergence.html", caption="../report/divergence.rst", category="Divergence"),
         csv=report("results/report/divergence.csv", caption="../report/divergence_csv.rst", category="Divergence"),
@@ -24,6 +23,7 @@ rule report:
             category="Plots",
         ),
     params:
+        code=stage_code("report.py", "k2vec.report", "k2vec.stage"),
         runs=[run_record(*run) for run in RUNS] + [format_effect_record(m) for m in MODELS],
         goldens={f"{m}/{p}": f"results/golden/{m}/{p}.kdtr" for m in MODELS for p in PRECISIONS},
         near_tie=config["report"]["near_tie"],
@@ -43,9 +43,10 @@ rule report:
 rule strict_gate:
     input:
         csv="results/report/divergence.csv",
-        code=sources("k2vec.report.gate", "k2vec.stage"),
     output:
         "results/report/strict.ok",
+    params:
+        code=stage_code("strict_gate.py", "k2vec.report.gate", "k2vec.stage"),
     log:
         "results/logs/strict_gate.log",
     benchmark:

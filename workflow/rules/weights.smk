@@ -4,9 +4,10 @@
 rule weights:
     input:
         model="results/cases/{model}/model.json",
-        code=sources("k2vec.weights", "k2vec.cases", "k2vec.stage"),
     output:
         directory("results/models/{model}/fp32"),
+    params:
+        code=stage_code("make_weights.py", "k2vec.weights", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/weights/{model}.log",
     benchmark:

@@ -18,6 +18,7 @@ import pandas as pd
 from .. import __version__
 from .metrics import CLASSES, SEVERITY, Metrics
 from .plots import COLORS, PLOTS, row_labels
+from .words import plural
 
 MAX_SUMMARY_ROWS = 200
 MAX_DETAIL_ROWS = 300
@@ -35,11 +36,16 @@ def _na(v: Any) -> bool:
 
 
 def fmt(v: Any, kind: str = "g") -> str:
-    """Numbers for humans; missing values as an en dash."""
+    """Numbers for humans; missing values as an en dash. Kinds: "int" (thousands separated), "id" (a
+    token id, as the tokenizer prints it), "rank" (0-based in the data, shown 1-based: 1 = top)."""
     if _na(v):
         return "\u2013"
     if kind == "int":
         return f"{int(v):,}"
+    if kind == "id":
+        return str(int(v))
+    if kind == "rank":
+        return str(int(v) + 1)
     if kind == "pct":
         return f"{100 * float(v):.1f}%"
     if kind == "e":
@@ -67,8 +73,9 @@ def _row_where(r: pd.Series) -> str:
 
 
 def divergence_line(r: pd.Series) -> str:
-    s = (f"{_row_where(r)}: step {int(r['first_step'])}, golden {fmt(r['golden_token'], 'int')} vs engine "
-         f"{fmt(r['engine_token'], 'int')} (ranks {fmt(r['golden_rank_in_engine'])}/{fmt(r['engine_rank_in_golden'])}), "
+    s = (f"{_row_where(r)}: step {int(r['first_step'])}, golden token {fmt(r['golden_token'], 'id')} vs engine "
+         f"{fmt(r['engine_token'], 'id')} (golden's ranked {_rank(r['golden_rank_in_engine'])} by the engine, "
+         f"engine's {_rank(r['engine_rank_in_golden'])} by the golden), "
          f"margin {fmt(r['margin'], 'e')}")
     if r["class"] == "router-near-tie":
         s += (f", router margin {fmt(r['router_margin'], 'e')} at layer {int(r['router_layer'])} "
@@ -80,12 +87,17 @@ def divergence_line(r: pd.Series) -> str:
     return s
 
 
+def _rank(v: Any) -> str:
+    """A 0-based rank as people say it: "#1" is the top."""
+    return "absent" if _na(v) else f"#{fmt(v, 'rank')}"
+
+
 def summary_text(m: Metrics) -> str:
     rows, lines = m.rows, []
     n_runs = rows["run"].nunique() if len(rows) else 0
     counts = rows["class"].value_counts()
-    lines.append(f"k2vec divergence report: {n_runs} runs, {rows['engine'].nunique() if len(rows) else 0} engines, "
-                 f"{len(rows)} prompt rows")
+    lines.append(f"k2vec divergence report: {plural(n_runs, 'run')}, "
+                 f"{plural(rows['engine'].nunique() if len(rows) else 0, 'engine')}, {plural(len(rows), 'prompt row')}")
     lines.append("  " + " | ".join(f"{c} {int(counts.get(c, 0))}" for c in CLASSES))
     verdict = "FAIL: real divergence, over-budget row or failed run" if m.has_real_divergence_or_failure else \
         "OK: no real divergence, no over-budget row, no failed run"
@@ -98,13 +110,13 @@ def summary_text(m: Metrics) -> str:
             else:
                 lines.append(f"  {cls.upper()}: {divergence_line(r)}")
         if len(sub) > MAX_TEXT_LINES:
-            lines.append(f"  ... and {len(sub) - MAX_TEXT_LINES} more {cls} rows (divergence.csv)")
+            lines.append(f"  ... and {plural(len(sub) - MAX_TEXT_LINES, f'more {cls} row')} (divergence.csv)")
     failed = m.runs[m.runs["status"] != "ok"] if len(m.runs) else m.runs
     for _, r in failed.drop_duplicates("run").head(MAX_TEXT_LINES).iterrows():
         label = "CHANGED" if r["status"] == "changed" else "FAILED"
         lines.append(f"  {label}: {r['engine']} {r['model']}/{r['precision']} {r['mode']}: {r['reason']}")
     if len(failed.drop_duplicates("run")) > MAX_TEXT_LINES:
-        lines.append(f"  ... and {len(failed.drop_duplicates('run')) - MAX_TEXT_LINES} more failed runs")
+        lines.append(f"  ... and {plural(len(failed.drop_duplicates('run')) - MAX_TEXT_LINES, 'more failed run')}")
     for _, r in m.score_runs.iterrows():
         lines.append(f"  score {r['engine']} {r['model']}/{r['precision']} ({r['precision_class'] or 'reference'}): "
                      f"same top-1 {r['same_top1']:.1%}, KL mean {fmt(r['kl_mean'], 'e')} p99 {fmt(r['kl_p99'], 'e')} "
@@ -113,18 +125,18 @@ def summary_text(m: Metrics) -> str:
     fp = rows.dropna(subset=["first_bad_step"])
     if len(fp):
         r = fp.sort_values(["first_bad_step", "first_bad_layer"]).iloc[0]
-        lines.append(f"  fingerprints: {len(fp)} rows exceed rtol {m.thresholds['fingerprint_rtol']:g}; earliest "
+        lines.append(f"  fingerprints: {plural(len(fp), 'row exceeds', 'rows exceed')} rtol {m.thresholds['fingerprint_rtol']:g}; earliest "
                      f"{_row_where(r)} {_step_layer(r['first_bad_step'], r['first_bad_layer'], False)} "
                      f"(rel err {fmt(r['first_bad_rel_err'], 'e')})")
     rt = rows.dropna(subset=["router_diff_step"])
     if len(rt):
         r = rt.sort_values(["router_diff_step", "router_diff_layer"]).iloc[0]
-        lines.append(f"  router: {len(rt)} rows choose different experts; earliest {_row_where(r)} "
+        lines.append(f"  router: {plural(len(rt), 'row chooses', 'rows choose')} different experts; earliest {_row_where(r)} "
                      f"{_step_layer(r['router_diff_step'], r['router_diff_layer'], False)}")
     trees = rows["tree_match"].dropna()
     if len(trees):
         bad = rows[rows["tree_match"] == False]  # noqa: E712
-        line = f"  DDTree: {len(bad)} of {len(trees)} trees differ from the golden traces"
+        line = f"  DDTree: {len(bad)} of {plural(len(trees), 'tree')} {'differs' if len(bad) == 1 else 'differ'} from the golden traces"
         if len(bad):
             r = bad.iloc[0]
             node = "" if _na(r["first_tree_diff_node"]) else f" node {int(r['first_tree_diff_node'])}"
@@ -135,19 +147,19 @@ def summary_text(m: Metrics) -> str:
     no_rounds = dd[dd["accept_mean_golden"].notna() & dd["tree_match"].isna()]
     if len(no_trace):
         lines.append(f"  DDTree: no golden trace for {', '.join(sorted(set(no_trace['mode'])))} "
-                     f"(budget not in the golden): {len(no_trace)} rows compared by tokens only")
+                     f"(budget not in the golden): {plural(len(no_trace), 'row')} compared by tokens only")
     if len(no_rounds):
-        lines.append(f"  DDTree: {len(no_rounds)} rows without rounds in the result: trees not compared")
+        lines.append(f"  DDTree: {plural(len(no_rounds), 'row')} without rounds in the result: trees not compared")
     if len(m.runs) and m.runs["accept_mean_engine"].notna().any():
         a = m.runs.dropna(subset=["accept_mean_engine"])
         lines.append(f"  DDTree mean acceptance: engines {a['accept_mean_engine'].mean():.3f}, "
                      f"golden {a['accept_mean_golden'].mean():.3f}")
     if len(m.runs) and m.runs["tokens_per_s"].notna().any():
         t = m.runs.drop_duplicates("run")["tokens_per_s"].dropna()
-        lines.append(f"  throughput: {t.median():.1f} tokens/s median over {len(t)} runs (wall clock)")
+        lines.append(f"  throughput: {t.median():.1f} tokens/s median over {plural(len(t), 'run')} (wall clock)")
     for _, r in m.format_models.iterrows():
-        lines.append(f"  format effect {r['model']} (fp32 vs int4 golden): {r['diverged']} of {r['prompts']} prompts "
-                     f"diverge; same top-1 {100 * r['same_top1_rate']:.1f}% of compared steps; mean KL "
+        lines.append(f"  format effect {r['model']} (fp32 vs int4 golden): {r['diverged']} of "
+                     f"{plural(int(r['prompts']), 'prompt')} {'diverges' if r['diverged'] == 1 else 'diverge'}; same top-1 {100 * r['same_top1_rate']:.1f}% of compared steps; mean KL "
                      f"{fmt(r['kl_mean'], 'e')}")
     blind = m.prompt_strength[m.prompt_strength["blind"]] if not m.prompt_strength.empty else m.prompt_strength
     if len(blind):   # their rows cannot show a real divergence: say so next to the verdict
@@ -180,6 +192,10 @@ th, td { padding: 4px 7px; border-bottom: 1px solid var(--line); text-align: lef
 th { background: #f0f2f5; position: sticky; top: 0; font-weight: 600; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 td.wrap { white-space: normal; min-width: 200px; max-width: 420px; }
+/* the divergent-prompts table fits a 1400-px window: its headers, run labels and router notes wrap */
+#divergence-table th { white-space: normal; }
+#divergence-table td.label { white-space: normal; overflow-wrap: anywhere; min-width: 120px; max-width: 220px; }
+#divergence-table td.note-cell { white-space: normal; min-width: 90px; max-width: 150px; }
 .reason { color: #b71c1c; font-size: 11.5px; margin-top: 2px; }
 tr:hover td { background: #fafbfc; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 11.5px; font-weight: 600; }
@@ -262,18 +278,18 @@ def _divergence_table(m: Metrics) -> str:
     d = d.assign(sev=d["class"].map(SEVERITY), label=row_labels(d)).sort_values(
         ["sev", "run", "accuracy", "prompt"], ascending=[False, True, True, True], kind="stable")
     d, note = _capped(d, MAX_DETAIL_ROWS, "divergent prompts (worst first)")
-    header = [("run", ""), ("prompt", "num"), ("class", ""), ("step", "num"), ("token golden \u2192 engine", "num"),
+    header = [("run", "label"), ("prompt", "num"), ("class", ""), ("step", "num"), ("token golden \u2192 engine", "num"),
               ("ranks g\u2208e / e\u2208g", "num"), ("golden margin", "num"), ("gap / noise", "num"),
-              ("router near-tie", ""), ("max |\u0394logit|", "num"), ("max KL", "num"),
-              ("first bad fingerprint", ""), ("router differs", "")]
+              ("router near-tie", "note-cell"), ("max |\u0394logit|", "num"), ("max KL", "num"),
+              ("first bad fingerprint", "note-cell"), ("router differs", "note-cell")]
     body = []
     for _, r in d.iterrows():
         router = "\u2013" if _na(r["router_layer"]) else \
             f"layer {int(r['router_layer'])}, pos {int(r['router_position'])} ({fmt(r['router_margin'], 'e')})"
         body.append([
             _e(r["label"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_step"], "int"),
-            f"{fmt(r['golden_token'], 'int')} \u2192 {fmt(r['engine_token'], 'int')}",
-            f'{fmt(r["golden_rank_in_engine"])} / {fmt(r["engine_rank_in_golden"])}', fmt(r["margin"], "e"),
+            f"{fmt(r['golden_token'], 'id')} \u2192 {fmt(r['engine_token'], 'id')}",
+            f'{fmt(r["golden_rank_in_engine"], "rank")} / {fmt(r["engine_rank_in_golden"], "rank")}', fmt(r["margin"], "e"),
             f'{fmt(r["golden_gap"], "e")} / {fmt(r["noise"], "e")}', router,
             fmt(r["logit_abs_max"], "e"), fmt(r["kl_max"], "e"),
             _step_layer(r["first_bad_step"], r["first_bad_layer"]),
@@ -308,7 +324,8 @@ def _tree_table(m: Metrics) -> str:
     bad = rows[rows["tree_match"] == False]  # noqa: E712
     n = int(rows["tree_match"].notna().sum())
     if bad.empty:
-        return f'<p class="note" id="tree-table">All {n} DDTree traces match the golden trees exactly.</p>'
+        return (f'<p class="note" id="tree-table">{"The" if n == 1 else "All"} {plural(n, "DDTree trace")} '
+                f'{"matches" if n == 1 else "match"} the golden trees exactly.</p>')
     bad = bad.assign(label=row_labels(bad))
     bad, note = _capped(bad, MAX_DETAIL_ROWS, "differing trees")
     header = [("run", ""), ("prompt", "num"), ("class", ""), ("round", "num"), ("node", "num"), ("what differs", "wrap"),
@@ -316,7 +333,7 @@ def _tree_table(m: Metrics) -> str:
     body = [[_e(r["label"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_tree_diff_round"], "int"),
              fmt(r["first_tree_diff_node"], "int"), _e(r["tree_diff_what"]), fmt(r["accept_mean_engine"], "f2"),
              fmt(r["accept_mean_golden"], "f2")] for _, r in bad.iterrows()]
-    return f'<p class="note">{len(bad)} of {n} DDTree traces differ from the golden.</p>' + \
+    return f'<p class="note">{len(bad)} of {plural(n, "DDTree trace")} {"differs" if len(bad) == 1 else "differ"} from the golden.</p>' + \
         _table("tree-table", header, body) + note
 
 
@@ -362,8 +379,8 @@ def _format_section(m: Metrics) -> str:
         body = []
         for _, r in m.format_effect.iterrows():
             body.append([_e(r["model"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_step"], "int"),
-                         f"{fmt(r['fp32_token'], 'int')} \u2192 {fmt(r['int4_token'], 'int')}",
-                         fmt(r["fp32_rank_in_int4"]), fmt(r["int4_rank_in_fp32"]), fmt(r["fp32_margin"], "e"),
+                         f"{fmt(r['fp32_token'], 'id')} \u2192 {fmt(r['int4_token'], 'id')}",
+                         fmt(r["fp32_rank_in_int4"], "rank"), fmt(r["int4_rank_in_fp32"], "rank"), fmt(r["fp32_margin"], "e"),
                          fmt(r["int4_margin"], "e"), fmt(r["same_top1"], "pct"), fmt(r["kl_mean"], "e"),
                          fmt(r["logit_abs_max"], "e"), _step_layer(r["first_bad_step"], r["first_bad_layer"]),
                          _step_layer(r["router_diff_step"], r["router_diff_layer"])])
@@ -445,7 +462,7 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         "<title>k2vec divergence report</title>", f"<style>{CSS}</style></head><body><main>",
         "<h1>k2vec divergence report</h1>",
-        f'<p class="sub">{n_runs} engine runs, {len(rows)} prompt rows. Thresholds: near_tie {th["near_tie"]:g}, '
+        f'<p class="sub">{plural(n_runs, "engine run")}, {plural(len(rows), "prompt row")}. Thresholds: near_tie {th["near_tie"]:g}, '
         f'router_near_tie {th["router_near_tie"]:g}, fingerprint_rtol {th["fingerprint_rtol"]:g}. '
         f"k2vec {_e(__version__)}.</p>",
         f'<section id="verdict" class="card verdict {"ok" if ok else "fail"}">'
@@ -472,8 +489,9 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         "<dt>KL</dt><dd>KL(golden || engine) per position on the top-m of each side (m = the smaller k), over the "
         "union of the two id sets: an id one side did not list gets that side's lowest listed logit, then both "
         "are softmax-normalised over the union.</dd>"
-        "<dt>ranks</dt><dd>0-based: the golden token's rank in the engine's top-k, the engine token's rank in the "
-        "golden top-k; &ndash; when absent.</dd>"
+        "<dt>ranks</dt><dd>1 = top: the golden token's rank in the engine's top-k, the engine token's rank in "
+        "the golden top-k; &ndash; when absent. (The CSV columns <code>*_rank_in_*</code> hold 0-based offsets: "
+        "0 = top.)</dd>"
         "<dt>first bad fingerprint</dt><dd>first (step, layer) whose relative L2 error "
         "||e&minus;g||/||g|| exceeds fingerprint_rtol.</dd>"
         "<dt>trees</dt><dd>a DDTree round differs at the first node whose token, parent or depth differs (or "

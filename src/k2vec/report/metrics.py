@@ -39,6 +39,7 @@ from .logits import STEP_COLUMNS, compare_logits
 from .routing import compare_routing, score_evidence
 from .score import SCORE_COLUMNS, score_stats
 from .tokens import compare_tokens
+from .words import plural
 
 __all__ = ["CLASSES", "SEVERITY", "ROW_COLUMNS", "Metrics", "ReportError", "compute_metrics", "compare_rows"]
 
@@ -176,7 +177,7 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
             elif kind == "ddtree" and acc not in g.accuracies:
                 failed(f"drafter accuracy {acc} is not in the golden's {g.accuracies}", [acc])
             elif len(prompts) != g.n_prompts:
-                failed(f"{len(prompts)} prompts in the result, the golden has {g.n_prompts}", [acc])
+                failed(f"{plural(len(prompts), 'prompt')} in the result, the golden has {g.n_prompts}", [acc])
             else:
                 ref = None
                 if kind == "ddtree" and g.has_trace(budget, g.accuracies.index(acc)):

@@ -18,6 +18,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from .metrics import CLASSES, SEVERITY
+from .words import plural
 
 COLORS = {"exact": "#43a047", "within-budget": "#9ccc65", "near-tie": "#fdd835", "router-near-tie": "#fb8c00",
           "precision-tie": "#4fc3f7", "over-budget": "#ad1457", "real": "#e53935", "failed": "#37474f",
@@ -168,7 +169,7 @@ def match_grid(rows: pd.DataFrame) -> bytes:
                 ax.text(p, r, str(int(s)), ha="center", va="center", fontsize=7,
                         color="black" if sev in (1, 2) else "white")
     ax.legend(handles=_legend_handles(), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    ax.set_title(note or f"{n_all} run x accuracy rows x {n_prompts} prompts (cell: first divergent step)",
+    ax.set_title(note or f"{plural(n_all, 'run x accuracy row')} x {plural(n_prompts, 'prompt')} (cell: first divergent step)",
                  loc="left", fontsize=9, color="#a00" if note else "#333", pad=18)
     return _png(fig)
 
@@ -184,7 +185,7 @@ def logit_error(rows: pd.DataFrame, steps: pd.DataFrame) -> bytes:
     worst = st.groupby("row")["abs_max"].max()
     nonzero = worst[worst > 0].index
     if not len(nonzero):
-        return _empty(f"all {len(worst)} rows with top-k logits match the golden exactly (zero error)", title)
+        return _empty(f"{'the' if len(worst) == 1 else 'all'} {plural(len(worst), 'row with top-k logits matches', 'rows with top-k logits match')} the golden exactly (zero error)", title)
     fig = Figure(figsize=(13, 4.2), layout="constrained")
     axes = fig.subplots(1, 2)
     n_rows, n_zero = len(worst), int((worst == 0).sum())
@@ -219,11 +220,11 @@ def logit_error(rows: pd.DataFrame, steps: pd.DataFrame) -> bytes:
         if col == "abs_max" and len(nonzero) <= 8:
             ax.legend(fontsize=7, loc="lower right")
         _mark_floor(ax, floor)
-    note = f"{len(nonzero)} of {n_rows} rows with top-k have a nonzero error"
+    note = f"{len(nonzero)} of {plural(n_rows, 'row')} with top-k {'has' if len(nonzero) == 1 else 'have'} a nonzero error"
     if n_zero:
-        note += f"; {n_zero} exact-zero rows not drawn"
+        note += f"; {plural(n_zero, 'exact-zero row')} not drawn"
     if len(nonzero) > MAX_LINES:
-        note += f"; band over {len(nonzero)} rows, lines = 5 worst"
+        note += f"; band over {plural(len(nonzero), 'row')}, lines = 5 worst"
     fig.suptitle(f"{title}: {note}", fontsize=10, x=0.01, ha="left")
     return _png(fig)
 
@@ -238,8 +239,9 @@ def first_bad_layer(rows: pd.DataFrame) -> bytes:
     bad = rows[rows["first_bad_layer"].notna() | has_rt]
     if not has_fp.any() and not has_rt.any():
         return _empty("no engine returned fingerprints or router choices that differ", title)
-    note = (f"{int(rows['first_bad_layer'].notna().sum())} of {int(has_fp.sum())} rows with fingerprints exceed "
-            f"the threshold; {int(has_rt.sum())} rows with a router difference")
+    n_bad = int(rows['first_bad_layer'].notna().sum())
+    note = (f"{n_bad} of {plural(int(has_fp.sum()), 'row')} with fingerprints {'exceeds' if n_bad == 1 else 'exceed'} "
+            f"the threshold; {plural(int(has_rt.sum()), 'row')} with a router difference")
     if bad.empty:
         return _empty(f"no fingerprint or router difference ({note})", title)
     layers = pd.concat([bad["first_bad_layer"], bad["router_diff_layer"]]).dropna()
@@ -285,7 +287,7 @@ def first_bad_layer(rows: pd.DataFrame) -> bytes:
         ax.set_ylabel("prompt rows")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-        note += f" (counts over {len(bad):,} rows)"
+        note += f" (counts over {plural(len(bad), 'row')})"
     ax.set_title(f"{title}: {note}", fontsize=10, loc="left")
     return _png(fig)
 
@@ -320,9 +322,9 @@ def acceptance(hist: pd.DataFrame) -> bytes:
         sub = h[(h["model"] == key[0]) & (h["precision"] == key[1]) & (h["mode"] == key[3]) & (h["acc_key"] == key[4])]
         engines = [s for s in sub["source"].unique() if s != "golden"]
         if len(engines) > len(palette):  # pool many engines into one distribution
-            sub = sub.assign(source=np.where(sub["source"] == "golden", "golden", f"{len(engines)} engines"))
+            sub = sub.assign(source=np.where(sub["source"] == "golden", "golden", plural(len(engines), "engine")))
             sub = sub.groupby(["source", "length"], as_index=False)["count"].sum()
-            engines = [f"{len(engines)} engines"]
+            engines = [plural(len(engines), "engine")]
         lens = np.arange(int(sub["length"].min()), int(sub["length"].max()) + 1)
         series = ["golden"] + engines
         width = 0.8 / len(series)
