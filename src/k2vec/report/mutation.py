@@ -57,7 +57,7 @@ def mutation_scores(rows: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]]
     for engine, info in mutants.items():
         r = rows[rows["engine"] == engine]
         caught = r[r["class"].isin(CAUGHT_CLASSES)]
-        step = caught["first_step"].fillna(caught["first_bad_step"])
+        step = caught["first_step"].astype(float).fillna(caught["first_bad_step"].astype(float))
         best = caught.assign(_step=step.fillna(np.inf), _mode=caught["mode"].map(_MODE_ORDER).fillna(2)) \
             .sort_values(["_step", "_mode", "model", "precision", "mode", "accuracy", "prompt"], kind="stable")
         first = best.iloc[0] if len(best) else None
