@@ -1,6 +1,7 @@
 """Every default model's fp32 checkpoint loads in transformers' DeepseekV3ForCausalLM and generates."""
 import pytest
 
+from k2vec.prompts import candidate
 from k2vec.spec import expand_config
 from k2vec.weights import write_checkpoint
 from conftest import default_config
@@ -24,7 +25,7 @@ def test_from_pretrained_no_missing_keys_and_generates(model_name, tmp_path):
         m["n_routed_experts"], m["num_experts_per_tok"], m["n_group"], m["topk_group"])
     n_loaded = sum(t.numel() for n, t in model.state_dict().items() if "rotary_emb" not in n)
     assert n_loaded == m["n_parameters"]
-    prompt = torch.tensor([case["prompts"]["tokens"][0]])
+    prompt = torch.tensor([candidate(case["prompts"], case["model"], 0, 0)])
     out = model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert out.shape == (1, prompt.shape[1] + 8)
     with torch.no_grad():

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 
 from k2vec.checkpoint import Checkpoint, write_shards
-from k2vec.golden import make_golden, open_weights
+from k2vec.golden import make_golden, open_weights, reference_model
 from k2vec.int4_checkpoint import quantize_checkpoint
+from k2vec.prompts import draw_prompts
 from k2vec.spec import expand_config
 from k2vec.weights import shard_groups, write_checkpoint
 from conftest import default_config
@@ -21,6 +22,7 @@ def test_hf_on_dequantized_weights_reproduces_int4_golden(model_name, tmp_path):
     write_checkpoint(case["model"], tmp_path / "fp32")
     quantize_checkpoint(tmp_path / "fp32", tmp_path / "int4", case["quantization"])
     weights = open_weights("int4", tmp_path / "fp32", tmp_path / "int4")
+    case["prompts"] = draw_prompts(case["prompts"], case["model"], {"int4": reference_model(case["model"], weights)})
     tensors, meta = make_golden(case, weights, "int4")
 
     # Replace every quantized weight by its dequantized value in an HF checkpoint, load it in transformers.

@@ -5,7 +5,7 @@ import pytest
 
 from k2vec.architecture import tensor_shapes
 from k2vec.errors import ConfigError
-from k2vec.spec import PRESETS, expand_config, schema_error
+from k2vec.spec import PRESETS, engine_runs, expand_config, resolve_engines, schema_error
 from conftest import REPO
 
 SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
@@ -42,18 +42,27 @@ def test_k2_checkpoint_scheme_quantizes_only_routed_experts(config):
     assert len(q) == 3 * 16 * 3  # 3 MoE layers x 16 experts x gate/up/down
 
 
-def test_prompts_are_deterministic_and_in_vocab(config):
-    a = expand_config(config)
-    b = expand_config(copy.deepcopy(config))
-    assert a["small"]["prompts"] == b["small"]["prompts"]
-    toks = a["small"]["prompts"]["tokens"]
-    assert len(toks) == config["prompts"]["count"]
-    assert all(config["prompts"]["min_length"] <= len(t) <= config["prompts"]["max_length"] for t in toks)
-    assert all(0 <= x < 2048 for t in toks for x in t)
-    # Adding a prompt leaves the others unchanged (seeds from names, not call order).
-    config["prompts"]["count"] += 1
-    c = expand_config(config)["small"]["prompts"]["tokens"]
-    assert c[:-1] == toks
+def test_prompt_settings_carry_the_near_tie_thresholds(config):
+    config["report"]["router_near_tie"] = 0.02
+    p = expand_config(config)["small"]["prompts"]
+    assert p == {"seed": 7, "count": 4, "min_length": 4, "max_length": 12, "redraw_attempts": 64,
+                 "near_tie": 1e-3, "router_near_tie": 0.02}
+
+
+def test_engine_ddtree_budgets_select_its_runs(config):
+    config["engines"] = {"numpy": {**config["engines"]["numpy"], "ddtree_budgets": [16, 1]}}
+    engines = resolve_engines(config, str(REPO))
+    modes = sorted({mode for _, _, _, mode in engine_runs(engines, config["decoding"]["ddtree"]["budgets"])})
+    assert modes == ["ddtree-b1", "ddtree-b16", "greedy", "score"]
+    config["engines"]["numpy"]["ddtree_budgets"] = [1, 32]
+    with pytest.raises(ConfigError, match=r"engines\.numpy\.ddtree_budgets.*\[32\] not in decoding\.ddtree\.budgets"):
+        resolve_engines(config, str(REPO))
+
+
+def test_yarn_factor_must_match_max_positions(config):
+    config["models"]["tiny"]["max_position_embeddings"] = 1024   # 64 x 8 = 512
+    with pytest.raises(ConfigError, match=r"models\.tiny\.max_position_embeddings.*512"):
+        expand_config(config)
 
 
 def test_q_lora_null_gives_q_proj(config):

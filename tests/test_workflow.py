@@ -119,7 +119,9 @@ def test_copied_checkout_with_its_results_reruns_nothing(built_workflow, tmp_pat
 # On the one-model test config: 2 precisions, 6 modes (greedy, 4 DDTree budgets, score) for the numpy
 # engine, and the format-effect run (the int4 golden model forced on the fp32 golden).
 AFTER_GOLDEN = {"bundle": 2, "engine_run": 12, "report": 1, "all": 1}
-AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "golden": 2, "format_effect": 1, **AFTER_GOLDEN}
+# The prompts stage reads both precisions' weights (it re-draws prompts near-tied under either).
+AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 2, "format_effect": 1,
+                 **AFTER_GOLDEN}
 CODE_EDITS = [
     ("k2vec/weights.py", {"weights": 1, **AFTER_WEIGHTS}),
     ("k2vec/checkpoint.py", {"weights": 1, **AFTER_WEIGHTS}),
@@ -130,7 +132,7 @@ CODE_EDITS = [
     # Parse-time only: the resolved content is unchanged, so nothing reruns.
     ("k2vec/spec.py", {}),
     # The reference model: golden data and what follows, and the numpy engine (it shares the math).
-    ("k2vec/reference/model.py", {"golden": 2, "format_effect": 1, **AFTER_GOLDEN}),
+    ("k2vec/reference/model.py", {"prompts": 1, "golden": 2, "format_effect": 1, **AFTER_GOLDEN}),
     ("k2vec/bundle.py", AFTER_GOLDEN),
     # The numpy engine: its runs, and the format-effect run, which writes its results the same way.
     ("k2vec/engines/numpy_engine.py", {"engine_run": 12, "format_effect": 1, "report": 1, "all": 1}),
@@ -161,10 +163,11 @@ def dry_run_with(root, env, tmp_path, override):
 def test_quantization_change_reruns_quantization_not_weights(built_workflow, tmp_path, change):
     root, env = built_workflow
     jobs = dry_run_with(root, env, tmp_path, {"quantization": change})
-    # The fp32 golden, bundle and engine runs stay: only the int4 side depends on quantization.
-    int4_side = {"quantize": 1, "export_compressed_tensors": 1, "golden": 1, "bundle": 1, "engine_run": 6,
-                 "format_effect": 1, "report": 1, "all": 1}
-    assert jobs == {"case_section": 1, "case": 1, **int4_side}
+    # The fp32 weights stay. The prompts are re-checked against the new int4 weights (both goldens
+    # share them), so both goldens and what follows rerun.
+    after_quantize = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 2, "bundle": 2,
+                      "engine_run": 12, "format_effect": 1, "report": 1, "all": 1}
+    assert jobs == {"case_section": 1, "case": 1, **after_quantize}
 
 
 def test_model_change_regenerates_weights(built_workflow, tmp_path):

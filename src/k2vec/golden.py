@@ -28,7 +28,6 @@ from .reference.speculative import DDTreeJob, ddtree_generate
 
 log = logging.getLogger("k2vec.golden")
 
-NEAR_TIE = 1e-3       # a greedy step whose top-1/top-2 logit gap is below this is reported as a near-tie
 DDTREE_TIE = 1e-5     # DDTree must reproduce greedy exactly except after a step with a gap below this
 GOLDEN_ALIGNMENT = 64  # many small tensors: page alignment would mostly be padding
 
@@ -70,6 +69,9 @@ def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precisi
                 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """All golden tensors (by name) and the golden metadata for one case and precision."""
     model_spec, decoding = case["model"], case["decoding"]
+    if "tokens" not in case["prompts"]:
+        raise ValueError("the case's prompts section holds settings only: draw the prompts first "
+                         "(k2vec.prompts.draw_prompts, the prompts stage: results/prompts/{model}.json)")
     prompts = case["prompts"]["tokens"]
     n_new, top_k = decoding["max_new_tokens"], decoding["top_k"]
     dd = decoding["ddtree"]
@@ -88,20 +90,10 @@ def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precisi
         tensors[p + "router_ids"] = g.router_ids.astype(np.int32)
         tensors[p + "router_margins"] = g.router_margins.astype(np.float64)
 
-    margins = np.concatenate([g.margins for g in greedy])
-    near_ties = int((margins < NEAR_TIE).sum())
-    summary = {
-        "steps": int(margins.size),
-        "near_tie_threshold": NEAR_TIE,
-        "near_tie_steps": near_ties,
-        "near_tie_fraction": near_ties / margins.size,
-        "min_margin": float(margins.min()),
-        "min_router_margin": float(min((g.router_margins.min() for g in greedy if g.router_margins.size),
-                                       default=float("inf"))),
-    }
+    summary = strength(greedy, model_spec, case["prompts"])
     log.info("%s/%s greedy: %d steps, %d near-ties (margin < %g, %.2f%%), min margin %.3g",
-             model_spec["name"], precision, summary["steps"], near_ties, NEAR_TIE,
-             100 * summary["near_tie_fraction"], summary["min_margin"])
+             model_spec["name"], precision, summary["steps"], summary["near_tie_steps"],
+             summary["near_tie_threshold"], 100 * summary["near_tie_fraction"], summary["min_margin"])
 
     jobs, keys = [], []
     for a_i, accuracy in enumerate(dd["accuracies"]):
@@ -152,6 +144,43 @@ def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precisi
         "summary": summary,
     }
     return tensors, metadata
+
+
+def strength(greedy, model_spec: dict[str, Any], prompts: dict[str, Any]) -> dict[str, Any]:
+    """How much of the model the golden exercises, so that a degenerate golden shows at a glance:
+    near-tie fractions (token steps; router decisions at every fed position and MoE layer), distinct
+    generated tokens per prompt, experts and expert groups routed to per MoE layer, and per prompt the
+    smallest router margin over its prompt positions and its step-0 logit gap (a prompt with either
+    under its threshold is blind: every divergence of its row would be excused as a near-tie)."""
+    t_thr, r_thr = prompts["near_tie"], prompts["router_near_tie"]
+    margins = np.concatenate([g.margins for g in greedy])
+    router = np.concatenate([g.router_margins.ravel() for g in greedy])
+    E, G = model_spec["n_routed_experts"], model_spec["n_group"]
+    per_layer = [np.unique(np.concatenate([g.router_ids[m].ravel() for g in greedy])) for m in
+                 range(greedy[0].router_ids.shape[0])]
+    prompt_router = [float(g.router_margins[:, :g.prompt.size].min()) if g.router_margins.size else float("inf")
+                     for g in greedy]
+    prompt_token = [float(g.margins[0]) for g in greedy]
+    return {
+        "steps": int(margins.size),
+        "near_tie_threshold": t_thr,
+        "near_tie_steps": int((margins < t_thr).sum()),
+        "near_tie_fraction": float((margins < t_thr).mean()),
+        "min_margin": float(margins.min()),
+        "router_near_tie_threshold": r_thr,
+        "router_decisions": int(router.size),
+        "router_near_tie_fraction": float((router < r_thr).mean()) if router.size else 0.0,
+        "min_router_margin": float(router.min()) if router.size else float("inf"),
+        "distinct_tokens": [int(np.unique(g.tokens).size) for g in greedy],
+        "experts_routed": [int(u.size) for u in per_layer],
+        "groups_routed": [int(np.unique(u // (E // G)).size) for u in per_layer],
+        "n_routed_experts": E,
+        "n_group": G,
+        "prompt_router_margin": prompt_router,
+        "prompt_token_margin": prompt_token,
+        "blind_prompts": [i for i, (r, t) in enumerate(zip(prompt_router, prompt_token)) if r < r_thr or t < t_thr],
+        "prompt_attempts": list(prompts.get("attempts", [])),
+    }
 
 
 def _rounds_tensors(prefix: str, res) -> dict[str, np.ndarray]:

@@ -19,7 +19,6 @@ from typing import Any
 
 from .errors import ConfigError
 from .schemes import SCHEMES, check_patterns, is_quantized
-from .seeds import rng_for
 from .architecture import tensor_shapes
 
 K2_YARN = {
@@ -154,6 +153,13 @@ def check_model(m: dict[str, Any], key: str) -> None:
         _require(rs["factor"] >= 1, f"{key}.rope_scaling.factor", "must be >= 1")
         _require(rs["beta_fast"] >= rs["beta_slow"], f"{key}.rope_scaling.beta_fast",
                  "must be >= beta_slow (the YaRN correction range would be reversed)")
+        # transformers derives DeepSeek's YaRN factor as max_position_embeddings / original (and ignores
+        # `factor`): the two must agree, or a transformers engine rotates by other frequencies
+        implied = m["max_position_embeddings"] / rs["original_max_position_embeddings"]
+        _require(math.isclose(implied, rs["factor"], rel_tol=1e-12), f"{key}.max_position_embeddings",
+                 f"must equal rope_scaling.factor x rope_scaling.original_max_position_embeddings = "
+                 f"{rs['factor'] * rs['original_max_position_embeddings']:g} (transformers reads the factor "
+                 f"as their ratio), got {m['max_position_embeddings']}")
 
 
 def derived_dims(m: dict[str, Any]) -> dict[str, Any]:
@@ -210,22 +216,20 @@ def resolve_quantization(q: dict[str, Any], model: dict[str, Any], key: str = "q
 # -------------------------------------------------------------------------------------------- prompts
 
 
-def resolve_prompts(p: dict[str, Any], model: dict[str, Any], decoding: dict[str, Any],
+def resolve_prompts(p: dict[str, Any], model: dict[str, Any], decoding: dict[str, Any], report: dict[str, Any],
                     key: str = "prompts") -> dict[str, Any]:
-    """Deterministic prompt token ids: each prompt's length and tokens derive from (seed, model, index)."""
+    """The prompt settings of a model. The tokens are drawn by the prompts stage (k2vec.prompts), which
+    needs the weights: candidates derive from (seed, model, index, attempt), and a candidate near-tied
+    at a prompt position (report.near_tie / report.router_near_tie) is rejected and re-drawn."""
     lo, hi = p["min_length"], p["max_length"]
     _require(lo <= hi, f"{key}.min_length", f"min_length {lo} exceeds max_length {hi}")
     total = hi + decoding["max_new_tokens"]
     _require(total <= model["max_position_embeddings"], f"{key}.max_length",
              f"max_length + decoding.max_new_tokens = {total} exceeds the model's "
              f"max_position_embeddings {model['max_position_embeddings']}")
-    V = model["vocab_size"]
-    tokens = []
-    for i in range(p["count"]):
-        rng = rng_for(p["seed"], model["name"], "prompt", i)
-        n = int(rng.integers(lo, hi + 1))
-        tokens.append([int(t) for t in rng.integers(0, V, size=n)])
-    return {"seed": p["seed"], "count": p["count"], "tokens": tokens}
+    return {"seed": p["seed"], "count": p["count"], "min_length": lo, "max_length": hi,
+            "redraw_attempts": p["redraw_attempts"], "near_tie": report["near_tie"],
+            "router_near_tie": report["router_near_tie"]}
 
 
 # ------------------------------------------------------------------------------------------ decoding
@@ -259,7 +263,7 @@ def expand_config(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
         cases[name] = {
             "model": model,
             "quantization": resolve_quantization(config["quantization"], arch),
-            "prompts": resolve_prompts(config["prompts"], arch, decoding),
+            "prompts": resolve_prompts(config["prompts"], arch, decoding, config["report"]),
             "decoding": decoding,
         }
     return cases
@@ -289,7 +293,8 @@ def schema_error(config: dict[str, Any], schema_path: str) -> ConfigError | None
 ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "timeout_s": 600.0,
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
                                    "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
-                                   "sandbox": False, "precision": "float32", "requires": []}
+                                   "sandbox": False, "precision": "float32", "requires": [],
+                                   "ddtree_budgets": None}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 
 
@@ -338,6 +343,13 @@ def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str,
                  "must use {bundle} and {output}")
         for m in e["models"]:
             _require(m in config["models"], f"{key}.models", f"unknown model {m!r}")
+        budgets = config["decoding"]["ddtree"]["budgets"]
+        if e["ddtree_budgets"] is None:
+            e["ddtree_budgets"] = list(budgets)
+        unknown = [b for b in e["ddtree_budgets"] if b not in budgets]
+        _require(not unknown, f"{key}.ddtree_budgets", f"budget(s) {unknown} not in decoding.ddtree.budgets "
+                 f"{budgets}: the golden has DDTree traces for those budgets only")
+        _require(len(set(e["ddtree_budgets"])) == len(e["ddtree_budgets"]), f"{key}.ddtree_budgets", "has duplicates")
         files: list[str] = []
         for pattern in e["sources"]:
             path = pattern if os.path.isabs(pattern) else os.path.join(basedir, pattern)
@@ -373,14 +385,15 @@ def engines_missing_modules(engines: dict[str, dict[str, Any]]) -> dict[str, lis
 
 def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int],
                 left_out: list[str] = ()) -> list[tuple[str, str, str, str]]:
-    """Every (engine, model, precision, mode) run: greedy, ddtree-b<budget> per DDTree budget, and
-    score (forced decoding of the golden tokens); none for the engines in `left_out`."""
+    """Every (engine, model, precision, mode) run: greedy, ddtree-b<budget> per DDTree budget of
+    `budgets` that the engine runs (its `ddtree_budgets`), and score (forced decoding of the golden
+    tokens); none for the engines in `left_out`."""
     runs = []
     for name, e in engines.items():
         if name in left_out:
             continue
         modes = (["greedy"] if "greedy" in e["modes"] else []) + (
-            [f"ddtree-b{b}" for b in budgets] if "ddtree" in e["modes"] else []) + (
+            [f"ddtree-b{b}" for b in budgets if b in e["ddtree_budgets"]] if "ddtree" in e["modes"] else []) + (
             ["score"] if "score" in e["modes"] else [])
         runs.extend((name, m, p, mode) for m in e["models"] for p in e["precisions"] for mode in modes)
     return runs

@@ -83,7 +83,8 @@ def engine_sources(engine):
 def engine_settings(engine):
     """An engine's settings as its runs' params, without the absolute paths its source globs resolved
     to (those are inputs already): a moved or copied checkout with its results/ reruns nothing."""
-    return {k: v for k, v in ENGINES[engine].items() if k != "source_files"}
+    # ddtree_budgets only says which runs exist: adding a budget must not rerun the others
+    return {k: v for k, v in ENGINES[engine].items() if k not in ("source_files", "ddtree_budgets")}
 
 
 def engine_run_inputs(wildcards):

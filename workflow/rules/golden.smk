@@ -7,7 +7,7 @@ rule golden:
     input:
         unpack(golden_weights),
         model="results/cases/{model}/model.json",
-        prompts="results/cases/{model}/prompts.json",
+        prompts="results/prompts/{model}.json",
         decoding="results/cases/{model}/decoding.json",
         code=sources("k2vec.golden", "k2vec.cases", "k2vec.stage"),
     output:

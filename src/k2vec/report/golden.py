@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from ..digests import IntegrityError
 from ..kdtr import KdtrError, open_bundle
@@ -107,3 +108,35 @@ class Golden:
         self._bundle.close()
 
 
+
+
+def golden_strength(goldens: dict[tuple[str, str], Golden], near_tie: float, router_near_tie: float
+                    ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """How much each golden exercises, from its tensors: (per golden: near-tie fractions, experts and
+    groups routed to per MoE layer; per golden and prompt: prompt length, distinct generated tokens,
+    the smallest router margin over the prompt positions, the step-0 logit gap, and `blind` where
+    either is under its threshold: every divergence of that row would be excused as a near-tie)."""
+    per_golden, per_prompt = [], []
+    for (model, precision), g in sorted(goldens.items()):
+        md = g.metadata.get("summary", {})
+        E, G = md.get("n_routed_experts"), md.get("n_group")
+        real = g.router_ids[..., 0] >= 0                                               # [P, pos, M]
+        experts = [np.unique(g.router_ids[:, :, m][real[:, :, m]]) for m in range(g.moe_layers.size)]
+        finite = np.isfinite(g.router_margins)
+        per_golden.append({
+            "model": model, "precision": precision, "steps": int(g.margins.size),
+            "token_near_tie": float((g.margins < near_tie).mean()),
+            "router_near_tie": float((g.router_margins[finite] < router_near_tie).mean()) if finite.any() else 0.0,
+            "experts_routed": [int(u.size) for u in experts], "n_routed_experts": E,
+            "groups_routed": [int(np.unique(u // (E // G)).size) for u in experts] if E and G else None,
+            "n_group": G})
+        pos = np.arange(g.router_margins.shape[1])
+        at_prompt = np.where(pos[None, :, None] < g.prompt_lengths[:, None, None], g.router_margins, np.inf)
+        router = at_prompt.min(axis=(1, 2)) if g.moe_layers.size else np.full(g.n_prompts, np.inf)
+        for i in range(g.n_prompts):
+            per_prompt.append({
+                "model": model, "precision": precision, "prompt": i, "prompt_length": int(g.prompt_lengths[i]),
+                "distinct_tokens": int(np.unique(g.tokens[i]).size), "prompt_router_margin": float(router[i]),
+                "step0_margin": float(g.margins[i, 0]),
+                "blind": bool(router[i] < router_near_tie or g.margins[i, 0] < near_tie)})
+    return pd.DataFrame(per_golden), pd.DataFrame(per_prompt)

@@ -149,6 +149,10 @@ def summary_text(m: Metrics) -> str:
         lines.append(f"  format effect {r['model']} (fp32 vs int4 golden): {r['diverged']} of {r['prompts']} prompts "
                      f"diverge; same top-1 {100 * r['same_top1_rate']:.1f}% of compared steps; mean KL "
                      f"{fmt(r['kl_mean'], 'e')}")
+    blind = m.prompt_strength[m.prompt_strength["blind"]] if not m.prompt_strength.empty else m.prompt_strength
+    if len(blind):   # their rows cannot show a real divergence: say so next to the verdict
+        lines.append("  golden: blind prompt(s), near-tied at a prompt position: " + ", ".join(
+            f"{r['model']}/{r['precision']} p{r['prompt']}" for _, r in blind.iterrows()))
     return "\n".join(lines) + "\n"
 
 
@@ -365,6 +369,40 @@ def _format_section(m: Metrics) -> str:
     return "\n".join(out)
 
 
+def _strength_section(m: Metrics) -> str:
+    """The goldens' strength: a degenerate golden (few distinct tokens, experts never routed to, many
+    near-ties) or a blind prompt (near-tied at a prompt position) shows here at a glance."""
+    out = ['<section id="golden-strength"><h2>Golden strength</h2>',
+           '<p class="note">What each golden exercises. Near-tie fractions: generated steps with a top-1/top-2 '
+           'gap under near_tie, and router decisions (every fed position x MoE layer) with a margin under '
+           'router_near_tie. Experts / groups: routed to at least once, per MoE layer. A prompt is <b>blind</b> '
+           'when the golden is near-tied at one of its prompt positions (smallest router margin or step-0 gap '
+           'under its threshold): every divergence of its rows would then be excused as a near-tie.</p>']
+    if m.golden_strength.empty:
+        return "\n".join(out + ['<p class="note" id="strength-table">No golden.</p></section>'])
+
+    def of(counts, total):
+        return "\u2013" if counts is None else ", ".join(f"{c}/{total}" for c in counts)
+
+    header = [("golden", ""), ("steps", "num"), ("token near-ties", "num"), ("router near-ties", "num"),
+              ("experts per MoE layer", "num"), ("groups per MoE layer", "num"), ("blind prompts", "num")]
+    ps = m.prompt_strength
+    body = []
+    for _, r in m.golden_strength.iterrows():
+        mine = ps[(ps["model"] == r["model"]) & (ps["precision"] == r["precision"])]
+        body.append([_e(f"{r['model']}/{r['precision']}"), str(r["steps"]), fmt(r["token_near_tie"], "pct"),
+                     fmt(r["router_near_tie"], "pct"), of(r["experts_routed"], r["n_routed_experts"]),
+                     of(r["groups_routed"], r["n_group"]), f"{int(mine['blind'].sum())} of {len(mine)}"])
+    out.append('<div class="card">' + _table("strength-table", header, body) + "</div>")
+    header = [("golden", ""), ("prompt", "num"), ("length", "num"), ("distinct tokens", "num"),
+              ("min router margin (prompt)", "num"), ("step-0 margin", "num"), ("blind", "")]
+    body = [[_e(f"{r['model']}/{r['precision']}"), str(r["prompt"]), str(r["prompt_length"]),
+             str(r["distinct_tokens"]), fmt(r["prompt_router_margin"], "e"), fmt(r["step0_margin"], "e"),
+             "blind" if r["blind"] else "no"] for _, r in ps.iterrows()]
+    out.append('<div class="card">' + _table("prompt-strength-table", header, body) + "</div></section>")
+    return "\n".join(out)
+
+
 def _figure(name: str, png: bytes) -> str:
     fid, caption = PLOTS[name]
     data = base64.b64encode(png).decode("ascii")
@@ -423,6 +461,7 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         _figure("acceptance.png", pngs["acceptance.png"]), "</section>",
         '<section id="failures"><h2>Failed runs</h2><div class="card">', _failure_table(m), "</div></section>",
         _format_section(m), _figure("format_effect.png", pngs["format_effect.png"]), "</section>",
+        _strength_section(m),
         '<section id="definitions"><h2>Definitions</h2><div class="card"><dl class="defs">', defs_html,
         "<dt>compared steps</dt><dd>steps 0..k for a prompt first diverging at step k (all steps if exact): "
         "up to k both sides fed the same tokens.</dd>"

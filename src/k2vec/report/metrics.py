@@ -33,7 +33,7 @@ from ..gpus import short_uuid
 from .classify import BudgetError, classify, resolve_budgets
 from .ddtree import acceptance_hist, compare_tree
 from .fingerprints import compare_fingerprints
-from .golden import Golden, ReportError
+from .golden import Golden, ReportError, golden_strength
 from .integrity import CHANGED, RunChecks
 from .logits import STEP_COLUMNS, compare_logits
 from .routing import compare_routing, score_evidence
@@ -99,6 +99,8 @@ class Metrics:
     format_models: pd.DataFrame  # fp32 vs int4 golden per model: same-top-1 rate etc.
     score_reference_steps: pd.DataFrame  # per step KL of the int4-format reference runs (model, prompt, step, kl)
     thresholds: dict[str, float] = field(default_factory=dict)
+    golden_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden (report/golden.py)
+    prompt_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden x prompt: margins, blind
 
     @property
     def has_real_divergence_or_failure(self) -> bool:
@@ -287,8 +289,9 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
         rows, runs_df, steps, acceptance, score_runs, ref_steps = _engine_metrics(
             runs, opened, th, budgets, RunChecks({k: g.sha256 for k, g in opened.items()}))
         fe, fe_steps, fe_models = format_effect(opened, th, budgets)
+        strength, prompt_strength = golden_strength(opened, near_tie, router_near_tie)
         return Metrics(rows, runs_df, steps, acceptance, score_runs, fe, fe_steps, fe_models, ref_steps,
-                       {**th, "budgets": budgets})
+                       {**th, "budgets": budgets}, strength, prompt_strength)
     finally:
         for g in opened.values():
             g.close()

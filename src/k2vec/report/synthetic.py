@@ -29,16 +29,21 @@ def write_result(path: str | Path, result: dict[str, Any]) -> str:
 def case_goldens(case: dict[str, Any], root: str | Path) -> dict[tuple[str, str], Path]:
     """The fp32 and int4 goldens of one resolved case, built under `root` without Snakemake
     (weights, quantization, golden): {(model, precision): golden path}."""
-    from ..golden import make_golden, open_weights, write_golden
+    from ..golden import make_golden, open_weights, reference_model, write_golden
     from ..int4_checkpoint import quantize_checkpoint
+    from ..prompts import draw_prompts
     from ..weights import write_checkpoint
 
     root = Path(root)
     write_checkpoint(case["model"], root / "fp32")
     quantize_checkpoint(root / "fp32", root / "int4", case["quantization"])
+    weights = {p: open_weights(p, root / "fp32", root / "int4") for p in ("fp32", "int4")}
+    prompts = draw_prompts(case["prompts"], case["model"],
+                           {p: reference_model(case["model"], w) for p, w in weights.items()})
+    case = {**case, "prompts": prompts}   # as the prompts stage draws them
     out = {}
     for precision in ("fp32", "int4"):
-        tensors, metadata = make_golden(case, open_weights(precision, root / "fp32", root / "int4"), precision)
+        tensors, metadata = make_golden(case, weights[precision], precision)
         write_golden(root / f"{precision}.kdtr", tensors, metadata)
         out[(case["model"]["name"], precision)] = root / f"{precision}.kdtr"
     return out

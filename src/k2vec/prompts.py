@@ -1,0 +1,81 @@
+"""Prompt drawing with rejection of blind prompts: the `prompts` stage (docs/golden-format.md).
+
+A prompt is *blind* under a set of weights when the golden is near-tied at one of its prompt
+positions: a router margin (k-th minus (k+1)-th biased expert score) below `router_near_tie` at any
+prompt position and MoE layer, or a top-1/top-2 logit gap below `near_tie` at its last position
+(step 0). An engine that routes a near-tied prompt position otherwise is excused by the report for
+every later divergence of that row (class `router-near-tie`), so such a row cannot show a real bug.
+
+Each prompt index draws candidates from a stream seeded by (seed, model, "prompt", index, attempt),
+never by call order, and keeps the first that is blind under neither the fp32 nor the int4 weights
+(both goldens of a model then share their prompts). A candidate is judged by one prefill forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import ConfigError
+from .reference.model import ReferenceModel, Segment
+from .seeds import rng_for
+
+log = logging.getLogger("k2vec.prompts")
+
+
+def candidate(settings: Mapping[str, Any], model: Mapping[str, Any], index: int, attempt: int) -> list[int]:
+    """Candidate `attempt` for prompt `index`: its length and tokens from its own named stream."""
+    rng = rng_for(settings["seed"], model["name"], "prompt", index, "attempt", attempt)
+    n = int(rng.integers(settings["min_length"], settings["max_length"] + 1))
+    return [int(t) for t in rng.integers(0, model["vocab_size"], size=n)]
+
+
+def prompt_margins(model: ReferenceModel, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per prompt: (smallest golden router margin over its prompt positions and MoE layers (inf
+    without MoE layers), top-1/top-2 logit gap at its last position), from one batched prefill."""
+    outs = model.forward_many([Segment(np.asarray(p), model.new_cache(len(p))) for p in prompts],
+                              record=True, last_only=True)
+    router = np.array([min((float(m.min()) for m in o.router_margins.values()), default=np.inf) for o in outs])
+    top2 = np.sort(np.stack([o.logits[0] for o in outs]), axis=-1)[:, -2:]
+    return router, top2[:, 1] - top2[:, 0]
+
+
+def draw_prompts(settings: Mapping[str, Any], model_spec: Mapping[str, Any],
+                 models: Mapping[str, ReferenceModel]) -> dict[str, Any]:
+    """The prompts section with `tokens` filled in: for each index, the first candidate blind under
+    none of `models` (precision -> reference model), with its attempt count and margins per precision.
+    ConfigError naming `prompts.redraw_attempts` when an index finds none."""
+    count, limit = settings["count"], settings["redraw_attempts"]
+    r_thr, t_thr = settings["router_near_tie"], settings["near_tie"]
+    chosen: dict[int, list[int]] = {}
+    attempts = np.zeros(count, np.int64)
+    margins: dict[str, dict[str, list[float]]] = {p: {"router": [0.0] * count, "token": [0.0] * count} for p in models}
+    pending = list(range(count))
+    while pending:   # one batched prefill per round over every index still looking
+        cands = {i: candidate(settings, model_spec, i, int(attempts[i])) for i in pending}
+        ok = np.ones(len(pending), bool)
+        got = {}
+        for precision, ref in models.items():
+            router, token = prompt_margins(ref, [cands[i] for i in pending])
+            got[precision] = (router, token)
+            ok &= (router >= r_thr) & (token >= t_thr)
+        for j, i in enumerate(pending):
+            if ok[j]:
+                chosen[i] = cands[i]
+                for precision, (router, token) in got.items():
+                    margins[precision]["router"][i] = float(router[j])
+                    margins[precision]["token"][i] = float(token[j])
+        attempts[pending] += 1
+        pending = [i for j, i in enumerate(pending) if not ok[j]]
+        exhausted = [i for i in pending if attempts[i] >= limit]
+        if exhausted:
+            raise ConfigError("prompts.redraw_attempts",
+                              f"model '{model_spec['name']}': no prompt of {limit} candidates for index(es) "
+                              f"{exhausted} is free of near-ties at its prompt positions (router margin >= "
+                              f"{r_thr:g} and step-0 logit gap >= {t_thr:g}); raise redraw_attempts, shorten "
+                              f"prompts.max_length or change the model seed")
+    log.info("model %s: %d prompts after %s draws each", model_spec["name"], count, attempts.tolist())
+    return {**settings, "tokens": [chosen[i] for i in range(count)], "attempts": attempts.tolist(),
+            "prompt_margins": margins}
