@@ -3,31 +3,6 @@
 # same runner on the same bundles, on each of the numpy engine's runs that executes its code path; the
 # report's code judges them beside the unmutated engine's own runs (the false-alarm check). One job per
 # (mutant, model, precision) runs its modes one after the other: fewer Snakemake jobs, same engine runs.
-from k2vec.engines.mutants import MUTANTS
-from k2vec.engines.mutants import plan as mutation_plan
-
-MUTATION_PLAN, MUTATION_PROBLEM = mutation_plan(config, ENGINES, RUNS, CASES)
-
-
-def mutation_ready(wildcards=None):
-    if MUTATION_PROBLEM:
-        raise WorkflowError(f"Invalid configuration: {MUTATION_PROBLEM}")
-    return []
-
-
-def mutant_modes(wildcards):
-    return MUTATION_PLAN[(wildcards.mutant, wildcards.model, wildcards.precision)]
-
-
-def mutant_engine(mutant):
-    return f"mutant-{mutant}"
-
-
-def mutant_records():
-    return [{"engine": mutant_engine(mu), "model": m, "precision": p, "mode": mode,
-             "result": f"results/mutation/runs/{mu}/{m}-{p}/{mode}.json", "precision_class": "float32"}
-            for (mu, m, p), modes in MUTATION_PLAN.items() for mode in modes]
-
 
 rule mutant_runs:
     input:
