@@ -146,7 +146,7 @@ SUBSET = ["int4_nibble_order", "mla_softmax_no_mscale", "ddtree_positions_index"
 
 
 @pytest.fixture(scope="module")
-def mutation_run(tmp_path_factory):
+def mutation_run(tmp_path_factory):  # weights, goldens, bundles, 8 numpy runs, 3 mutants: over 20 s, so slow
     """The tiny model, the numpy engine alone, budgets 1 and 4, three mutants: `snakemake mutation_report`."""
     root = copy_workflow(tmp_path_factory.mktemp("mutation"))
     config = default_config()
@@ -165,12 +165,14 @@ def mutation_run(tmp_path_factory):
         pd.read_csv(root / "results/mutation/mutation_rows.csv")
 
 
+@pytest.mark.slow
 def test_default_target_runs_no_mutant(mutation_run):
     _, dry, _, _ = mutation_run
     jobs = scheduled_jobs(dry.stdout)
     assert jobs.get("engine_run") and "mutant_runs" not in jobs and "mutation_report" not in jobs
 
 
+@pytest.mark.slow
 def test_mutants_caught_and_unmutated_engine_not(mutation_run):
     root, _, scores, rows = mutation_run
     assert sorted(scores["mutant"]) == sorted(SUBSET)
