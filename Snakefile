@@ -34,6 +34,8 @@ include: "workflow/rules/bundles.smk"
 include: "workflow/rules/engines.smk"
 include: "workflow/rules/format_effect.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/mutation_setup.smk"
+include: "workflow/rules/mutation.smk"  # off by default: `snakemake mutation_report` (docs/mutants.md)
 
 
 rule all:

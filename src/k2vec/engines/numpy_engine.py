@@ -7,6 +7,9 @@ transformer math is the reference model's (k2vec.reference), as the engine contr
 
     python -m k2vec.engines.numpy_engine --bundle B.kdtr --mode greedy|ddtree|score --budget N --output R.json
 
+`--mutant NAME` runs it with one deliberate fault from the mutant catalogue (k2vec.engines.mutants,
+docs/mutants.md), for the mutation run; without it nothing of the catalogue is even imported.
+
 Small matrices: run it with OPENBLAS_NUM_THREADS=1 (config.yaml does), extra BLAS threads only contend.
 """
 
@@ -35,6 +38,13 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
     return np.stack([low, high], axis=-1).reshape(packed.shape[0], -1)
 
 
+def dequantize(codes: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
+    """int8 codes [N, K] x float32 scales [N, K/group] -> float32 weights [N, K]."""
+    n, k = codes.shape
+    groups = codes.reshape(n, k // group, group).astype(np.float32)
+    return (groups * scales[:, :, None].astype(np.float32)).reshape(n, k)
+
+
 class BundleWeights(Mapping[str, np.ndarray]):
     """Weight name -> float32 array, dequantizing `<name>.qw` / `<name>.sc` pairs on access."""
 
@@ -43,16 +53,18 @@ class BundleWeights(Mapping[str, np.ndarray]):
         self.group = quantization["group_size"] if quantization else None
         self.bf16_scales = bool(quantization) and quantization["scale_dtype"] == "bfloat16"
         self.quantized = set(quantization["tensors"]) if quantization else set()
+        # The decoding steps as attributes: a mutant (k2vec.engines.mutants) swaps one on this instance.
+        self.unpack, self.dequantize = unpack_int4, dequantize
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self.quantized:
             return self.bundle[name]
-        codes = unpack_int4(self.bundle[name + ".qw"])
+        return self.dequantize(self.unpack(self.bundle[name + ".qw"]), self.scales(name), self.group)
+
+    def scales(self, name: str) -> np.ndarray:
+        """float32 [N, K/group] scales of a quantized tensor."""
         scales = self.bundle[name + ".sc"]
-        scales = bf16_to_f32(scales) if self.bf16_scales else scales
-        n, k = codes.shape
-        groups = codes.reshape(n, k // self.group, self.group).astype(np.float32)
-        return (groups * scales[:, :, None].astype(np.float32)).reshape(n, k)
+        return bf16_to_f32(scales) if self.bf16_scales else scales
 
     def __iter__(self) -> Iterator[str]:
         return iter(n for n in self.bundle.keys() if n.startswith(("model.", "lm_head")))
@@ -61,7 +73,17 @@ class BundleWeights(Mapping[str, np.ndarray]):
         return sum(1 for _ in self)
 
 
-def run(bundle_path: str, mode: str, budget: int) -> dict:
+def run(bundle_path: str, mode: str, budget: int, mutant: str | None = None) -> dict:
+    """The result object of one contract run; `mutant`: the name of a catalogue fault to run with."""
+    if mutant is None:
+        return _run(bundle_path, mode, budget)
+    from .mutants import injected
+
+    with injected(mutant) as install:
+        return _run(bundle_path, mode, budget, install)
+
+
+def _run(bundle_path: str, mode: str, budget: int, install=None) -> dict:
     t0 = time.perf_counter()
     bundle = open_bundle(bundle_path)
     meta = bundle.metadata
@@ -70,6 +92,8 @@ def run(bundle_path: str, mode: str, budget: int) -> dict:
     prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"]) for i in range(n_prompts)]
     model = ReferenceModel(meta["hf_config"], BundleWeights(bundle, meta["quantization"]), dtype=np.float64,
                            latent_norm_eps=meta["golden"]["reference"]["latent_norm_eps"])
+    if install is not None:
+        install(model)
     t_load = time.perf_counter()
     n_new = decoding["max_new_tokens"]
     if mode == "greedy":
@@ -123,8 +147,10 @@ def _round(x) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = contract_parser(__doc__.splitlines()[0]).parse_args(argv)
-    result = run(args.bundle, args.mode, args.budget)
+    ap = contract_parser(__doc__.splitlines()[0])
+    ap.add_argument("--mutant", metavar="NAME", help="inject one fault of the mutant catalogue (docs/mutants.md)")
+    args = ap.parse_args(argv)
+    result = run(args.bundle, args.mode, args.budget, args.mutant)
     with open(args.output, "w") as fh:
         json.dump(result, fh)
     return 0

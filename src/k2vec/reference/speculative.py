@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ddtree import accept_walk, build_tree, compacted_kv_rows
+from ..ddtree import accept_walk, build_tree, compacted_kv_rows, tree_positions
 from ..ddtree.drafter import RecordedDrafts
 from .generate import top_k_sorted
 from .model import ReferenceError, ReferenceModel, Segment
@@ -79,7 +79,7 @@ def ddtree_generate(model: ReferenceModel, jobs: list[DDTreeJob], max_new_tokens
             depths[k] = np.concatenate([[0], tree.node_depths]).astype(np.int64)
             pasts[k] = caches[k].length
             mask = np.concatenate([np.ones((tree.n + 1, pasts[k]), bool), tree.visibility()], axis=1)
-            segments.append(Segment(node_tokens[k], caches[k], starts[k] + depths[k], mask))
+            segments.append(Segment(node_tokens[k], caches[k], tree_positions(tree, starts[k]), mask))
         outs = model.forward_many(segments)
         for k, out in zip(active, outs):
             accepted, bonus = accept_walk(trees[k], argmax_lower_id(out.logits))

@@ -1,0 +1,67 @@
+# The mutation run (docs/mutants.md), off by default: `snakemake mutation_report`. Every mutant of the
+# catalogue (k2vec.engines.mutants) is the numpy engine's command plus `--mutant NAME`, run through the
+# same runner on the same bundles, on each of the numpy engine's runs that executes its code path; the
+# report's code judges them beside the unmutated engine's own runs (the false-alarm check). One job per
+# (mutant, model, precision) runs its modes one after the other: fewer Snakemake jobs, same engine runs.
+
+rule mutant_runs:
+    input:
+        mutation_ready,
+        sources=lambda wc: engine_sources("numpy"),
+        mutants="src/k2vec/engines/mutants.py",
+        bundle="results/bundles/{model}-{precision}.kdtr",
+        code=sources("k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage"),
+    output:
+        directory("results/mutation/runs/{mutant}/{model}-{precision}"),
+    wildcard_constraints:
+        mutant="|".join(MUTANTS),
+    params:
+        engine=lambda wc: {**engine_settings("numpy"),
+                           "command": ENGINES["numpy"]["command"] + f" --mutant {wc.mutant}"},
+        name=lambda wc: mutant_engine(wc.mutant),
+        modes=mutant_modes,
+        devices=GPU_DEVICES,
+        lock_dir=config["gpus"]["lock_dir"],
+        scratch="results/scratch/mutants/{mutant}/{model}-{precision}",
+    log:
+        runner="results/logs/mutation/{mutant}/{model}-{precision}.log",
+        engine="results/logs/mutation/{mutant}/{model}-{precision}.engine.log",  # every mode's stderr, in turn
+    benchmark:
+        "results/benchmarks/mutation/{mutant}/{model}-{precision}.tsv"
+    conda:
+        "../envs/pipeline.yaml"
+    script:
+        "../scripts/mutant_runs.py"
+
+
+rule mutation_report:
+    input:
+        mutation_ready,
+        control=[run_result(*run) for run in RUNS if run[0] == "numpy"],
+        mutants=[f"results/mutation/runs/{mu}/{m}-{p}" for mu, m, p in MUTATION_PLAN],
+        goldens=expand("results/golden/{model}/{precision}.kdtr", model=MODELS, precision=PRECISIONS),
+        golden_sha256=expand("results/golden/{model}/{precision}.kdtr.sha256", model=MODELS, precision=PRECISIONS),
+        code=sources("k2vec.report.mutation", "k2vec.stage"),
+    output:
+        html="results/mutation/mutation.html",
+        csv="results/mutation/mutation.csv",
+        rows_csv="results/mutation/mutation_rows.csv",
+    params:
+        runs=[run_record(*run) for run in RUNS if run[0] == "numpy"] + mutant_records(),
+        mutants={mutant_engine(mu.name): {"name": mu.name, "area": mu.area, "changes": mu.changes,
+                                          "stands_for": mu.stands_for}
+                 for mu in MUTANTS.values() if any(k[0] == mu.name for k in MUTATION_PLAN)},
+        control="numpy",
+        goldens={f"{m}/{p}": f"results/golden/{m}/{p}.kdtr" for m in MODELS for p in PRECISIONS},
+        near_tie=config["report"]["near_tie"],
+        router_near_tie=config["report"]["router_near_tie"],
+        fingerprint_rtol=config["report"]["fingerprint_rtol"],
+        budgets=config["report"].get("budgets", {}),
+    log:
+        "results/logs/mutation_report.log",
+    benchmark:
+        "results/benchmarks/mutation_report.tsv"
+    conda:
+        "../envs/report.yaml"
+    script:
+        "../scripts/mutation_report.py"

@@ -1,0 +1,26 @@
+# The plan of the mutation run (`snakemake mutation_report`, workflow/rules/mutation.smk): which mutant
+# runs on which bundle in which modes, and the helpers of its two rules.
+from k2vec.engines.mutants import MUTANTS
+from k2vec.engines.mutants import plan as mutation_plan
+
+MUTATION_PLAN, MUTATION_PROBLEM = mutation_plan(config, ENGINES, RUNS, CASES)
+
+
+def mutation_ready(wildcards=None):
+    if MUTATION_PROBLEM:
+        raise WorkflowError(f"Invalid configuration: {MUTATION_PROBLEM}")
+    return []
+
+
+def mutant_modes(wildcards):
+    return MUTATION_PLAN[(wildcards.mutant, wildcards.model, wildcards.precision)]
+
+
+def mutant_engine(mutant):
+    return f"mutant-{mutant}"
+
+
+def mutant_records():
+    return [{"engine": mutant_engine(mu), "model": m, "precision": p, "mode": mode,
+             "result": f"results/mutation/runs/{mu}/{m}-{p}/{mode}.json", "precision_class": "float32"}
+            for (mu, m, p), modes in MUTATION_PLAN.items() for mode in modes]
