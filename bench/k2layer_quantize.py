@@ -7,7 +7,8 @@ Why not from an fp32 checkpoint on disk: the layer's fp32 experts are 384 x 3 x 
 more than the free disk of the shared machine. So the quantizer reads straight from the deterministic
 generator (k2vec.weights.make_tensor: the very values the weights stage would have written, tensor by
 tensor) through the quantize stage's own writer (k2vec.int4_checkpoint.write_int4: quantize_packed,
-.qw/.sc files, index.json, one syncfs). The generation time is measured apart and taken out.
+.qw/.sc files, index.json, one syncfs). The generation time is measured apart and taken out; wall and CPU time are both reported
+(on a shared machine CPU time is the one other jobs do not inflate).
 In the same run, per tensor, np.copyto of the same fp32 bytes into a preallocated buffer gives the
 plain-copy bandwidth that the quantizer's GB/s is compared with. Peak RSS: ru_maxrss of this process.
 The int4 directory (~10.5 GB) is deleted at the end unless --keep.
@@ -51,27 +52,29 @@ def main() -> None:
     n_tensors = len(quant["tensors"])
     assert n_tensors == 3 * args.experts, n_tensors
 
-    timing = {"generate": 0.0, "copy": 0.0}
+    timing = {"generate": 0.0, "copy": 0.0, "generate_cpu": 0.0, "copy_cpu": 0.0}
     fp32_bytes = 0
     copy_buf = np.empty(max(int(np.prod(s)) for s in quant["tensors"].values()), np.float32)
 
     def weight(name: str) -> np.ndarray:
         nonlocal fp32_bytes
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         w = make_tensor(model, name, quant["tensors"][name])
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         np.copyto(copy_buf[: w.size].reshape(w.shape), w)  # the plain copy of the same bytes
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         timing["generate"] += t1 - t0
         timing["copy"] += t2 - t1
+        timing["generate_cpu"] += c1 - c0
+        timing["copy_cpu"] += c2 - c1
         fp32_bytes += w.nbytes
         return w
 
     if args.out.exists():
         raise SystemExit(f"{args.out} exists; give a new directory")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     index = write_int4(args.out, quant, weight, unquantized)
-    total = time.perf_counter() - t0
+    total, total_cpu = time.perf_counter() - t0, time.process_time() - c0
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     files = sum(1 for _ in args.out.iterdir())
     out_bytes = sum(p.stat().st_size for p in args.out.iterdir())
@@ -79,6 +82,7 @@ def main() -> None:
     last = sorted(quant["tensors"])[-1]
     assert open_int4(args.out)[last].packed.shape[0] == quant["tensors"][last][0]
     quantize_write = total - timing["generate"] - timing["copy"]
+    quantize_write_cpu = total_cpu - timing["generate_cpu"] - timing["copy_cpu"]
     result = {
         "experts": args.experts, "tensors": n_tensors, "files": files, "group_size": args.group_size,
         "scale_dtype": args.scale_dtype,
@@ -88,6 +92,12 @@ def main() -> None:
         "experts_per_s": args.experts / quantize_write,
         "quantize_GB_per_s_fp32_in": fp32_bytes / 1e9 / quantize_write,
         "plain_copy_GB_per_s": fp32_bytes / 1e9 / timing["copy"],
+        # CPU time (this process): what the machine's other jobs do not inflate
+        "cpu_s": {"total": total_cpu, "generate": timing["generate_cpu"], "plain_copy": timing["copy_cpu"],
+                  "quantize_and_write": quantize_write_cpu},
+        "experts_per_cpu_s": args.experts / quantize_write_cpu,
+        "quantize_GB_per_cpu_s": fp32_bytes / 1e9 / quantize_write_cpu,
+        "plain_copy_GB_per_cpu_s": fp32_bytes / 1e9 / timing["copy_cpu"],
         "peak_rss_MiB": peak_rss / 2**20,
         "largest_tensor_MiB": 4 * max(int(np.prod(s)) for s in quant["tensors"].values()) / 2**20,
         "load_avg_1min_at_end": os.getloadavg()[0],

@@ -37,7 +37,7 @@ def _one_model(**overrides) -> dict:
 
 
 @pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "real-run"])
-@pytest.mark.parametrize("key, value, stage", [("vocab_size", 200_000_000, "weights"),
+@pytest.mark.parametrize("key, value, stage", [("vocab_size", 200_000_000, "golden"),
                                                ("num_hidden_layers", 100_000, "golden")])
 def test_config_too_big_for_memory_stops_before_any_job(tmp_path, key, value, stage, dry):
     rc, out = _run(tmp_path, _one_model(**{key: value}), *(["-n"] if dry else ["--cores", "1"]))
@@ -46,7 +46,7 @@ def test_config_too_big_for_memory_stops_before_any_job(tmp_path, key, value, st
                   r"needs ~([\d.]+) GiB of memory \((.*?)\); this machine has ([\d.]+) GiB available", out)
     assert m, out[-2000:]
     assert m.group(1) == key and m.group(2) == stage
-    assert float(m.group(3)) > 1000 > float(m.group(5))  # both sides of the comparison are in the message
+    assert float(m.group(3)) > float(m.group(5)) > 0  # both sides of the comparison are in the message
     assert not (tmp_path / "results").exists()
 
 
