@@ -19,11 +19,11 @@ streams (README "Scale"), so none holds a layer or the model:
 Every process also carries the interpreter, numpy and the package (PROCESS_BASE), and the sum of
 the terms is raised by SLACK for the allocator.
 
-Measured (bench/RESULTS.md "budget", `python bench/budget.py`, peak RSS of each stage in a fresh
-process): on tiny, small (the default config's models) and a 115 M-parameter model the estimate is
-1.26-2.95x the measured peak of every stage, e.g. small: golden 260 MiB for 192 MiB measured, engine
-222 MiB for 101-132 MiB, weights 76 MiB for 49 MiB. Disk of the default run: 270 MiB estimated,
-122 MiB written (617 files, 714 estimated).
+Measured before the stages streamed (bench/RESULTS.md "budget", `python bench/budget.py`, peak RSS of
+each stage in a fresh process): on tiny, small and a 115 M-parameter model the estimate then was
+1.26-2.95x the measured peak of every stage. The streaming estimates above have not been re-measured
+on those models (rerun bench/budget.py); on k2slice every stage peaked at <= 543 MiB against estimates
+of 0.14-2.6 GiB (bench/RESULTS.md "k2slice").
 """
 
 from __future__ import annotations
