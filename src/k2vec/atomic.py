@@ -9,6 +9,7 @@ working directory (an engine run's scratch directory) is claimed with an in-use 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -45,6 +46,27 @@ def _hold_if_asked(final: Path) -> None:
         Path(os.environ[HOLD_SIGNAL_ENV]).write_text(f"{os.getpid()} {final}\n")
         while True:
             time.sleep(60)
+
+
+def _syncfs(path: Path) -> bool:
+    """Flush the whole filesystem holding `path` with one syncfs(2) call (Linux); False where unavailable."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+            _LIBC.syncfs.argtypes = [ctypes.c_int]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if not _LIBC:
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _LIBC.syncfs(fd) == 0
+    finally:
+        os.close(fd)
+
+
+_LIBC: ctypes.CDLL | bool | None = None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -94,10 +116,13 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         _hold_if_asked(final)
-        for entry in tmp.iterdir():
-            if entry.is_file():
-                with open(entry, "rb") as fh:
-                    os.fsync(fh.fileno())
+        # One syncfs for the whole directory: an int4 directory of a K2 layer holds 2,304 files, and an
+        # fsync each cost minutes; fsync per file only where syncfs is unavailable.
+        if not _syncfs(tmp):
+            for entry in tmp.iterdir():
+                if entry.is_file():
+                    with open(entry, "rb") as fh:
+                        os.fsync(fh.fileno())
         os.chmod(tmp, _default_mode() | 0o111)  # mkdtemp makes an owner-only directory
         if final.exists():
             shutil.rmtree(final)

@@ -5,25 +5,25 @@ estimated as fast as a 4-layer one) this module bounds, per stage, the peak memo
 disk of all outputs and the number of files; `check_budget` refuses a config that cannot fit, naming
 the config key that drives the estimate (`_driver`).
 
-Where the bytes go (per element of a tensor or of the model's P parameters):
-  weights   one shard (a decoder layer, or embed_tokens + lm_head) held as fp32 and copied once more
-            by safetensors' save_file (8 B), plus ~20 B per element of the tensor being drawn (the
-            uint64 PCG64 stream, its shift, float32 results)
-  quantize  the mapped fp32 pages of one layer's shard (4 B) plus packed codes, scales and blocked
-            temporaries of one tensor (~8 B)
-  golden    the float64 reference model caches every weight it has used (8 B) over the mapped fp32
-            pages (4 B): 12 B x P; plus logits, KV cache and fingerprints of every prompt (float64)
-  bundle    streams tensor by tensor, but the pages of the checkpoint it has mapped stay resident
-            (4 B x P), plus the copy of one tensor (8 B)
-  engine    the numpy engine is the reference model again (12 B x P), plus its JSON result
+Where the bytes go (per element of the largest tensor T, or of the model's P parameters); every stage
+streams (README "Scale"), so none holds a layer or the model:
+  weights   one chunk of at most 4M values being drawn (~20 B each: the uint64 PCG64 stream and
+            float32 results), written and hashed as it goes
+  quantize  the mapped fp32 pages of the tensor being quantized (4 B x T, each tensor has its own
+            mapping) plus packed codes, scales and blocked temporaries (~8 B x T, generous)
+  golden    the float64 weight cache (8 B x P, at most golden.WEIGHT_CACHE_BYTES), the mapped pages of
+            the largest weight (4 B x T) and a float64 block or copy of at most STREAM_BYTES; plus logits,
+            KV cache and fingerprints of every prompt (float64)
+  bundle    the mapped pages of the tensor being copied (4 B x T) and, to be safe, as much again
+  engine    the numpy engine is the reference model again (as golden), plus its JSON result
 Every process also carries the interpreter, numpy and the package (PROCESS_BASE), and the sum of
 the terms is raised by SLACK for the allocator.
 
-Measured (bench/RESULTS.md "budget", `python bench/budget.py`, peak RSS of each stage in a fresh
-process): on tiny, small (the default config's models) and a 115 M-parameter model the estimate is
-1.26-2.95x the measured peak of every stage, e.g. small: golden 260 MiB for 192 MiB measured, engine
-222 MiB for 101-132 MiB, weights 76 MiB for 49 MiB. Disk of the default run: 270 MiB estimated,
-122 MiB written (617 files, 714 estimated).
+Measured before the stages streamed (bench/RESULTS.md "budget", `python bench/budget.py`, peak RSS of
+each stage in a fresh process): on tiny, small and a 115 M-parameter model the estimate then was
+1.26-2.95x the measured peak of every stage. The streaming estimates above have not been re-measured
+on those models (rerun bench/budget.py); on k2slice every stage peaked at <= 543 MiB against estimates
+of 0.14-2.6 GiB (bench/RESULTS.md "k2slice").
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .golden import WEIGHT_CACHE_BYTES
 from .kdtr.format import ENTRY_SIZE, MAX_DIR_SIZE, align_up
+from .reference.model import STREAM_BYTES
+from .weights import CHUNK_VALUES
 
 MiB, GiB = 1 << 20, 1 << 30
 # Allocator slack: glibc keeps freed blocks and fragments, so a peak runs a little over the sum of
@@ -153,31 +156,32 @@ def stage_memory(m: dict[str, Any], config: dict[str, Any]) -> list[Need]:
     seq = S + max(dd["budgets"]) + dd["block_size"]  # positions of a sequence, DDTree nodes included
     rows = n_prompts * seq                           # rows one forward call may carry: every prompt
     inner = max(m["intermediate_size"], m["moe_intermediate_size"] * (m["num_experts_per_tok"] + m["n_shared_experts"]))
+    cache = min(8 * c.params, WEIGHT_CACHE_BYTES)
     model = [
-        (f"float64 copies of {c.params:,} parameters over their mapped fp32 pages (12 B each)", 12 * c.params),
+        (f"float64 weight cache ({c.params:,} parameters, at most {_fmt(WEIGHT_CACHE_BYTES)})", cache),
+        (f"mapped pages of {c.largest_name} and a float64 block of it",
+         4 * c.largest_tensor + min(8 * c.largest_tensor, STREAM_BYTES)),
         (f"KV cache ({n_prompts} prompts x {seq} positions x {L} layers, float64, a spare copy)",
          8 * 2 * L * rows * heads * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"] + m["v_head_dim"])),
         (f"float64 logits of {rows} rows x {V} tokens and two softmax temporaries", 8 * 3 * rows * V),
         ("float64 activations and attention scores",
          8 * 4 * rows * max(H, inner) + 8 * 2 * heads * n_prompts * seq * seq),
     ]
-    # The quantize stage reads the shards holding quantized tensors: with the schemes' targets, the
-    # decoder layers only; custom targets may include embed_tokens / lm_head.
+    # The quantize stage reads the tensors it quantizes: with the schemes' targets, MLP weights only;
+    # custom targets may include embed_tokens / lm_head.
     q = config["quantization"]
     custom = "targets" in q or "ignore" in q
-    shard = c.largest_shard if custom else c.largest_layer
     biggest = c.largest_tensor if custom else c.largest_mlp
     fingerprints = ("hidden-state fingerprints [prompts, positions, layers, hidden]", 8 * n_prompts * S * L * H)
+    chunk = min(c.largest_tensor, CHUNK_VALUES)
     return [
-        _need("weights", [(f"one shard of {c.largest_shard:,} fp32 values held and copied for writing",
-                           8 * c.largest_shard),
-                          (f"drawing {c.largest_name} (uint64 stream and float32, ~20 B a value)",
-                           20 * c.largest_tensor)]),
-        _need("quantize", [(f"the mapped fp32 pages of one shard of {shard:,} values", 4 * shard),
+        _need("weights", [(f"drawing a chunk of {chunk:,} values (uint64 stream and float32, ~20 B a value)",
+                           20 * chunk)]),
+        _need("quantize", [(f"the mapped fp32 pages of a {biggest:,}-value tensor", 4 * biggest),
                            (f"codes, scales and temporaries of a {biggest:,}-value tensor", 8 * biggest)]),
         _need("golden", model + [fingerprints]),
-        _need("bundle", [(f"the mapped pages of the fp32 checkpoint ({c.params:,} values)", 4 * c.params),
-                         (f"a copy of {c.largest_name}", 8 * c.largest_tensor), fingerprints]),
+        _need("bundle", [(f"the mapped pages of {c.largest_name}", 4 * c.largest_tensor),
+                         (f"a copy of {c.largest_name}", 4 * c.largest_tensor), fingerprints]),
         _need("engine", model + [("its JSON result (Python floats and text)", 8 * fingerprints[1])]),
     ]
 

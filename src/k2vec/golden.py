@@ -29,6 +29,9 @@ log = logging.getLogger("k2vec.golden")
 
 DDTREE_TIE = 1e-5     # DDTree must reproduce greedy exactly except after a step with a gap below this
 GOLDEN_ALIGNMENT = 64  # many small tensors: page alignment would mostly be padding
+# float64 weights kept between forward calls: every weight of the small presets (small: ~40 MB), the
+# attention latents of k2slice; the big weights are streamed anyway (reference.model.STREAM_BYTES).
+WEIGHT_CACHE_BYTES = 512 << 20
 
 
 class DequantizedWeights(Mapping[str, np.ndarray]):
@@ -44,6 +47,17 @@ class DequantizedWeights(Mapping[str, np.ndarray]):
         if name in self.int4.index["tensors"]:
             return self.int4[name].dequantize()
         return self.fp32[name]
+
+    def shape_of(self, name: str) -> list[int]:
+        if name in self.int4.index["tensors"]:
+            return list(self.int4.index["tensors"][name]["shape"])
+        return self.fp32.shape_of(name)
+
+    def block(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows r0:r1 of `self[name]`; an INT4 weight is dequantized for those rows only."""
+        if name in self.int4.index["tensors"]:
+            return self.int4[name].dequantize_rows(r0, r1)
+        return self.fp32[name][r0:r1]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.fp32)
@@ -64,7 +78,8 @@ def open_weights(precision: str, fp32_dir: str | Path, int4_dir: str | Path | No
 
 
 def reference_model(model_spec: dict[str, Any], weights: Mapping[str, np.ndarray]) -> ReferenceModel:
-    return ReferenceModel(model_spec, weights, dtype=np.float64, latent_norm_eps=HF_LATENT_NORM_EPS)
+    return ReferenceModel(model_spec, weights, dtype=np.float64, latent_norm_eps=HF_LATENT_NORM_EPS,
+                          weight_cache_bytes=WEIGHT_CACHE_BYTES)
 
 
 def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precision: str

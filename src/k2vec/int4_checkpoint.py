@@ -109,25 +109,13 @@ def _check_against_checkpoint(ckpt: Checkpoint, spec: dict[str, Any]) -> None:
                          f"listed but not selected {extra[:5]}, selected but not listed {lacking[:5]}; "
                          f"re-resolve the spec with k2vec.schemes.is_quantized")
     for name, shape in tensors.items():
-        arr = ckpt[name]
-        if arr.dtype != np.float32 or tuple(arr.shape) != shape:
-            raise QuantError(f"{ckpt.directory}: tensor {name} is {arr.dtype} {list(arr.shape)}, the spec expects "
+        dtype, actual = ckpt.info(name)
+        if dtype != np.float32 or tuple(actual) != shape:
+            raise QuantError(f"{ckpt.directory}: tensor {name} is {dtype} {list(actual)}, the spec expects "
                              f"float32 {list(shape)}")
 
 
 # ------------------------------------------------------------------------------------ quantize
-
-
-def _by_shard(directory, ckpt: Checkpoint, names) -> Iterator[tuple[str, Any, Checkpoint]]:
-    """(name, names[name], reader) shard by shard, each shard through a fresh reader: the previous one
-    is dropped with its mmap, so the fp32 pages read stay resident (counted in RSS) for one shard only."""
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        by_file.setdefault(ckpt.weight_map[name], []).append(name)
-    for fname in sorted(by_file):
-        shard = Checkpoint(directory)
-        for name in sorted(by_file[fname]):
-            yield name, names[name], shard
 
 
 def _scale_file_bytes(scales: np.ndarray, scale_dtype: str) -> np.ndarray:
@@ -149,11 +137,28 @@ def quantize_checkpoint(fp32_dir: str | os.PathLike, out_dir: str | os.PathLike,
     spec = _check_spec(quant_spec)
     ckpt = Checkpoint(fp32_dir)
     _check_against_checkpoint(ckpt, spec)
+    unquantized = {}
+    for name in sorted(set(ckpt) - set(spec["tensors"])):
+        dtype, shape = ckpt.info(name)
+        unquantized[name] = {"dtype": str(dtype), "shape": list(shape)}
+    # each tensor is its own mapping (k2vec.checkpoint): its pages go when the array does
+    return write_int4(out_dir, spec, ckpt.__getitem__, unquantized)
+
+
+def write_int4(out_dir: str | os.PathLike, quant_spec: Mapping[str, Any], weight: Callable[[str], np.ndarray],
+               unquantized: dict[str, dict[str, Any]]) -> dict:
+    """Quantize `weight(name)` (float32 [N, K]) for every tensor of the spec, one tensor at a time, into
+    the int4 directory `out_dir`; `unquantized`: name -> {dtype, shape} of the tensors left as they are."""
+    spec = _check_spec(quant_spec)
     g, sd = spec["group_size"], spec["scale_dtype"]
     entries: dict[str, Any] = {}
     with atomic_directory(out_dir) as tmp:
-        for name, (n, k), shard in _by_shard(fp32_dir, ckpt, spec["tensors"]):
-            packed, scales = quantize_packed(shard[name], g, sd)
+        for name, (n, k) in spec["tensors"].items():
+            w = weight(name)
+            if w.dtype != np.float32 or w.shape != (n, k):
+                raise QuantError(f"tensor {name} is {w.dtype} {list(w.shape)}, the spec expects float32 {[n, k]}")
+            packed, scales = quantize_packed(w, g, sd)
+            del w
             qw = _write_array(tmp / f"{name}.qw", packed)
             sc = _write_array(tmp / f"{name}.sc", _scale_file_bytes(scales, sd))
             del packed, scales
@@ -163,8 +168,6 @@ def quantize_checkpoint(fp32_dir: str | os.PathLike, out_dir: str | os.PathLike,
                 "scales": {**sc, "dtype": sd, "encoding": SCALE_ENCODING[sd],
                            "shape": [n, k // g]},
             }
-        unquantized = {name: {"dtype": str(ckpt[name].dtype), "shape": list(ckpt[name].shape)}
-                       for name in sorted(set(ckpt) - set(entries))}
         entries = dict(sorted(entries.items()))
         index = {
             "format": FORMAT,
@@ -183,7 +186,7 @@ def quantize_checkpoint(fp32_dir: str | os.PathLike, out_dir: str | os.PathLike,
                 "location": "fp32 checkpoint",
                 "note": "these tensors are not quantized; read them from the fp32 checkpoint this directory "
                         "was made from",
-                "tensors": unquantized,
+                "tensors": dict(sorted(unquantized.items())),
             },
         }
         (tmp / INT4_INDEX).write_bytes(_json_bytes(index))
@@ -217,6 +220,12 @@ class Int4Tensor:
 
     def dequantize(self) -> np.ndarray:
         return dequantize(self.codes(), self.scales, self.group_size)
+
+    def dequantize_rows(self, r0: int, r1: int) -> np.ndarray:
+        """float32 rows r0:r1 of `dequantize()` (the same values), reading only those rows' codes and scales."""
+        raw = self.scales_raw[r0:r1]
+        scales = from_bf16_bits(raw.astype(np.uint16)) if self.scale_dtype == "bfloat16" else raw.astype(np.float32)
+        return dequantize(unpack(self.packed[r0:r1], self.shape[1]), scales, self.group_size)
 
 
 def _memmap(path: Path, dtype: str, shape: tuple[int, int], nbytes: int) -> np.ndarray:

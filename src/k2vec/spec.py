@@ -84,6 +84,50 @@ PRESETS: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 16,
         "v_head_dim": 32,
     },
+    # The real K2 widths (docs: README "Scale"). K2 routes with n_group 1 / topk_group 1, i.e. no group
+    # restriction: kept as is with fewer experts, so top-8 of 16 is chosen exactly as K2 chooses top-8
+    # of 384. Vocabulary reduced from 163840 to 16384 so that the embedding (16384 x 7168, 470 MB in
+    # fp32) stays below the dense MLP's 18432 x 7168 (528 MB), the largest tensor the stages hold.
+    "k2slice": {
+        **_K2_COMMON,
+        "vocab_size": 16384,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 64,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 8,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    # One full K2 MoE layer (all 384 experts, top-8, groups 1/1 as K2) for the quantization path's scale
+    # test; intermediate_size is K2's but unused (no dense layer). Same reduced vocabulary as k2slice.
+    "k2layer": {
+        **_K2_COMMON,
+        "vocab_size": 16384,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 64,
+        "n_routed_experts": 384,
+        "num_experts_per_tok": 8,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
 }
 
 _POSITIVE_INT_KEYS = (

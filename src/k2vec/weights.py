@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .atomic import atomic_directory
-from .checkpoint import write_shards
+from .checkpoint import StreamedTensor, write_shards
 from .seeds import seed_for
 from .architecture import hf_config, tensor_shapes
 
@@ -40,15 +40,29 @@ LOGIT_STD = 4.0
 NORM_RANGE = (0.75, 1.25)
 BIAS_RANGE = (0.0, 0.2)
 _SQRT3 = math.sqrt(3.0)
+# Values drawn at once: 4M values are ~80 MB of temporaries (uint64 stream, float32 result).
+CHUNK_VALUES = 1 << 22
 
 
 def uniform(seed: int, shape: list[int], low: float, high: float) -> np.ndarray:
     """float32 values in [low, high) from the top 24 bits of the PCG64 raw stream (exact in float32)."""
-    n = math.prod(shape)
-    raw = np.random.PCG64(seed).random_raw(n)
-    unit = (raw >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)  # exact: 24-bit integers
-    out = unit * np.float32(high - low) + np.float32(low)
-    return out.reshape(shape)
+    return np.concatenate(list(uniform_chunks(seed, math.prod(shape), low, high))).reshape(shape)
+
+
+def uniform_chunks(seed: int, n: int, low: float, high: float, chunk: int = CHUNK_VALUES) -> Iterator[np.ndarray]:
+    """`uniform`'s n values, flat, `chunk` at a time: the raw stream continues across calls, so the
+    values do not depend on the chunk size, and memory stays at ~20 B per value of one chunk."""
+    bitgen = np.random.PCG64(seed)
+    scale, offset = np.float32(high - low), np.float32(low)
+    for start in range(0, n, chunk):
+        raw = bitgen.random_raw(min(chunk, n - start))
+        raw >>= np.uint64(40)
+        unit = raw.astype(np.float32)  # exact: 24-bit integers
+        del raw
+        unit *= np.float32(2.0**-24)
+        unit *= scale
+        unit += offset
+        yield unit
 
 
 def init_range(name: str, shape: list[int]) -> tuple[float, float]:
@@ -72,6 +86,13 @@ def make_tensor(model: dict[str, Any], name: str, shape: list[int]) -> np.ndarra
     return uniform(seed_for(model["seed"], name), shape, low, high)
 
 
+def streamed_tensor(model: dict[str, Any], name: str, shape: list[int]) -> StreamedTensor:
+    """`make_tensor`'s values as a chunk stream, for writing without holding the tensor."""
+    low, high = init_range(name, shape)
+    seed = seed_for(model["seed"], name)
+    return StreamedTensor("F32", tuple(shape), lambda: uniform_chunks(seed, math.prod(shape), low, high))
+
+
 def shard_groups(model: dict[str, Any]) -> list[list[str]]:
     """Tensor names per shard: one shard per decoder layer, then one for the top-level tensors.
 
@@ -88,13 +109,15 @@ def shard_groups(model: dict[str, Any]) -> list[list[str]]:
 
 
 def write_checkpoint(model: dict[str, Any], out_dir: str | Path) -> dict:
-    """Write the fp32 HF checkpoint of `model` (a resolved model spec) into `out_dir`, atomically."""
+    """Write the fp32 HF checkpoint of `model` (a resolved model spec) into `out_dir`, atomically.
+
+    Tensors are drawn and written a chunk at a time: memory does not grow with the model's widths."""
     shapes = tensor_shapes(model)
     groups = shard_groups(model)
 
-    def shard(names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    def shard(names: list[str]) -> Iterator[tuple[str, StreamedTensor]]:
         for n in names:
-            yield n, make_tensor(model, n, shapes[n])
+            yield n, streamed_tensor(model, n, shapes[n])
 
     with atomic_directory(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config(model), indent=2, sort_keys=True) + "\n")

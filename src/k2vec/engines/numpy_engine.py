@@ -30,6 +30,10 @@ from ..reference.model import ReferenceModel
 from ..reference.speculative import DDTreeJob, ddtree_generate
 from .cli import contract_parser
 
+# float64 weights kept between forward calls (as the golden stage: k2vec.golden.WEIGHT_CACHE_BYTES);
+# weights over reference.model.STREAM_BYTES are streamed from the bundle's mapping instead.
+WEIGHT_CACHE_BYTES = 512 << 20
+
 
 def unpack_int4(packed: np.ndarray) -> np.ndarray:
     """u8 [N, K/2] -> int8 codes [N, K]: element 2j in the low nibble, 2j+1 in the high; stored as q + 8."""
@@ -66,6 +70,22 @@ class BundleWeights(Mapping[str, np.ndarray]):
         scales = self.bundle[name + ".sc"]
         return bf16_to_f32(scales) if self.bf16_scales else scales
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        if name not in self.quantized:
+            return self.bundle.info(name).shape
+        n, half = self.bundle.info(name + ".qw").shape
+        return (n, 2 * half)
+
+    def block(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows r0:r1 of `self[name]`, dequantizing only those rows of an INT4 weight."""
+        if name not in self.quantized:
+            return self.bundle[name][r0:r1]
+        return self.dequantize(self.unpack(self.bundle[name + ".qw"][r0:r1]), self.scales(name)[r0:r1], self.group)
+
+    def release(self, name: str) -> None:
+        for part in ((name + ".qw", name + ".sc") if name in self.quantized else (name,)):
+            self.bundle.release(part)
+
     def __iter__(self) -> Iterator[str]:
         return iter(n for n in self.bundle.keys() if n.startswith(("model.", "lm_head")))
 
@@ -91,7 +111,8 @@ def _run(bundle_path: str, mode: str, budget: int, install=None) -> dict:
     n_prompts = meta["golden"]["prompts"]
     prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"]) for i in range(n_prompts)]
     model = ReferenceModel(meta["hf_config"], BundleWeights(bundle, meta["quantization"]), dtype=np.float64,
-                           latent_norm_eps=meta["golden"]["reference"]["latent_norm_eps"])
+                           latent_norm_eps=meta["golden"]["reference"]["latent_norm_eps"],
+                           weight_cache_bytes=WEIGHT_CACHE_BYTES)
     if install is not None:
         install(model)
     t_load = time.perf_counter()

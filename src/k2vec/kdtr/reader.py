@@ -193,6 +193,18 @@ class Bundle:
         n = t.nbytes // dt.itemsize
         return np.frombuffer(self._buf, dtype=dt, count=n, offset=t.offset).reshape(t.shape)
 
+    def release(self, name: str) -> None:
+        """Drop this process's mapped pages of a tensor it has used (they are read again from the page
+        cache if it is used again), so reading a bundle bigger than memory holds one tensor at a time."""
+        if self._mm is not None and self._buf is not None:
+            t = self._index[name]
+            self._release_range(t.offset, t.offset + t.nbytes)
+
+    def _release_range(self, start: int, end: int) -> None:
+        start -= start % mmap.PAGESIZE  # whole pages only: a partial page stays
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def __contains__(self, name: object) -> bool:
         return name in self._index
 
@@ -231,6 +243,8 @@ class Bundle:
                 crcs = map(crc, self.tensors)
             prev_end = self.tensors[0].offset if self.tensors else self.file_size
             for i, (t, crc) in enumerate(zip(self.tensors, crcs)):
+                if self._mm is not None:  # checked: its pages need not stay in this process
+                    self._release_range(prev_end, t.offset + t.nbytes)
                 self._check_zero(mv, prev_end, t.offset)
                 if crc != t.crc32:
                     raise KdtrError(t.offset, f"dir[{i}].crc32",

@@ -215,32 +215,81 @@ def to_float(arr: np.ndarray, dtype) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
+# A weight whose compute-dtype copy is larger than this is never held whole: `WeightStore.mm` multiplies
+# by it a block of rows at a time (K2's 18432 x 7168 dense MLP is 1 GB in float64). Smaller weights, and
+# so every weight of the small presets, take the whole-tensor path, unchanged.
+STREAM_BYTES = 64 << 20
+STREAM_BLOCK_BYTES = 32 << 20  # compute-dtype bytes of one block of rows
+
+
 class WeightStore:
     """name -> weight in the compute dtype. Only what a forward touches is ever read (e.g. only the
     routed experts that some token picked); converted tensors are cached up to `cache_bytes`
-    (None = no limit), least recently used evicted first."""
+    (None = no limit), least recently used evicted first. Weights over `stream_bytes` are streamed by
+    `mm` and never cached.
 
-    def __init__(self, weights: Mapping[str, np.ndarray], dtype, cache_bytes: int | None = None):
+    Optional methods of the source mapping, used when present: `shape_of(name)` (shape without reading
+    data), `block(name, r0, r1)` (rows r0:r1 only, e.g. dequantized from INT4 without the rest) and
+    `release(name)` (drop the pages of a tensor that has been used, e.g. of a whole-file mmap)."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], dtype, cache_bytes: int | None = None,
+                 stream_bytes: int = STREAM_BYTES):
         self.source, self.dtype, self.cache_bytes = weights, np.dtype(dtype), cache_bytes
+        self.stream_bytes = stream_bytes
         self._cache: dict[str, np.ndarray] = {}
         self._bytes = 0
+
+    def _get(self, name: str) -> np.ndarray:
+        try:
+            return self.source[name]
+        except KeyError:
+            raise ReferenceModelError(f"weight {name} is missing from the checkpoint") from None
+
+    def _release(self, name: str) -> None:
+        release = getattr(self.source, "release", None)
+        if release is not None:
+            release(name)
 
     def __call__(self, name: str) -> np.ndarray:
         hit = self._cache.pop(name, None)
         if hit is None:
-            try:
-                hit = to_float(self.source[name], self.dtype)
-            except KeyError:
-                raise ReferenceModelError(f"weight {name} is missing from the checkpoint") from None
+            hit = to_float(self._get(name), self.dtype)
+            self._release(name)
             self._bytes += hit.nbytes
             while self.cache_bytes is not None and self._cache and self._bytes > self.cache_bytes:
                 self._bytes -= self._cache.pop(next(iter(self._cache))).nbytes
         self._cache[name] = hit  # (re)insert at the end: most recently used
         return hit
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._cache:
+            return self._cache[name].shape
+        shape_of = getattr(self.source, "shape_of", None)
+        return tuple(shape_of(name) if shape_of is not None else np.shape(self._get(name)))
+
+    def mm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ W.T for the weight `name` [N, K]; over `stream_bytes`, a block of rows of W at a time (each
+        block read, converted, multiplied and dropped), so memory holds one block, not W."""
+        shape = self.shape(name)
+        n, k = shape
+        if n * k * self.dtype.itemsize <= self.stream_bytes:
+            return x @ self(name).T
+        block = getattr(self.source, "block", None)
+        rows = max(1, STREAM_BLOCK_BYTES // (k * self.dtype.itemsize))
+        out = np.empty((x.shape[0], n), self.dtype)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            w = block(name, r0, r1) if block is not None else np.asarray(self._get(name))[r0:r1]
+            out[:, r0:r1] = x @ to_float(w, self.dtype).T
+            del w
+        self._release(name)
+        return out
+
     def rows(self, name: str, index: np.ndarray) -> np.ndarray:
         """Selected rows of a tensor without converting all of it (embedding lookup)."""
-        return to_float(np.asarray(self.source[name])[index], self.dtype)
+        out = to_float(np.asarray(self._get(name))[index], self.dtype)
+        self._release(name)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,18 +488,18 @@ class ReferenceModel:
         d, w, p = self.dims, self.w, f"model.layers.{i}.self_attn."
         r = x.shape[0]
         if d.q_lora_rank is None:
-            q = x @ w(p + "q_proj.weight").T
+            q = w.mm(x, p + "q_proj.weight")
         else:
-            q_latent = rms_norm(x @ w(p + "q_a_proj.weight").T, w(p + "q_a_layernorm.weight"), self.latent_norm_eps)
-            q = q_latent @ w(p + "q_b_proj.weight").T
+            q_latent = rms_norm(w.mm(x, p + "q_a_proj.weight"), w(p + "q_a_layernorm.weight"), self.latent_norm_eps)
+            q = w.mm(q_latent, p + "q_b_proj.weight")
         q = q.reshape(r, d.heads, d.nope + d.rope)
         q_nope, q_pe = q[..., : d.nope], apply_rope(q[..., d.nope :], cos, sin)
 
         # One shared projection gives the kv latent and the single-head rope key.
-        kv_a = x @ w(p + "kv_a_proj_with_mqa.weight").T
+        kv_a = w.mm(x, p + "kv_a_proj_with_mqa.weight")
         latent = rms_norm(kv_a[:, : d.kv_lora_rank], w(p + "kv_a_layernorm.weight"), self.latent_norm_eps)
         k_pe = apply_rope(kv_a[:, d.kv_lora_rank :], cos, sin)
-        kv = (latent @ w(p + "kv_b_proj.weight").T).reshape(r, d.heads, d.nope + d.v)
+        kv = w.mm(latent, p + "kv_b_proj.weight").reshape(r, d.heads, d.nope + d.v)
         k_nope, v = kv[..., : d.nope].transpose(1, 0, 2), kv[..., d.nope :].transpose(1, 0, 2)  # [H, R, .]
 
         out = np.empty((d.heads, r, d.v), self.dtype)
@@ -467,26 +516,29 @@ class ReferenceModel:
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
             out[:, rows] = np.matmul(probs, v_all)
-        return out.transpose(1, 0, 2).reshape(r, d.heads * d.v) @ w(p + "o_proj.weight").T
+        return w.mm(out.transpose(1, 0, 2).reshape(r, d.heads * d.v), p + "o_proj.weight")
 
     # --- feed-forward ------------------------------------------------------------------------
     def _dense_mlp(self, i: int, x: np.ndarray) -> np.ndarray:
-        p = f"model.layers.{i}.mlp."
-        return swiglu(x, self.w(p + "gate_proj.weight"), self.w(p + "up_proj.weight"), self.w(p + "down_proj.weight"))
+        return self._swiglu(x, f"model.layers.{i}.mlp.")
+
+    def _swiglu(self, x: np.ndarray, prefix: str) -> np.ndarray:
+        """`swiglu` with the weights under `prefix`, each multiplied through `WeightStore.mm`."""
+        w = self.w
+        return w.mm(silu(w.mm(x, prefix + "gate_proj.weight")) * w.mm(x, prefix + "up_proj.weight"),
+                    prefix + "down_proj.weight")
 
     def _moe(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(output, router ids, router margins) for rows x."""
         d, w, p = self.dims, self.w, f"model.layers.{i}.mlp."
-        ids, weights, margin = route(x @ w(p + "gate.weight").T, w(p + "gate.e_score_correction_bias"), d)
+        ids, weights, margin = route(w.mm(x, p + "gate.weight"), w(p + "gate.e_score_correction_bias"), d)
         y = np.zeros_like(x)
         for e in np.unique(ids):  # each expert once, over all tokens routed to it
             rows, slot = np.nonzero(ids == e)  # a token picks an expert at most once: rows are unique
-            q = f"{p}experts.{e}."
-            h = swiglu(x[rows], w(q + "gate_proj.weight"), w(q + "up_proj.weight"), w(q + "down_proj.weight"))
+            h = self._swiglu(x[rows], f"{p}experts.{e}.")  # read (dequantized) only now: a token routed here
             y[rows] += weights[rows, slot, None] * h
         if d.n_shared:  # shared experts: one SwiGLU of width n_shared * moe_intermediate, unweighted
-            q = p + "shared_experts."
-            y += swiglu(x, w(q + "gate_proj.weight"), w(q + "up_proj.weight"), w(q + "down_proj.weight"))
+            y += self._swiglu(x, p + "shared_experts.")
         return y, ids, margin
 
     # --- whole forward -----------------------------------------------------------------------
@@ -565,7 +617,7 @@ class ReferenceModel:
             s.cache.commit(pos)
 
         rows = x[ends - 1] if last_only else x
-        logits = rms_norm(rows, self.w("model.norm.weight"), d.eps) @ self.w("lm_head.weight").T
+        logits = self.w.mm(rms_norm(rows, self.w("model.norm.weight"), d.eps), "lm_head.weight")
         outs = []
         for j, sl in enumerate(slices):
             out = ForwardOutput(logits=logits[j : j + 1] if last_only else logits[sl])
