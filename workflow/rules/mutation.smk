@@ -8,14 +8,13 @@ rule mutant_runs:
     input:
         mutation_ready,
         sources=lambda wc: engine_sources("numpy"),
-        mutants="src/k2vec/engines/mutants.py",
         bundle="results/bundles/{model}-{precision}.kdtr",
-        code=sources("k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage"),
     output:
         directory("results/mutation/runs/{mutant}/{model}-{precision}"),
     wildcard_constraints:
         mutant="|".join(MUTANTS),
     params:
+        code=mutant_code,
         engine=lambda wc: {**engine_settings("numpy"),
                            "command": ENGINES["numpy"]["command"] + f" --mutant {wc.mutant}"},
         name=lambda wc: mutant_engine(wc.mutant),
@@ -41,12 +40,12 @@ rule mutation_report:
         mutants=[f"results/mutation/runs/{mu}/{m}-{p}" for mu, m, p in MUTATION_PLAN],
         goldens=expand("results/golden/{model}/{precision}.kdtr", model=MODELS, precision=PRECISIONS),
         golden_sha256=expand("results/golden/{model}/{precision}.kdtr.sha256", model=MODELS, precision=PRECISIONS),
-        code=sources("k2vec.report.mutation", "k2vec.stage"),
     output:
         html="results/mutation/mutation.html",
         csv="results/mutation/mutation.csv",
         rows_csv="results/mutation/mutation_rows.csv",
     params:
+        code=stage_code("mutation_report.py", "k2vec.report.mutation", "k2vec.stage"),
         runs=[run_record(*run) for run in RUNS if run[0] == "numpy"] + mutant_records(),
         mutants={mutant_engine(mu.name): {"name": mu.name, "area": mu.area, "changes": mu.changes,
                                           "stands_for": mu.stands_for}
