@@ -54,7 +54,7 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 _CONFIG_DEFAULTS = {"n_shared_experts": 0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
                     "q_lora_rank": None, "rope_scaling": None, "routed_scaling_factor": 1.0,
                     "norm_topk_prob": False}
-_YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
               "mscale", "mscale_all_dim")
 _ST_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "I32": np.dtype("<i4"),
               "I64": np.dtype("<i8")}
@@ -112,7 +112,11 @@ def _source_arch(cfg: dict, cfg_path: Path, key: str) -> dict[str, Any]:
     if rs is not None:
         if (rs.get("type") or rs.get("rope_type")) != "yarn":
             raise ConfigError(key, f"{cfg_path}: rope_scaling {rs!r} is not YaRN (the only scaling implemented)")
-        arch["rope_scaling"] = {k: rs[k] for k in _YARN_KEYS if k in rs}
+        if rs.get("truncate", True) is not True:
+            raise ConfigError(key, f"{cfg_path}: rope_scaling.truncate false (YaRN without the integer ramp bounds) "
+                                   f"is not implemented")
+        # written back by architecture.hf_config with rope_type and truncate, as for a synthetic model
+        arch["rope_scaling"] = {"type": "yarn", **{k: rs[k] for k in _YARN_KEYS if k in rs and "type" not in k}}
     return arch
 
 
