@@ -33,7 +33,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]
 from ct_checkpoint import arch, write_ct_checkpoint  # noqa: E402
-from k2vec.checkpoint import INDEX_NAME  # noqa: E402
+from k2vec.checkpoint import Checkpoint  # noqa: E402
 from k2vec.kdtr import open_bundle  # noqa: E402
 
 # K2 widths (docs: /work/shared/notes, k2vec.spec K2 presets once merged), as overrides of `tiny`
@@ -73,17 +73,19 @@ def run(workdir: Path) -> dict:
     t_pipeline = time.perf_counter() - t0
     if res.returncode:
         raise SystemExit(res.stderr[-5000:])
-    results = workdir / "results"
+    return {"source_s": t_source, "pipeline_s": t_pipeline, **check(workdir)}
 
+
+def check(workdir: Path) -> dict:
+    """The checks on a finished run in `workdir`, and its benchmark rows."""
+    source, results = workdir / "source", workdir / "results"
     # INT4 files: the checkpoint's bytes (one expert spot-checked here; every one in the tests)
-    from safetensors.numpy import load_file
-    src_map = json.loads((source / INDEX_NAME).read_text())["weight_map"]
+    state = Checkpoint(source, verify=False)  # an HF index records no hashes
     prefix = "model.layers.0.mlp.experts.5.down_proj"
-    state = load_file(str(source / src_map[prefix + ".weight_packed"]))
     qw = (results / f"models/{MODEL}/int4/model.layers.0.mlp.experts.2.down_proj.weight.qw").read_bytes()
     assert qw == state[prefix + ".weight_packed"].astype("<i4").tobytes()
     sc = (results / f"models/{MODEL}/int4/model.layers.0.mlp.experts.2.down_proj.weight.sc").read_bytes()
-    assert sc == state[prefix + ".weight_scale"].tobytes()
+    assert sc == state[prefix + ".weight_scale"].astype("<u2").tobytes()  # BF16 bits
 
     goldens = {p: open_bundle(results / f"golden/{MODEL}/{p}.kdtr") for p in ("fp32", "int4")}
     names = sorted(goldens["fp32"].keys())
@@ -106,7 +108,7 @@ def run(workdir: Path) -> dict:
         rows.append((stage, float(rec["s"]), float(rec["max_rss"])))
     sizes = {d: sum(f.stat().st_size for f in (workdir / d).rglob("*") if f.is_file())
              for d in ("source", f"results/models/{MODEL}", "results/bundles")}
-    return {"source_s": t_source, "pipeline_s": t_pipeline, "rows": rows, "sizes": sizes, "routed": routed}
+    return {"rows": rows, "sizes": sizes, "routed": routed}
 
 
 def main() -> None:
