@@ -32,7 +32,7 @@ import json
 import mmap
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -144,9 +144,9 @@ def _quant_group(cfg: dict, cfg_path: Path, key: str) -> dict[str, Any]:
 def _int_list(value: Any, key: str, what: str) -> list[int]:
     if (not isinstance(value, list) or not value
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
-        raise ConfigError(key, f"must be a non-empty list of {what} (non-negative integers), got {value!r}")
+        raise ConfigError(key, f"must be a non-empty list of {what} indices (non-negative integers), got {value!r}")
     if value != sorted(set(value)):
-        raise ConfigError(key, f"list each {what[:-1]} once, in ascending order (the slice keeps the source "
+        raise ConfigError(key, f"list each {what} once, in ascending order (the slice keeps the source "
                                f"order), got {value}")
     return value
 
@@ -169,13 +169,13 @@ def resolve_import(name: str, entry: Mapping[str, Any]) -> dict[str, Any]:
     group = _quant_group(cfg, cfg_path, f"{key}.checkpoint")
     if "layers" not in entry:
         raise ConfigError(f"{key}.layers", "name the source layers to keep, e.g. layers: [0, 3]")
-    layers = _int_list(entry["layers"], f"{key}.layers", "layer indices")
+    layers = _int_list(entry["layers"], f"{key}.layers", "layer")
     L = src["num_hidden_layers"]
     if layers[-1] >= L:
         raise ConfigError(f"{key}.layers", f"layer {layers[-1]} is out of range: {cfg_path} has num_hidden_layers "
                                            f"{L} (layers 0..{L - 1})")
     E, G = src["n_routed_experts"], src["n_group"]
-    experts = _int_list(entry.get("experts", list(range(E))), f"{key}.experts", "expert indices")
+    experts = _int_list(entry.get("experts", list(range(E))), f"{key}.experts", "expert")
     if experts[-1] >= E:
         raise ConfigError(f"{key}.experts", f"expert {experts[-1]} is out of range: {cfg_path} has "
                                             f"n_routed_experts {E} (experts 0..{E - 1})")
@@ -327,13 +327,13 @@ class _Source:
                                         f"in a file of {size} bytes (truncated or corrupt shard)")
         return path, e["dtype"], base + begin
 
-    def read(self, name: str, dtypes: tuple[str, ...], shape: list[int]) -> tuple[str, np.ndarray]:
-        """(safetensors dtype, a copy of the tensor's raw values in that dtype's numpy type)."""
+    def read(self, name: str, dtypes: tuple[str, ...], shape: list[int]) -> tuple[Path, str, np.ndarray]:
+        """(its file, safetensors dtype, a copy of the tensor's raw values in that dtype's numpy type)."""
         path, dtype, offset = self.info(name, dtypes, shape)
         count = int(np.prod(shape, dtype=np.int64))
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             arr = np.frombuffer(mm, _ST_DTYPES[dtype], count, offset).reshape(shape).copy()
-        return dtype, arr
+        return path, dtype, arr
 
 
 def _to_float32(dtype: str, raw: np.ndarray) -> np.ndarray:
@@ -395,13 +395,13 @@ class _Importer:
         if name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias")):
             # the router: the kept experts' rows of the source's
             source = self.model["source"]
-            dtype, raw = self.src.read(s, _FLOAT_DTYPES, [source["n_routed_experts"], *shape[1:]])
+            _, dtype, raw = self.src.read(s, _FLOAT_DTYPES, [source["n_routed_experts"], *shape[1:]])
             return _to_float32(dtype, raw[source["experts"]])
         m = _module(s)
         if m and f"{m}.weight_packed" in self.src:
             raise CheckpointImportError(f"{self.src.index_path}: {s} is stored pack-quantized, but the case's "
                                         f"quantization section does not list it (rerun from the config)")
-        dtype, raw = self.src.read(s, _FLOAT_DTYPES, shape)
+        _, dtype, raw = self.src.read(s, _FLOAT_DTYPES, shape)
         return _to_float32(dtype, raw)
 
     def _quantized(self, name: str, s: str, shape: list[int]) -> np.ndarray:
@@ -413,13 +413,12 @@ class _Importer:
         if s in self.src:
             raise CheckpointImportError(f"{self.src.index_path}: {s} exists beside {m}.weight_packed; a module is "
                                         f"either quantized or not")
-        path, _, _ = self.src.info(f"{m}.weight_shape", ("I64", "I32"), [2])
-        _, ws = self.src.read(f"{m}.weight_shape", ("I64", "I32"), [2])
+        path, _, ws = self.src.read(f"{m}.weight_shape", ("I64", "I32"), [2])
         if ws.tolist() != [n, k]:
             raise CheckpointImportError(f"{path}: tensor {m}.weight_shape is {ws.tolist()}, the config implies "
                                         f"[{n}, {k}] for {s}")
-        _, packed = self.src.read(f"{m}.weight_packed", ("I32",), [n, k // 8])
-        sdt, scales_raw = self.src.read(f"{m}.weight_scale", tuple(_SCALE_DTYPES), [n, k // g])
+        _, _, packed = self.src.read(f"{m}.weight_packed", ("I32",), [n, k // 8])
+        _, sdt, scales_raw = self.src.read(f"{m}.weight_scale", tuple(_SCALE_DTYPES), [n, k // g])
         sd = _SCALE_DTYPES[sdt]
         self.scale_dtypes.add(sd)
         codes_bytes = packed.view(np.uint8).reshape(n, k // 2)  # little-endian words: the .qw bytes
