@@ -267,6 +267,8 @@ def _driver(estimate, m: dict[str, Any], config: dict[str, Any], prefix: str) ->
     (the preset itself is too big), the size or run key whose doubling grows it most."""
     from .spec import PRESETS
 
+    if m["preset"] is None:  # an imported checkpoint slice: its size is the layers and experts it keeps
+        return f"{prefix}.layers"
     base = estimate(m, config)
     preset = PRESETS[m["preset"]]
     shrink = {f"{prefix}.{k}": base - estimate({**m, k: preset[k]}, config)

@@ -20,6 +20,7 @@ from typing import Any
 from .errors import ConfigError
 from .schemes import SCHEMES, check_patterns, is_quantized
 from .architecture import tensor_shapes
+from .checkpoint_import import is_import, resolve_import, resolve_import_quantization
 
 K2_YARN = {
     "type": "yarn",
@@ -148,7 +149,13 @@ def _require(cond: bool, key: str, reason: str) -> None:
 def resolve_model(name: str, entry: dict[str, Any]) -> dict[str, Any]:
     """Preset + overrides -> architecture dict (HF DeepseekV3 key names), checked for consistency."""
     key = f"models.{name}"
-    _require(isinstance(entry, dict), key, "must be a mapping with at least a 'preset' key")
+    _require(isinstance(entry, dict), key, "must be a mapping with a 'preset' or a 'checkpoint' key")
+    if is_import(entry):
+        _require("preset" not in entry, f"{key}.preset",
+                 "a model is either a preset or a checkpoint import, not both")
+        arch = resolve_import(name, entry)
+        check_model(arch, key)
+        return {"name": name, "preset": None, **arch}
     preset = entry.get("preset")
     _require(preset in PRESETS, f"{key}.preset",
              f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -306,7 +313,9 @@ def expand_config(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
         decoding = resolve_decoding(config["decoding"], model)
         cases[name] = {
             "model": model,
-            "quantization": resolve_quantization(config["quantization"], arch),
+            # an imported model's quantization is the checkpoint's (config's section: synthetic models)
+            "quantization": (resolve_import_quantization(arch) if "source" in arch
+                             else resolve_quantization(config["quantization"], arch)),
             "prompts": resolve_prompts(config["prompts"], arch, decoding, config["report"]),
             "decoding": decoding,
         }

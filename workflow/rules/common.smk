@@ -5,6 +5,7 @@ from snakemake.utils import validate
 
 # k2vec imports come from this checkout's src/, which the Snakefile puts first on sys.path and PYTHONPATH.
 from k2vec.budget import check_config
+from k2vec.checkpoint_import import source_files
 from k2vec.deps import code_digest, module_sources
 from k2vec.errors import ConfigError
 from k2vec.gpus import detect_devices
@@ -27,6 +28,8 @@ except (WorkflowError, ConfigError) as err:
     raise WorkflowError(f"Invalid configuration: {err}") from None
 
 MODELS = sorted(CASES)
+# Models whose weights are a slice of the user's checkpoint (rule import_checkpoint), not synthetic.
+IMPORTED_MODELS = [m for m in MODELS if "source" in CASES[m]["model"]]
 # The report's plot files (k2vec.report.OUTPUTS; a test keeps the two lists equal).
 REPORT_PLOTS = ["match_grid", "logit_error", "first_bad_layer", "acceptance", "format_effect", "score_kl"]
 PRECISIONS = ["fp32", "int4"]
@@ -125,6 +128,11 @@ def engine_run_inputs(wildcards):
     if ENGINES[wildcards.engine]["build"]:
         inputs["stamp"] = f"results/engines/{wildcards.engine}/build.stamp"
     return inputs
+
+
+def import_sources(wildcards):
+    """The files of the user's checkpoint an imported model's slice reads."""
+    return source_files(CASES[wildcards.model]["model"])
 
 
 def prompts_inputs(wildcards):

@@ -1,0 +1,30 @@
+# Import of a checkpoint slice (docs/checkpoint-import.md): for a model entry with `checkpoint:`, the
+# fp32 and int4 weights come from the user's compressed-tensors checkpoint instead of the weights
+# and quantize stages (the INT4 codes and scales copied, never re-quantized).
+
+
+rule import_checkpoint:
+    input:
+        model="results/cases/{model}/model.json",
+        quantization="results/cases/{model}/quantization.json",
+        source=import_sources,
+    output:
+        fp32=directory("results/models/{model}/fp32"),
+        int4=directory("results/models/{model}/int4"),
+    wildcard_constraints:
+        model="|".join(IMPORTED_MODELS) or "^$",
+    params:
+        code=stage_code("import_checkpoint.py", "k2vec.checkpoint_import", "k2vec.cases", "k2vec.stage"),
+    log:
+        "results/logs/import_checkpoint/{model}.log",
+    benchmark:
+        "results/benchmarks/import_checkpoint/{model}.tsv"
+    conda:
+        "../envs/pipeline.yaml"
+    script:
+        "../scripts/import_checkpoint.py"
+
+
+# An imported model's weights come from here only (the weights and quantize rules could also make them).
+ruleorder: import_checkpoint > weights
+ruleorder: import_checkpoint > quantize
