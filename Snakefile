@@ -47,6 +47,9 @@ rule all:
         "results/report/strict.ok" if config["report"]["strict"] else [],
 
 
+include: "workflow/rules/slurm.smk"  # last: partitions for every rule declared above
+
+
 onsuccess:
     summary = "results/report/summary.txt"
     if os.path.exists(summary):

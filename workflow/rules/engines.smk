@@ -4,6 +4,11 @@
 # editing a kernel reruns exactly that engine's runs and the report.
 
 
+def slurm_partition(gpus):
+    """The partition of a job that needs `gpus` GPUs (config `slurm:`); None: the cluster's default."""
+    return (config["slurm"]["gpu_partition"] or config["slurm"]["partition"]) if gpus else config["slurm"]["partition"]
+
+
 rule engine_build:
     input:
         sources=lambda wc: engine_sources(wc.engine),
@@ -39,6 +44,10 @@ rule engine_run:
         scratch="results/scratch/{engine}/{model}-{precision}-{mode}",
     resources:
         gpu=lambda wc: ENGINES[wc.engine]["gpus"],
+        # Read only by the SLURM executor plugin (profiles/slurm): `gpu` and `gpu_model` become
+        # sbatch --gpus=<model>:<n>, slurm_partition -p; None leaves the option out.
+        gpu_model=lambda wc: config["slurm"]["gpu_model"] if ENGINES[wc.engine]["gpus"] else None,
+        slurm_partition=lambda wc: slurm_partition(ENGINES[wc.engine]["gpus"]),
     log:
         engine="results/logs/runs/{engine}/{model}-{precision}-{mode}.engine.log",
         runner="results/logs/runs/{engine}/{model}-{precision}-{mode}.log",
