@@ -78,3 +78,22 @@ def test_slurm_profile_loads(tmp_path):
                     "--directory", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"Using workflow specific profile {REPO / 'profiles' / 'slurm'}" in res.stdout + res.stderr
+
+
+def test_a_jobs_own_snakemake_leaves_temporaries_alone(tmp_path):
+    # Under SLURM each job's Snakemake parses the Snakefile on its node (--mode remote). A temporary named
+    # for a pid that is dead here may be a live writer's on another node: only the submitting process,
+    # whose writers all run on its own host or are its jobs, may sweep.
+    pid = 4194305   # above Linux's largest pid_max (2**22): never alive on this host
+    planted = tmp_path / "results" / "cases" / f".tiny.json.{pid}.x1y2.tmp"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("being written on another node")
+    res = snakemake("-n", "--mode", "remote", "results/cases/tiny/model.json", "--directory", str(tmp_path),
+                    cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert planted.exists()
+    assert not (tmp_path / ".snakemake" / "k2vec-owners").exists()
+    # The started Snakemake does sweep it (k2vec.workflow_setup): the writer is dead on the only host it serves.
+    res = snakemake("-n", "results/cases/tiny/model.json", "--directory", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not planted.exists()
