@@ -4,11 +4,6 @@
 # editing a kernel reruns exactly that engine's runs and the report.
 
 
-def slurm_partition(gpus):
-    """The partition of a job that needs `gpus` GPUs (config `slurm:`); None: the cluster's default."""
-    return (config["slurm"]["gpu_partition"] or config["slurm"]["partition"]) if gpus else config["slurm"]["partition"]
-
-
 rule engine_build:
     input:
         sources=lambda wc: engine_sources(wc.engine),
