@@ -16,9 +16,12 @@ workflow_setup.put_checkout_first(os.path.join(workflow.basedir, "src"))
 
 # A plain rerun after a kill: drop the Snakemake lock and the temporaries that dead runs left here
 # (a live run's are kept, so a second concurrent run is still refused). Snakemake checks its lock
-# after parsing, so this cannot wait for `onstart`.
-for message in workflow_setup.claim_working_directory().messages():
-    print(message, file=sys.stderr)
+# after parsing, so this cannot wait for `onstart`. Only in the Snakemake that was started: a job's
+# own Snakemake (on a cluster node) takes no lock, and on another node than the writer's it would
+# take the writer of every temporary for dead (pids are per node) and delete running jobs' files.
+if workflow.is_main_process:
+    for message in workflow_setup.claim_working_directory().messages():
+        print(message, file=sys.stderr)
 
 
 include: "workflow/rules/config.smk"  # configfile: config.yaml, after a strict read of every config file
@@ -49,6 +52,9 @@ rule all:
         expand("results/format-effect/{model}.json", model=MODELS),
         "results/report/divergence.html",
         "results/report/strict.ok" if config["report"]["strict"] else [],
+
+
+include: "workflow/rules/slurm.smk"  # last: partitions for every rule declared above
 
 
 onsuccess:

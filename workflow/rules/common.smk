@@ -122,6 +122,11 @@ def engine_settings(engine):
     return {k: v for k, v in ENGINES[engine].items() if k not in ("source_files", "ddtree_budgets")}
 
 
+def slurm_partition(gpus):
+    """The partition of a job that needs `gpus` GPUs (config `slurm:`); None: the cluster's default."""
+    return (config["slurm"]["gpu_partition"] or config["slurm"]["partition"]) if gpus else config["slurm"]["partition"]
+
+
 def engine_run_inputs(wildcards):
     """The engine's sources, and its build stamp when it has a build step."""
     inputs = {"sources": engine_sources(wildcards.engine)}

@@ -43,6 +43,10 @@ rule engine_run:
         scratch="results/scratch/{engine}/{model}-{precision}-{mode}",
     resources:
         gpu=lambda wc: ENGINES[wc.engine]["gpus"],
+        # Read only by the SLURM executor plugin (profiles/slurm): `gpu` and `gpu_model` become
+        # sbatch --gpus=<model>:<n>, slurm_partition -p; None leaves the option out.
+        gpu_model=lambda wc: config["slurm"]["gpu_model"] if ENGINES[wc.engine]["gpus"] else None,
+        slurm_partition=lambda wc: slurm_partition(ENGINES[wc.engine]["gpus"]),
     log:
         engine="results/logs/runs/{engine}/{model}-{precision}-{mode}.engine.log",
         runner="results/logs/runs/{engine}/{model}-{precision}-{mode}.log",
