@@ -23,7 +23,7 @@ SOURCES[runner]="src/k2vec/engines/runner.py"
 TESTS[runner]="tests/test_runner.py tests/test_runner_hardening.py tests/test_mutation_runner.py"
 SOURCES[spec]="src/k2vec/spec.py"
 TESTS[spec]="tests/test_spec.py tests/test_mutation_spec.py"
-SOURCES[report]="src/k2vec/report/classify.py src/k2vec/report/tokens.py src/k2vec/report/logits.py src/k2vec/report/score.py src/k2vec/report/metrics.py"
+SOURCES[report]="src/k2vec/report/classify.py src/k2vec/report/tokens.py src/k2vec/report/logits.py src/k2vec/report/score.py"
 TESTS[report]="tests/test_report_metrics.py tests/test_report_classify.py tests/test_report_gate.py tests/test_mutation_report.py"
 SOURCES[kdtr]="src/k2vec/kdtr/reader.py src/k2vec/kdtr/format.py"
 TESTS[kdtr]="tests/test_kdtr_roundtrip.py tests/test_kdtr_malformed.py tests/test_kdtr_cli.py tests/test_mutation_kdtr.py"
@@ -71,8 +71,11 @@ for m in "${modules[@]}"; do
     echo "== $m: mutating ${SOURCES[$m]}; tests:$tests"
     start=$(date +%s)
     # mutmut's exit status is not the verdict: the counts below are
+    # a private pytest temp root: the default one (/tmp/pytest-of-USER) keeps only the 3 newest sessions'
+    # directories, so a concurrent pytest elsewhere on the machine could delete a session fixture's files
+    mkdir -p "$dir/tmp"
     (cd "$dir" && env -u PYTHONPATH ${mutmut_pythonpath:+PYTHONPATH=$mutmut_pythonpath} \
-        "$PYTHON" -m mutmut run --max-children "$jobs" >"$dir/mutmut.log" 2>&1) || {
+        PYTEST_DEBUG_TEMPROOT="$dir/tmp" "$PYTHON" -m mutmut run --max-children "$jobs" >"$dir/mutmut.log" 2>&1) || {
         echo "mutmut failed for $m; log: $dir/mutmut.log" >&2; tail -20 "$dir/mutmut.log" >&2; exit 1; }
     seconds=$(( $(date +%s) - start ))
     (cd "$dir" && env -u PYTHONPATH ${mutmut_pythonpath:+PYTHONPATH=$mutmut_pythonpath} \
