@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut 3) over the modules where a silent error costs users most.
 #
-#   bench/mutation.sh [MODULE ...]      MODULE: runner spec report kdtr quant (default: all)
+#   bench/mutation.sh [MODULE ...]      MODULE: quant spec report kdtr runner (default: all, in that order)
 #
 # Each module is mutated in its own copy of this checkout under .mutation/MODULE (git-ignored), with only
 # the fast tests that exercise it; mutmut then runs, per mutant, only the tests that call the mutated
@@ -29,7 +29,7 @@ SOURCES[kdtr]="src/k2vec/kdtr/reader.py src/k2vec/kdtr/format.py"
 TESTS[kdtr]="tests/test_kdtr_roundtrip.py tests/test_kdtr_malformed.py tests/test_kdtr_cli.py tests/test_mutation_kdtr.py"
 SOURCES[quant]="src/k2vec/quant.py"
 TESTS[quant]="tests/test_quant.py tests/test_mutation_quant.py"
-ALL=(runner spec report kdtr quant)
+ALL=(quant spec report kdtr runner)
 
 modules=("$@")
 [ ${#modules[@]} -gt 0 ] || modules=("${ALL[@]}")
