@@ -201,6 +201,10 @@ def test_command_template_errors_say_where():
         "engines.bad.command",
         "stray '}' at character 23 (near 'run {bundle} {output} }'); "
         "for a brace the shell should see, write it twice ({{ or }})")
+    assert engine_error({"command": "run {bundle} {output} {"}) == (
+        "engines.bad.command",
+        "stray '{' at character 23 (near 'run {bundle} {output} {'); "
+        "for a brace the shell should see, write it twice ({{ or }})")
     assert engine_error({"command": "run {bundle!r} {output}"}) == (
         "engines.bad.command",
         "placeholder {bundle!r} at character 5 (near 'run {bundle!r} {output}') has a conversion or format "
