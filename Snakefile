@@ -25,8 +25,6 @@ if workflow.is_main_process:
 
 
 include: "workflow/rules/config.smk"  # configfile: config.yaml, after a strict read of every config file
-
-
 include: "workflow/rules/common.smk"
 include: "workflow/rules/cases.smk"
 include: "workflow/rules/weights.smk"

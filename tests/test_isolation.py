@@ -136,7 +136,6 @@ def test_sandboxed_engine_cannot_write_outside_its_output_directory(tmp_path, sa
                "new file in results": results / "new.json",
                "the bundle": results / "bundles" / "b.kdtr", "home": Path(os.path.expanduser("~")) / ".k2vec-probe"}
     (tmp_path / "src-file.py").write_text("original\n")
-    tried = tmp_path / "tried.json"
     body = (f"targets = {({k: str(v) for k, v in outside.items()})!r}\n"
             "res = {}\n"
             "for what, path in targets.items():\n"

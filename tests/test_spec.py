@@ -1,5 +1,4 @@
 """Config expansion: presets, derived dimensions and the cross-field checks a schema cannot make."""
-import copy
 
 import pytest
 

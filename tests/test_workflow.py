@@ -250,7 +250,8 @@ def test_model_change_regenerates_weights(built_workflow, tmp_path):
 def test_readme_rule_graph_is_current():
     res = snakemake("--rulegraph", "mermaid-js", cwd=REPO)
     assert res.returncode == 0, res.stderr
-    edges = lambda text: sorted(l.strip() for l in text.splitlines() if re.match(r"\s*id\d+(\[.*\]| --> id\d+)$", l))
+    def edges(text):
+        return sorted(x.strip() for x in text.splitlines() if re.match(r"\s*id\d+(\[.*\]| --> id\d+)$", x))
     readme = (REPO / "README.md").read_text()
     block = re.search(r"```mermaid\n(.*?)```", readme, re.S).group(1)
     assert edges(block) == edges(res.stdout)

@@ -12,14 +12,14 @@ rule bundle:
         "results/bundles/{model}-{precision}.kdtr",
         # its sha256, checked by the engine runner and the report
         "results/bundles/{model}-{precision}.kdtr.sha256",
-    params:
-        # per precision: the fp32 bundle does not run the quantizer
-        code=precision_code("bundle.py", "k2vec.bundle", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/bundle/{model}-{precision}.log",
     benchmark:
         "results/benchmarks/bundle/{model}-{precision}.tsv"
     conda:
         "../envs/pipeline.yaml"
+    params:
+        # per precision: the fp32 bundle does not run the quantizer
+        code=precision_code("bundle.py", "k2vec.bundle", "k2vec.cases", "k2vec.stage"),
     script:
         "../scripts/bundle.py"

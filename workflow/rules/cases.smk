@@ -6,15 +6,15 @@
 rule case_section:
     output:
         "results/cases/{model}/{section}.json",
-    params:
-        content=lambda wc: CASES[wc.model][wc.section],
-        code=stage_code("write_json.py", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/cases/{model}/{section}.log",
     benchmark:
         "results/benchmarks/cases/{model}/{section}.tsv"
     conda:
         "../envs/pipeline.yaml"
+    params:
+        content=lambda wc: CASES[wc.model][wc.section],
+        code=stage_code("write_json.py", "k2vec.cases", "k2vec.stage"),
     script:
         "../scripts/write_json.py"
 
@@ -27,13 +27,13 @@ rule case:
         ),
     output:
         "results/cases/{model}.json",
-    params:
-        code=stage_code("merge_case.py", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/cases/{model}.log",
     benchmark:
         "results/benchmarks/cases/{model}.tsv"
     conda:
         "../envs/pipeline.yaml"
+    params:
+        code=stage_code("merge_case.py", "k2vec.cases", "k2vec.stage"),
     script:
         "../scripts/merge_case.py"

@@ -9,8 +9,14 @@ from k2vec.checkpoint_import import source_files
 from k2vec.deps import code_digest, module_sources
 from k2vec.errors import ConfigError
 from k2vec.gpus import detect_devices
-from k2vec.spec import (engine_runs, engines_missing_modules, engines_short_of_gpus, expand_config, resolve_engines,
-                        schema_error)
+from k2vec.spec import (
+    engine_runs,
+    engines_missing_modules,
+    engines_short_of_gpus,
+    expand_config,
+    resolve_engines,
+    schema_error,
+)
 
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
@@ -18,8 +24,7 @@ try:
     ENGINES = resolve_engines(config, workflow.basedir)
     # Resource budget (k2vec.budget): a config whose memory, disk or file count cannot fit here stops
     # now, before expand_config lists every tensor of every model and before any job.
-    check_config(config, engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"]),
-                 os.path.abspath("results"))
+    check_config(config, engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"]), os.path.abspath("results"))
     CASES = expand_config(config)
 except (WorkflowError, ConfigError) as err:
     # Name the offending key first, whichever check found it.
@@ -47,8 +52,11 @@ if workflow.local_exec:
     # Without enough devices a GPU engine's runs could only fail: leave them out, say so in one line.
     GPU_LEFT_OUT = engines_short_of_gpus(ENGINES, len(GPU_DEVICES))
     if GPU_LEFT_OUT and workflow.is_main_process:
-        print(f"k2vec: no run of GPU engine(s) {', '.join(GPU_LEFT_OUT)}: the GPU pool has "
-              f"{len(GPU_DEVICES)} device(s) (config gpus.devices)", file=sys.stderr)
+        print(
+            f"k2vec: no run of GPU engine(s) {', '.join(GPU_LEFT_OUT)}: the GPU pool has "
+            f"{len(GPU_DEVICES)} device(s) (config gpus.devices)",
+            file=sys.stderr,
+        )
     # A GPU job started while every device is leased would sit holding a core until one frees up:
     # cap the `gpu` resource (the profile says 8) at the pool's size so the scheduler never starts it.
     # (Only where GPU jobs remain: otherwise the limit is moot and stays as given.)
@@ -61,8 +69,11 @@ if workflow.local_exec:
 MODULES_LEFT_OUT = engines_missing_modules(ENGINES)
 if MODULES_LEFT_OUT and workflow.is_main_process:
     _absent = sorted({m for ms in MODULES_LEFT_OUT.values() for m in ms})
-    print(f"k2vec: no run of engine(s) {', '.join(MODULES_LEFT_OUT)}: {', '.join(_absent)} not importable by "
-          f"{sys.executable} (engines.<name>.requires)", file=sys.stderr)
+    print(
+        f"k2vec: no run of engine(s) {', '.join(MODULES_LEFT_OUT)}: {', '.join(_absent)} not importable by "
+        f"{sys.executable} (engines.<name>.requires)",
+        file=sys.stderr,
+    )
 RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], GPU_LEFT_OUT + list(MODULES_LEFT_OUT))
 
 
@@ -109,9 +120,11 @@ def engine_sources(engine):
 
 def engine_code(script, *modules):
     """stage_code per {engine}, with the meaning of the engine's own Python sources."""
+
     def digest(wildcards):
         python = [p for p in ENGINES[wildcards.engine]["source_files"] if p.endswith(".py")]
         return code_digest([*stage_files(script, *modules), *python], workflow.basedir)
+
     return digest
 
 
@@ -173,13 +186,24 @@ def run_result(engine, model, precision, mode):
 
 def format_effect_record(model):
     """The format-effect run (rule format_effect), judged like an engine `int4-format` score run on fp32."""
-    return {"engine": "int4-format", "model": model, "precision": "fp32", "mode": "score",
-            "result": f"results/format-effect/{model}.json", "reference": True}
+    return {
+        "engine": "int4-format",
+        "model": model,
+        "precision": "fp32",
+        "mode": "score",
+        "result": f"results/format-effect/{model}.json",
+        "reference": True,
+    }
 
 
 def run_record(engine, model, precision, mode):
     """What the report needs to know about one engine run."""
-    return {"engine": engine, "model": model, "precision": precision, "mode": mode,
-            "result": run_result(engine, model, precision, mode),
-            # the declared compute precision, not the bundle's fp32/int4: picks the report's budget
-            "precision_class": ENGINES[engine]["precision"]}
+    return {
+        "engine": engine,
+        "model": model,
+        "precision": precision,
+        "mode": mode,
+        "result": run_result(engine, model, precision, mode),
+        # the declared compute precision, not the bundle's fp32/int4: picks the report's budget
+        "precision_class": ENGINES[engine]["precision"],
+    }

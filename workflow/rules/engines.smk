@@ -10,18 +10,18 @@ rule engine_build:
         sources=lambda wc: engine_sources(wc.engine),
     output:
         "results/engines/{engine}/build.stamp",
-    params:
-        code=engine_code("engine_build.py", "k2vec.engines.build", "k2vec.stage"),
-        # every source, Python ones included, hashed into the stamp
-        sources=lambda wc: engine_source_paths(wc.engine),
-        command=lambda wc: ENGINES[wc.engine]["build"],
-        timeout_s=lambda wc: ENGINES[wc.engine]["build_timeout_s"],
     log:
         "results/logs/engines/{engine}/build.log",
     benchmark:
         "results/benchmarks/engines/{engine}/build.tsv"
     conda:
         "../envs/pipeline.yaml"
+    params:
+        code=engine_code("engine_build.py", "k2vec.engines.build", "k2vec.stage"),
+        # every source, Python ones included, hashed into the stamp
+        sources=lambda wc: engine_source_paths(wc.engine),
+        command=lambda wc: ENGINES[wc.engine]["build"],
+        timeout_s=lambda wc: ENGINES[wc.engine]["build_timeout_s"],
     script:
         "../scripts/engine_build.py"
 
@@ -32,6 +32,19 @@ rule engine_run:
         bundle="results/bundles/{model}-{precision}.kdtr",
     output:
         "results/runs/{engine}/{model}-{precision}-{mode}.json",
+    log:
+        engine="results/logs/runs/{engine}/{model}-{precision}-{mode}.engine.log",
+        runner="results/logs/runs/{engine}/{model}-{precision}-{mode}.log",
+    benchmark:
+        "results/benchmarks/runs/{engine}/{model}-{precision}-{mode}.tsv"
+    conda:
+        "../envs/pipeline.yaml"
+    resources:
+        gpu=lambda wc: ENGINES[wc.engine]["gpus"],
+        # Read only by the SLURM executor plugin (profiles/slurm): `gpu` and `gpu_model` become
+        # sbatch --gpus=<model>:<n>, slurm_partition -p; None leaves the option out.
+        gpu_model=lambda wc: config["slurm"]["gpu_model"] if ENGINES[wc.engine]["gpus"] else None,
+        slurm_partition=lambda wc: slurm_partition(ENGINES[wc.engine]["gpus"]),
     params:
         # the runner's code and the engine's Python sources (its other sources are inputs)
         code=engine_code("engine_run.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage"),
@@ -41,18 +54,5 @@ rule engine_run:
         lock_dir=config["gpus"]["lock_dir"],
         # the engine's working directory, removed after an ok run (docs/engine-contract.md section 2)
         scratch="results/scratch/{engine}/{model}-{precision}-{mode}",
-    resources:
-        gpu=lambda wc: ENGINES[wc.engine]["gpus"],
-        # Read only by the SLURM executor plugin (profiles/slurm): `gpu` and `gpu_model` become
-        # sbatch --gpus=<model>:<n>, slurm_partition -p; None leaves the option out.
-        gpu_model=lambda wc: config["slurm"]["gpu_model"] if ENGINES[wc.engine]["gpus"] else None,
-        slurm_partition=lambda wc: slurm_partition(ENGINES[wc.engine]["gpus"]),
-    log:
-        engine="results/logs/runs/{engine}/{model}-{precision}-{mode}.engine.log",
-        runner="results/logs/runs/{engine}/{model}-{precision}-{mode}.log",
-    benchmark:
-        "results/benchmarks/runs/{engine}/{model}-{precision}-{mode}.tsv"
-    conda:
-        "../envs/pipeline.yaml"
     script:
         "../scripts/engine_run.py"

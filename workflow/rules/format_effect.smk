@@ -14,14 +14,14 @@ rule format_effect:
         "results/format-effect/{model}.json",
         # its sha256, checked by the report as a run result's
         "results/format-effect/{model}.json.sha256",
-    params:
-        code=stage_code("format_effect.py", "k2vec.format_effect", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/format-effect/{model}.log",
     benchmark:
         "results/benchmarks/format-effect/{model}.tsv"
-    threads: 1
     conda:
         "../envs/pipeline.yaml"
+    threads: 1
+    params:
+        code=stage_code("format_effect.py", "k2vec.format_effect", "k2vec.cases", "k2vec.stage"),
     script:
         "../scripts/format_effect.py"

@@ -13,15 +13,15 @@ rule golden:
         "results/golden/{model}/{precision}.kdtr",
         # its sha256, checked by the bundle stage and the report
         "results/golden/{model}/{precision}.kdtr.sha256",
-    params:
-        # per precision: the fp32 golden does not run the quantizer
-        code=precision_code("golden.py", "k2vec.golden", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/golden/{model}/{precision}.log",
     benchmark:
         "results/benchmarks/golden/{model}/{precision}.tsv"
-    threads: 1
     conda:
         "../envs/pipeline.yaml"
+    threads: 1
+    params:
+        # per precision: the fp32 golden does not run the quantizer
+        code=precision_code("golden.py", "k2vec.golden", "k2vec.cases", "k2vec.stage"),
     script:
         "../scripts/golden.py"

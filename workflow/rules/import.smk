@@ -11,16 +11,16 @@ rule import_checkpoint:
     output:
         fp32=directory("results/models/{model}/fp32"),
         int4=directory("results/models/{model}/int4"),
-    wildcard_constraints:
-        model="|".join(IMPORTED_MODELS) or "^$",
-    params:
-        code=stage_code("import_checkpoint.py", "k2vec.checkpoint_import", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/import_checkpoint/{model}.log",
     benchmark:
         "results/benchmarks/import_checkpoint/{model}.tsv"
+    wildcard_constraints:
+        model="|".join(IMPORTED_MODELS) or "^$",
     conda:
         "../envs/pipeline.yaml"
+    params:
+        code=stage_code("import_checkpoint.py", "k2vec.checkpoint_import", "k2vec.cases", "k2vec.stage"),
     script:
         "../scripts/import_checkpoint.py"
 

@@ -4,6 +4,7 @@
 # report's code judges them beside the unmutated engine's own runs (the false-alarm check). One job per
 # (mutant, model, precision) runs its modes one after the other: fewer Snakemake jobs, same engine runs.
 
+
 rule mutant_runs:
     input:
         mutation_ready,
@@ -11,24 +12,26 @@ rule mutant_runs:
         bundle="results/bundles/{model}-{precision}.kdtr",
     output:
         directory("results/mutation/runs/{mutant}/{model}-{precision}"),
-    wildcard_constraints:
-        mutant="|".join(MUTANTS),
-    params:
-        code=mutant_code,
-        engine=lambda wc: {**engine_settings("numpy"),
-                           "command": ENGINES["numpy"]["command"] + f" --mutant {wc.mutant}"},
-        name=lambda wc: mutant_engine(wc.mutant),
-        modes=mutant_modes,
-        devices=GPU_DEVICES,
-        lock_dir=config["gpus"]["lock_dir"],
-        scratch="results/scratch/mutants/{mutant}/{model}-{precision}",
     log:
         runner="results/logs/mutation/{mutant}/{model}-{precision}.log",
         engine="results/logs/mutation/{mutant}/{model}-{precision}.engine.log",  # every mode's stderr, in turn
     benchmark:
         "results/benchmarks/mutation/{mutant}/{model}-{precision}.tsv"
+    wildcard_constraints:
+        mutant="|".join(MUTANTS),
     conda:
         "../envs/pipeline.yaml"
+    params:
+        code=mutant_code,
+        engine=lambda wc: {
+            **engine_settings("numpy"),
+            "command": ENGINES["numpy"]["command"] + f" --mutant {wc.mutant}",
+        },
+        name=lambda wc: mutant_engine(wc.mutant),
+        modes=mutant_modes,
+        devices=GPU_DEVICES,
+        lock_dir=config["gpus"]["lock_dir"],
+        scratch="results/scratch/mutants/{mutant}/{model}-{precision}",
     script:
         "../scripts/mutant_runs.py"
 
@@ -44,23 +47,30 @@ rule mutation_report:
         html="results/mutation/mutation.html",
         csv="results/mutation/mutation.csv",
         rows_csv="results/mutation/mutation_rows.csv",
-    params:
-        code=stage_code("mutation_report.py", "k2vec.report.mutation", "k2vec.stage"),
-        runs=[run_record(*run) for run in RUNS if run[0] == "numpy"] + mutant_records(),
-        mutants={mutant_engine(mu.name): {"name": mu.name, "area": mu.area, "changes": mu.changes,
-                                          "stands_for": mu.stands_for}
-                 for mu in MUTANTS.values() if any(k[0] == mu.name for k in MUTATION_PLAN)},
-        control="numpy",
-        goldens={f"{m}/{p}": f"results/golden/{m}/{p}.kdtr" for m in MODELS for p in PRECISIONS},
-        near_tie=config["report"]["near_tie"],
-        router_near_tie=config["report"]["router_near_tie"],
-        fingerprint_rtol=config["report"]["fingerprint_rtol"],
-        budgets=config["report"].get("budgets", {}),
     log:
         "results/logs/mutation_report.log",
     benchmark:
         "results/benchmarks/mutation_report.tsv"
     conda:
         "../envs/report.yaml"
+    params:
+        code=stage_code("mutation_report.py", "k2vec.report.mutation", "k2vec.stage"),
+        runs=[run_record(*run) for run in RUNS if run[0] == "numpy"] + mutant_records(),
+        mutants={
+            mutant_engine(mu.name): {
+                "name": mu.name,
+                "area": mu.area,
+                "changes": mu.changes,
+                "stands_for": mu.stands_for,
+            }
+            for mu in MUTANTS.values()
+            if any(k[0] == mu.name for k in MUTATION_PLAN)
+        },
+        control="numpy",
+        goldens={f"{m}/{p}": f"results/golden/{m}/{p}.kdtr" for m in MODELS for p in PRECISIONS},
+        near_tie=config["report"]["near_tie"],
+        router_near_tie=config["report"]["router_near_tie"],
+        fingerprint_rtol=config["report"]["fingerprint_rtol"],
+        budgets=config["report"].get("budgets", {}),
     script:
         "../scripts/mutation_report.py"

@@ -21,14 +21,30 @@ def mutant_engine(mutant):
 
 
 def mutant_records():
-    return [{"engine": mutant_engine(mu), "model": m, "precision": p, "mode": mode,
-             "result": f"results/mutation/runs/{mu}/{m}-{p}/{mode}.json", "precision_class": "float32"}
-            for (mu, m, p), modes in MUTATION_PLAN.items() for mode in modes]
+    return [
+        {
+            "engine": mutant_engine(mu),
+            "model": m,
+            "precision": p,
+            "mode": mode,
+            "result": f"results/mutation/runs/{mu}/{m}-{p}/{mode}.json",
+            "precision_class": "float32",
+        }
+        for (mu, m, p), modes in MUTATION_PLAN.items()
+        for mode in modes
+    ]
 
 
 def mutant_code(wildcards):
     """What a mutant run executes, by meaning: its script, the runner, and the numpy engine's Python
     sources (the catalogue, k2vec.engines.mutants, is among the engine's imports via --mutant)."""
     python = [p for p in ENGINES["numpy"]["source_files"] if p.endswith(".py")]
-    return code_digest([*stage_files("mutant_runs.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage",
-                                     "k2vec.engines.mutants"), *python], workflow.basedir)
+    return code_digest(
+        [
+            *stage_files(
+                "mutant_runs.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage", "k2vec.engines.mutants"
+            ),
+            *python,
+        ],
+        workflow.basedir,
+    )

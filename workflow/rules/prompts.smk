@@ -11,15 +11,15 @@ rule prompts:
         settings="results/cases/{model}/prompts.json",
     output:
         "results/prompts/{model}-{precision}.json",
-    params:
-        # per precision: the fp32 prompts do not run the quantizer
-        code=precision_code("draw_prompts.py", "k2vec.prompts", "k2vec.golden", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/prompts/{model}-{precision}.log",
     benchmark:
         "results/benchmarks/prompts/{model}-{precision}.tsv"
-    threads: 1
     conda:
         "../envs/pipeline.yaml"
+    threads: 1
+    params:
+        # per precision: the fp32 prompts do not run the quantizer
+        code=precision_code("draw_prompts.py", "k2vec.prompts", "k2vec.golden", "k2vec.cases", "k2vec.stage"),
     script:
         "../scripts/draw_prompts.py"

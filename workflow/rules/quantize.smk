@@ -8,14 +8,14 @@ rule quantize:
         quantization="results/cases/{model}/quantization.json",
     output:
         directory("results/models/{model}/int4"),
-    params:
-        code=stage_code("quantize.py", "k2vec.int4_checkpoint", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/quantize/{model}.log",
     benchmark:
         "results/benchmarks/quantize/{model}.tsv"
     conda:
         "../envs/pipeline.yaml"
+    params:
+        code=stage_code("quantize.py", "k2vec.int4_checkpoint", "k2vec.cases", "k2vec.stage"),
     script:
         "../scripts/quantize.py"
 
@@ -26,13 +26,13 @@ rule export_compressed_tensors:
         int4="results/models/{model}/int4",
     output:
         directory("results/models/{model}/compressed-tensors"),
-    params:
-        code=stage_code("export_compressed_tensors.py", "k2vec.int4_checkpoint", "k2vec.stage"),
     log:
         "results/logs/export_compressed_tensors/{model}.log",
     benchmark:
         "results/benchmarks/export_compressed_tensors/{model}.tsv"
     conda:
         "../envs/pipeline.yaml"
+    params:
+        code=stage_code("export_compressed_tensors.py", "k2vec.int4_checkpoint", "k2vec.stage"),
     script:
         "../scripts/export_compressed_tensors.py"

@@ -22,6 +22,12 @@ rule report:
             caption="../report/plots.rst",
             category="Plots",
         ),
+    log:
+        "results/logs/report.log",
+    benchmark:
+        "results/benchmarks/report.tsv"
+    conda:
+        "../envs/report.yaml"
     params:
         code=stage_code("report.py", "k2vec.report", "k2vec.stage"),
         runs=[run_record(*run) for run in RUNS] + [format_effect_record(m) for m in MODELS],
@@ -30,12 +36,6 @@ rule report:
         router_near_tie=config["report"]["router_near_tie"],
         fingerprint_rtol=config["report"]["fingerprint_rtol"],
         budgets=config["report"].get("budgets", {}),
-    log:
-        "results/logs/report.log",
-    benchmark:
-        "results/benchmarks/report.tsv"
-    conda:
-        "../envs/report.yaml"
     script:
         "../scripts/report.py"
 
@@ -45,13 +45,13 @@ rule strict_gate:
         csv="results/report/divergence.csv",
     output:
         "results/report/strict.ok",
-    params:
-        code=stage_code("strict_gate.py", "k2vec.report.gate", "k2vec.stage"),
     log:
         "results/logs/strict_gate.log",
     benchmark:
         "results/benchmarks/strict_gate.tsv"
     conda:
         "../envs/report.yaml"
+    params:
+        code=stage_code("strict_gate.py", "k2vec.report.gate", "k2vec.stage"),
     script:
         "../scripts/strict_gate.py"

@@ -6,6 +6,7 @@ if config["slurm"]["partition"] is not None:
     for _rule in workflow.rules:
         _rule.resources.setdefault("slurm_partition", slurm_partition(0))
 
+
 # Rules that only write a few JSON bytes run in the main Snakemake process, not as cluster jobs
 # (which would wait in the queue and start a Python on a node each). Local runs are unaffected.
 localrules:

@@ -6,13 +6,13 @@ rule weights:
         model="results/cases/{model}/model.json",
     output:
         directory("results/models/{model}/fp32"),
-    params:
-        code=stage_code("make_weights.py", "k2vec.weights", "k2vec.cases", "k2vec.stage"),
     log:
         "results/logs/weights/{model}.log",
     benchmark:
         "results/benchmarks/weights/{model}.tsv"
     conda:
         "../envs/pipeline.yaml"
+    params:
+        code=stage_code("make_weights.py", "k2vec.weights", "k2vec.cases", "k2vec.stage"),
     script:
         "../scripts/make_weights.py"
