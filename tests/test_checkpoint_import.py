@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from k2vec.checkpoint import INDEX_NAME, Checkpoint  # noqa: E402
 from k2vec.checkpoint_import import CheckpointImportError, import_checkpoint, source_name  # noqa: E402
 from k2vec.errors import ConfigError  # noqa: E402
-from k2vec.golden import make_golden, open_weights  # noqa: E402
+from k2vec.golden import make_golden, open_weights, reference_model  # noqa: E402
+from k2vec.prompts import draw_prompts  # noqa: E402
 from k2vec.int4_checkpoint import export_compressed_tensors, open_int4, quantize_checkpoint  # noqa: E402
 from k2vec.spec import expand_config, resolve_model, schema_error  # noqa: E402
 from k2vec.weights import write_checkpoint  # noqa: E402
@@ -60,7 +61,13 @@ def imported(ct_dir, tmp_path_factory):
                                                 "experts": EXPERTS}}))["imp"]
     out = tmp_path_factory.mktemp("imported")
     import_checkpoint(case["model"], case["quantization"], out / "fp32", out / "int4")
-    return case, out
+    return with_prompts(case, out / "fp32"), out
+
+
+def with_prompts(case, fp32_dir):
+    """The case with its prompts drawn on its fp32 weights, as the prompts stage draws them."""
+    ref = reference_model(case["model"], open_weights("fp32", fp32_dir))
+    return {**case, "prompts": draw_prompts(case["prompts"], case["model"], {"fp32": ref})}
 
 
 def bf16_to_f32(t: torch.Tensor) -> np.ndarray:
@@ -174,7 +181,8 @@ def test_export_then_import_gives_the_same_bytes_and_golden(tmp_path, scheme, sc
         if name not in ours:
             assert np.array_equal(a[name], b[name]), name
 
-    back["prompts"] = case["prompts"]  # prompts derive from the model's name
+    case = with_prompts(case, tmp_path / "fp32")
+    back["prompts"] = case["prompts"]  # the same prompts on both sides: the goldens must then be equal
     g1, _ = make_golden(case, open_weights("int4", tmp_path / "fp32", tmp_path / "int4"), "int4")
     g2, _ = make_golden(back, open_weights("int4", tmp_path / "b-fp32", tmp_path / "b-int4"), "int4")
     assert g1.keys() == g2.keys()
