@@ -4,6 +4,7 @@ Unit tests: every mutant really changes what the engine computes on a small rand
 nothing behind when its context exits. The pipeline test runs three mutants through the real rules
 on the tiny model and checks the report catches each of them while the unmutated engine raises no alarm."""
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -33,6 +34,12 @@ N_NEW = 6
 
 class FakeBundle(dict):
     """What BundleWeights reads from a KDTR bundle: plain tensors, and `.qw`/`.sc` for quantized ones."""
+
+    def release(self, name):  # a KDTR bundle drops the tensor's pages; nothing to drop in memory
+        pass
+
+    def info(self, name):  # a KDTR bundle's tensor entry, as far as BundleWeights.shape_of reads it
+        return SimpleNamespace(shape=self[name].shape)
 
 
 def int4_weights(weights: dict) -> BundleWeights:

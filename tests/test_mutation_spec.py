@@ -21,8 +21,8 @@ def tiny(**settings):
 
 
 REJECTED = [
-    (lambda c: c["models"].update(tiny="tiny"), "models.tiny", "must be a mapping with at least a 'preset' key"),
-    (tiny(preset="tinny"), "models.tiny.preset", "unknown preset 'tinny'; choose one of ['small', 'tiny']"),
+    (lambda c: c["models"].update(tiny="tiny"), "models.tiny", "must be a mapping with a 'preset' or a 'checkpoint' key"),
+    (tiny(preset="tinny"), "models.tiny.preset", "unknown preset 'tinny'; choose one of ['k2layer', 'k2slice', 'small', 'tiny']"),
     (tiny(hidden=64), "models.tiny.hidden", "unknown model setting; known: " + str(sorted(PRESETS["tiny"]))),
     (tiny(num_hidden_layers=0), "models.tiny.num_hidden_layers", "must be a positive integer, got 0"),
     (tiny(vocab_size=True), "models.tiny.vocab_size", "must be a positive integer, got True"),
@@ -64,7 +64,7 @@ REJECTED = [
      "group size 128 does not divide the input dimension K=64 of model.layers.1.mlp.experts.0.down_proj.weight "
      "(model 'tiny'); choose a group size dividing 64 or change the model"),
     (lambda c: c["prompts"].update(min_length=13), "prompts.min_length", "min_length 13 exceeds max_length 12"),
-    (tiny(max_position_embeddings=35), "prompts.max_length",
+    (tiny(max_position_embeddings=35, rope_scaling=None), "prompts.max_length",
      "max_length + decoding.max_new_tokens = 36 exceeds the model's max_position_embeddings 35"),
     (lambda c: c["decoding"].update(top_k=513), "decoding.top_k", "top_k 513 exceeds vocab_size 512 of model 'tiny'"),
     (lambda c: c["decoding"]["ddtree"].update(block_size=1), "decoding.ddtree.block_size",
@@ -96,9 +96,9 @@ def test_rejected_config_names_key_and_reason(mutate, key, reason):
     tiny(n_group=4, topk_group=4, num_experts_per_tok=8),   # 2 experts per group, every group kept
     tiny(first_k_dense_replace=0), tiny(first_k_dense_replace=3),  # no dense layer; all dense
     tiny(n_shared_experts=0), tiny(q_lora_rank=1), tiny(rope_theta=1.5), tiny(routed_scaling_factor=0.5),
-    tiny(rope_scaling={**YARN, "factor": 1.0}), tiny(rope_scaling=None),
+    tiny(rope_scaling={**YARN, "factor": 1.0}, max_position_embeddings=4096), tiny(rope_scaling=None),
     lambda c: c["prompts"].update(min_length=12),           # min = max
-    tiny(max_position_embeddings=36),                       # max_length + max_new_tokens = the limit
+    tiny(max_position_embeddings=36, rope_scaling=None),    # max_length + max_new_tokens = the limit
     lambda c: (c["decoding"].update(top_k=512), c["models"].pop("small")),  # top_k = vocab_size
     lambda c: c["decoding"]["ddtree"].update(block_size=2),
     lambda c: c["models"].update({"t_1-x": {"preset": "tiny"}}),
@@ -119,6 +119,8 @@ def test_values_at_the_edge_are_accepted(mutate):
 def test_softmax_scale_follows_yarn_mscale(rope_scaling, mscale):
     config = default_config()
     config["models"]["tiny"]["rope_scaling"] = rope_scaling
+    if rope_scaling:  # YaRN: max_position_embeddings = factor x original (spec checks it)
+        config["models"]["tiny"]["max_position_embeddings"] = int(rope_scaling["factor"] * 4096)
     model = expand_config(config)["tiny"]["model"]
     assert model["softmax_scale"] == pytest.approx(48 ** -0.5 * mscale ** 2, rel=1e-12)
 
@@ -132,24 +134,31 @@ def test_resolved_case_sections_and_values():
     q = {k: v for k, v in case["quantization"].items() if k != "tensors"}
     assert q == {"scheme": "default", "targets": ["Linear"], "ignore": ["lm_head", "re:.*self_attn.*"], "bits": 4,
                  "symmetric": True, "group_size": 32, "scale_dtype": "float32"}
-    assert set(case["prompts"]) == {"seed", "count", "tokens"}
+    # the settings only: the prompts stage (k2vec.prompts) draws the tokens
+    assert set(case["prompts"]) == {"seed", "count", "min_length", "max_length", "redraw_attempts", "near_tie",
+                                    "router_near_tie"}
     assert (case["prompts"]["seed"], case["prompts"]["count"]) == (7, 4)
     assert case["decoding"] == default_config()["decoding"]
 
 
-def test_prompt_tokens_are_pinned_by_seed_model_and_index():
-    # golden vectors are compared across versions: the derivation (seed, model name, "prompt", index) is fixed
-    prompts = expand_config(default_config())["tiny"]["prompts"]["tokens"]
-    assert [len(p) for p in prompts] == [12, 5, 11, 11]
-    assert prompts[0] == [501, 357, 71, 23, 177, 57, 340, 135, 7, 99, 490, 57]
+def test_prompt_tokens_are_pinned_by_seed_model_index_and_attempt():
+    # golden vectors are compared across versions: the derivation (seed, model name, "prompt", index,
+    # "attempt", attempt) of a candidate prompt is fixed
+    from k2vec.prompts import candidate
+    case = expand_config(default_config())["tiny"]
+    prompts = [candidate(case["prompts"], case["model"], i, 0) for i in range(4)]
+    assert [len(p) for p in prompts] == [4, 5, 4, 5]
+    assert prompts[0] == [190, 455, 48, 80]
+    assert candidate(case["prompts"], case["model"], 0, 1) != prompts[0]
     config = default_config()
     config["prompts"].update(min_length=6, max_length=6)
-    assert [len(p) for p in expand_config(config)["small"]["prompts"]["tokens"]] == [6, 6, 6, 6]
+    small = expand_config(config)["small"]
+    assert [len(candidate(small["prompts"], small["model"], i, 0)) for i in range(4)] == [6, 6, 6, 6]
 
 
 def test_resolved_cases_share_no_state_with_the_config_or_presets():
     config = default_config()
-    config["models"]["tiny"]["rope_scaling"] = dict(YARN)
+    config["models"]["tiny"].update(rope_scaling=dict(YARN), max_position_embeddings=8192)
     before = copy.deepcopy(config)
     presets = copy.deepcopy(PRESETS)
     cases = expand_config(config)
