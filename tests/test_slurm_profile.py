@@ -46,7 +46,7 @@ def test_partitions_and_gpu_model_reach_the_jobs(tmp_path):
     assert cpu_runs and all(r["gpu"] == "0" and "gpu_model" not in r and r["slurm_partition"] == "cpu"
                             for r in cpu_runs.values())
     stages = {o: r for o, r in jobs.items() if not o.startswith("results/runs/")}
-    assert {o.split("/")[1] for o in stages} == {"cases", "models", "golden", "bundles", "format-effect"}
+    assert {o.split("/")[1] for o in stages} == {"cases", "models", "prompts", "golden", "bundles", "format-effect"}
     assert all(r["slurm_partition"] == "cpu" and "gpu_model" not in r for r in stages.values())
 
 
