@@ -41,8 +41,11 @@ def test_k2_checkpoint_scheme_quantizes_only_routed_experts(config):
     assert len(q) == 3 * 16 * 3  # 3 MoE layers x 16 experts x gate/up/down
 
 
-def test_prompt_settings_carry_the_near_tie_thresholds(config):
-    config["report"]["router_near_tie"] = 0.02
+def test_prompt_settings_carry_their_own_near_tie_thresholds(config):
+    # the report's thresholds judge; the prompts' own decide the redraws (a report change reruns the report only)
+    config["report"]["router_near_tie"] = 0.5
+    config["prompts"]["router_near_tie"] = 0.02
+    config["prompts"].pop("near_tie", None)
     p = expand_config(config)["small"]["prompts"]
     assert p == {"seed": 7, "count": 4, "min_length": 4, "max_length": 12, "redraw_attempts": 64,
                  "near_tie": 1e-3, "router_near_tie": 0.02}

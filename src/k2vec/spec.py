@@ -267,11 +267,16 @@ def resolve_quantization(q: dict[str, Any], model: dict[str, Any], key: str = "q
 # -------------------------------------------------------------------------------------------- prompts
 
 
+PROMPT_NEAR_TIE = 1.0e-3  # default margin under which a prompt position counts as near-tied (report's default too)
+
+
 def resolve_prompts(p: dict[str, Any], model: dict[str, Any], decoding: dict[str, Any], report: dict[str, Any],
                     key: str = "prompts") -> dict[str, Any]:
     """The prompt settings of a model. The tokens are drawn by the prompts stage (k2vec.prompts), which
     needs the weights: candidates derive from (seed, model, index, attempt), and a candidate near-tied
-    at a prompt position (report.near_tie / report.router_near_tie) is rejected and re-drawn."""
+    at a prompt position (prompts.near_tie / prompts.router_near_tie, by default report's thresholds'
+    default 1e-3) is rejected and re-drawn. They are the prompts' own settings, not report's: changing
+    how the report judges must not redraw prompts and rerun every golden."""
     lo, hi = p["min_length"], p["max_length"]
     _require(lo <= hi, f"{key}.min_length", f"min_length {lo} exceeds max_length {hi}")
     total = hi + decoding["max_new_tokens"]
@@ -279,8 +284,8 @@ def resolve_prompts(p: dict[str, Any], model: dict[str, Any], decoding: dict[str
              f"max_length + decoding.max_new_tokens = {total} exceeds the model's "
              f"max_position_embeddings {model['max_position_embeddings']}")
     return {"seed": p["seed"], "count": p["count"], "min_length": lo, "max_length": hi,
-            "redraw_attempts": p["redraw_attempts"], "near_tie": report["near_tie"],
-            "router_near_tie": report["router_near_tie"]}
+            "redraw_attempts": p["redraw_attempts"], "near_tie": p.get("near_tie", PROMPT_NEAR_TIE),
+            "router_near_tie": p.get("router_near_tie", PROMPT_NEAR_TIE)}
 
 
 # ------------------------------------------------------------------------------------------ decoding
