@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     result = run(args.bundle, args.mode, args.budget, args.mutant)
     with open(args.output, "w") as fh:
-        json.dump(result, fh)
+        fh.write(json.dumps(result))  # dumps uses the C encoder; dump streams through the Python one
     return 0
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from ..atomic import claim_directory, write_text_atomic
 from ..digests import IntegrityError, sha256_bytes, sha256_file, verify_kdtr, write_record
 from ..gpus import GpuError, identify, lease
+from .fast_schema import conforms
 from .isolation import Reaper, fresh_scratch, make_read_only, remove_tree, sandbox_command, sandbox_problem
 
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
@@ -62,6 +63,11 @@ class Expectations:
 
 
 @lru_cache(maxsize=1)
+def _schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+@lru_cache(maxsize=1)
 def _validator():
     """The schema's validator with strict types: JSON Schema counts 5.0 as an integer, and Python's
     reader turns 1e999 into inf; token ids must be integers and every number finite."""
@@ -73,7 +79,7 @@ def _validator():
         "number": lambda _, x: type(x) is int or (type(x) is float and math.isfinite(x)),
     })
     strict = jsonschema.validators.extend(base, type_checker=checker)
-    return strict(json.loads(SCHEMA_PATH.read_text()))
+    return strict(_schema())
 
 
 def parse_mode(mode: str) -> tuple[str, int]:
@@ -87,7 +93,8 @@ def parse_mode(mode: str) -> tuple[str, int]:
 
 def check_result(result: Any, mode: str, expect: Expectations) -> None:
     """Raise InvalidResult naming the first contract violation."""
-    err = next(iter(_validator().iter_errors(result)), None)
+    # jsonschema, slow on long arrays, only for results the quick check does not pass: it names the error
+    err = None if conforms(result, _schema()) else next(iter(_validator().iter_errors(result)), None)
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         what = err.message
@@ -474,13 +481,13 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
         check_result(result, mode, expect)
         final = {**result, **record, "status": "ok", "reason": None}
         try:
-            text = json.dumps(final, indent=1, sort_keys=True, allow_nan=False)
+            text = json.dumps(final, sort_keys=True, allow_nan=False)
         except ValueError:   # 1e999 read as inf in a key the schema leaves free
             raise InvalidResult("result holds a number too large for a float (read as infinity)") from None
     except (InvalidResult, GpuError) as err:   # no devices for it: a failed row too, not a crash
         final = {"format": "k2vec-engine-result", "version": 1, **record, "status": "failed",
                  "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": [], "scratch_kept": str(scratch)}
-        text = json.dumps(final, indent=1, sort_keys=True)
+        text = json.dumps(final, sort_keys=True)
     write_result(out, text + "\n")
     if final["status"] == "ok":
         remove_tree(scratch)
