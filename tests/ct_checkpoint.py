@@ -36,7 +36,9 @@ def quantization_config(group_size=32) -> dict:
             "ignore": list(SCHEMES["k2-checkpoint"]["ignore"])}
 
 
-def _module_tree(shapes: dict) -> torch.nn.Module:
+def module_tree(shapes: dict, device: str = "cpu") -> torch.nn.Module:
+    """nn.Linear (no bias) for every Linear module's weight, plain frozen parameters for everything else
+    (router, norms, biases): the module tree compressed-tensors quantizes and compresses."""
     root = torch.nn.Module()
 
     def module_at(path):
@@ -51,9 +53,9 @@ def _module_tree(shapes: dict) -> torch.nn.Module:
         parent, _, leaf = name.rpartition(".")
         if leaf == "weight" and is_linear(parent):
             grand, _, last = parent.rpartition(".")
-            module_at(grand).add_module(last, torch.nn.Linear(shape[1], shape[0], bias=False, device="meta"))
+            module_at(grand).add_module(last, torch.nn.Linear(shape[1], shape[0], bias=False, device=device))
         else:
-            module_at(parent).register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, device="meta"),
+            module_at(parent).register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, device=device),
                                                                           requires_grad=False))
     return root
 
@@ -70,7 +72,7 @@ def write_ct_checkpoint(path: Path, model: dict, group_size=32) -> Path:
     weight_map = {}
     for i, names in enumerate(groups):
         # one shard's modules at a time: the tree holds only what is being compressed
-        tree = _module_tree({n: shapes[n] for n in names})
+        tree = module_tree({n: shapes[n] for n in names}, device="meta")
         for n in names:
             value = torch.from_numpy(make_tensor(model, n, shapes[n]))
             if not n.endswith("e_score_correction_bias"):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from k2vec.checkpoint import Checkpoint
 from k2vec.int4_checkpoint import export_compressed_tensors, load_dequantized, quantize_checkpoint
 from k2vec.quant import dequantize, pack, pack_int32, quantize, round_to_bf16
-from k2vec.schemes import is_linear
+from ct_checkpoint import module_tree
 from test_quant import make_fp32_checkpoint, make_spec, worked_example
 
 
@@ -84,30 +84,6 @@ def test_ct_sees_minus_absmax_as_minus_7_when_the_scale_rounds_up():
     assert q[0, :2].tolist() == [-7, 7] == quantize(w)[0][0, :2].tolist()
 
 
-def build_module_tree(state_dict_names, shapes):
-    """nn.Linear for every Linear module name, plain parameters for everything else (router, norms, biases)."""
-    root = torch.nn.Module()
-
-    def module_at(path):
-        mod = root
-        for part in path.split(".") if path else []:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        return mod
-
-    for name in state_dict_names:
-        parent, _, leaf = name.rpartition(".")
-        if leaf == "weight" and is_linear(parent):
-            out_f, in_f = shapes[name]
-            grand, _, last = parent.rpartition(".")
-            module_at(grand).add_module(last, torch.nn.Linear(in_f, out_f, bias=False))
-        else:
-            module_at(parent).register_parameter(leaf, torch.nn.Parameter(torch.zeros(shapes[name]),
-                                                                          requires_grad=False))
-    return root
-
-
 @pytest.mark.parametrize("scheme,group_size,scale_dtype", [
     ("default", 32, "float32"), ("k2-checkpoint", 32, "bfloat16"), ("default", 128, "bfloat16"),
     ("default", 64, "float32")])
@@ -122,7 +98,7 @@ def test_ct_decompresses_our_export(tmp_path, scheme, group_size, scale_dtype):
     # compressed-tensors parses our quantization_config and, over modules named like the checkpoint,
     # selects exactly the modules we quantized
     qconfig = QuantizationConfig.model_validate(config["quantization_config"])
-    model = build_module_tree(list(src), {n: tuple(src[n].shape) for n in src})
+    model = module_tree({n: tuple(src[n].shape) for n in src})
     apply_quantization_config(model, qconfig, show_progress=False)
     selected = {f"{n}.weight" for n, m in model.named_modules() if getattr(m, "quantization_scheme", None)}
     assert selected == set(spec["tensors"])

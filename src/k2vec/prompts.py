@@ -46,15 +46,16 @@ def prompt_margins(model: ReferenceModel, prompts: list[list[int]]) -> tuple[np.
 
 
 def draw_prompts(settings: Mapping[str, Any], model_spec: Mapping[str, Any],
-                 models: Mapping[str, ReferenceModel], first_attempts: list[int] | None = None) -> dict[str, Any]:
-    """The prompts section with `tokens` filled in: for each index, the first candidate from attempt
-    `first_attempts[index]` (default 0) blind under none of `models` (precision -> reference model),
-    with its attempt (`attempts`: the chosen attempt + 1) and margins per precision.
+                 models: Mapping[str, ReferenceModel], start_from: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The prompts section with `tokens` filled in: for each index, the first candidate blind under none
+    of `models` (precision -> reference model), with its attempt (`attempts`: the chosen attempt + 1) and
+    margins per precision. Candidates start at attempt 0, or at the attempt chosen by `start_from` (another
+    precision's prompts section: the int4 prompts keep every fp32 prompt that int4 does not make blind).
     ConfigError naming `prompts.redraw_attempts` when an index finds none."""
     count, limit = settings["count"], settings["redraw_attempts"]
     r_thr, t_thr = settings["router_near_tie"], settings["near_tie"]
     chosen: dict[int, list[int]] = {}
-    attempts = np.zeros(count, np.int64) if first_attempts is None else np.asarray(first_attempts, np.int64)
+    attempts = np.zeros(count, np.int64) if start_from is None else np.asarray(start_from["attempts"], np.int64) - 1
     margins: dict[str, dict[str, list[float]]] = {p: {"router": [0.0] * count, "token": [0.0] * count} for p in models}
     pending = list(range(count))
     while pending:   # one batched prefill per round over every index still looking

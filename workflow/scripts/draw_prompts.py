@@ -14,9 +14,9 @@ with stage_logging(snakemake.log[0], "prompts"):
     inp, precision = snakemake.input, snakemake.wildcards.precision
     model = read_json(inp.model)
     if precision == "fp32":
-        weights, first = open_weights("fp32", inp.weights, None), None
+        weights, start_from = open_weights("fp32", inp.weights, None), None
     else:  # start each index from the fp32 choice: the goldens share every prompt not blind under int4
         weights = open_weights("int4", inp.fp32_weights, inp.weights)
-        first = [a - 1 for a in read_json(inp.fp32_prompts)["attempts"]]
+        start_from = read_json(inp.fp32_prompts)
     models = {precision: reference_model(model, weights)}
-    write_json(snakemake.output[0], draw_prompts(read_json(inp.settings), model, models, first))
+    write_json(snakemake.output[0], draw_prompts(read_json(inp.settings), model, models, start_from))

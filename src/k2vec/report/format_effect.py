@@ -36,9 +36,8 @@ def format_effect(opened: dict[tuple[str, str], Golden], th: dict[str, float], b
                   "fingerprints": q.fingerprints[i],
                   "router_experts": q.router_ids[i, q.prompt_lengths[i] - 1:q.prompt_lengths[i] - 1 + q.N]}
                  for i in shared]
-        prompt = shared
-        cols, steps, _ = compare_rows(fp, datas, prompt, fp.tokens[shared], fingerprint_rtol=th["fingerprint_rtol"])
-        df = pd.DataFrame({"model": model, "prompt": prompt, **cols})
+        cols, steps, _ = compare_rows(fp, datas, shared, fp.tokens[shared], fingerprint_rtol=th["fingerprint_rtol"])
+        df = pd.DataFrame({"model": model, "prompt": shared, **cols})
         # classified without a precision budget or noise credit: near-tie, router-near-tie or real
         df = classify(df.assign(kind="greedy", precision_class=None, run_over_budget=None, score_noise=np.nan,
                                 noise_before=np.nan), budgets,
@@ -46,9 +45,9 @@ def format_effect(opened: dict[tuple[str, str], Golden], th: dict[str, float], b
         # steps compared = matched + the divergent one; same top-1 on all but the divergent one
         compared = np.minimum(df["matched_steps"] + 1, fp.N)
         df["same_top1"] = df["matched_steps"] / compared   # censored: the divergent step is the only miss
-        df["int4_margin"] = np.where(df["first_step"].notna(), q.margins[prompt, np.minimum(df["matched_steps"].astype(int), fp.N - 1)], np.nan)
+        df["int4_margin"] = np.where(df["first_step"].notna(), q.margins[shared, np.minimum(df["matched_steps"].astype(int), fp.N - 1)], np.nan)
         frames.append(df)
-        steps = steps.assign(model=model, prompt=prompt[steps["i"].to_numpy()]).drop(columns="i")
+        steps = steps.assign(model=model, prompt=shared[steps["i"].to_numpy()]).drop(columns="i")
         step_frames.append(steps)
         # pooled over prompts: the fraction of compared steps with the same top-1 (the censored
         # geometric estimate of the per-step agreement probability)

@@ -43,7 +43,7 @@ def case_goldens(case: dict[str, Any], root: str | Path) -> dict[tuple[str, str]
                                     {"fp32": reference_model(case["model"], weights["fp32"])})}
     prompts["int4"] = draw_prompts(case["prompts"], case["model"],
                                    {"int4": reference_model(case["model"], weights["int4"])},
-                                   [a - 1 for a in prompts["fp32"]["attempts"]])
+                                   prompts["fp32"])
     out = {}
     for precision in ("fp32", "int4"):
         tensors, metadata = make_golden({**case, "prompts": prompts[precision]}, weights[precision], precision)
