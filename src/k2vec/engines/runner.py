@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import shlex
 import signal
 import stat
@@ -355,6 +356,25 @@ class Finished:
     leftover_problem: str | None
 
 
+def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
+    """proc.wait(timeout), woken by the kernel when the process exits (a pidfd): Popen.wait polls with
+    sleeps of up to 50 ms, a delay every run would pay."""
+    if timeout is None:
+        return proc.wait()
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):   # not Linux, an old kernel, or a process already reaped
+        return proc.wait(timeout=timeout)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(min(max(0, math.ceil(timeout * 1000)), 2**31 - 1)):
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+    finally:
+        os.close(fd)
+    return proc.wait()
+
+
 def _run_with_limit(argv: Sequence[str], env: dict[str, str], cwd: Path, stderr_path: Path,
                     timeout_s: float) -> Finished:
     """Run `argv` in its own process group; on timeout kill the whole group. Then kill every process
@@ -364,7 +384,7 @@ def _run_with_limit(argv: Sequence[str], env: dict[str, str], cwd: Path, stderr_
         proc = subprocess.Popen(list(argv), stdout=err, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd,
                                 env=env, start_new_session=True)
         try:
-            rc = proc.wait(timeout=timeout_s)
+            rc = _wait(proc, timeout_s)
         except subprocess.TimeoutExpired:
             for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
                 try:
@@ -372,7 +392,7 @@ def _run_with_limit(argv: Sequence[str], env: dict[str, str], cwd: Path, stderr_
                 except ProcessLookupError:
                     break
                 try:
-                    proc.wait(timeout=grace)
+                    _wait(proc, grace)
                     break
                 except subprocess.TimeoutExpired:
                     continue
