@@ -18,7 +18,7 @@ jobs=${MUTATION_JOBS:-$(nproc)}
 work="$repo/.mutation"
 
 # module -> "files to mutate|test files" (tests: fast, in-process ones that call the module directly)
-declare -A SOURCES TESTS
+declare -A SOURCES TESTS DESELECT
 SOURCES[runner]="src/k2vec/engines/runner.py"
 TESTS[runner]="tests/test_runner.py tests/test_runner_hardening.py tests/test_mutation_runner.py"
 SOURCES[spec]="src/k2vec/spec.py"
@@ -27,6 +27,8 @@ SOURCES[report]="src/k2vec/report/classify.py src/k2vec/report/tokens.py src/k2v
 TESTS[report]="tests/test_report_metrics.py tests/test_report_classify.py tests/test_report_gate.py tests/test_mutation_report.py"
 SOURCES[kdtr]="src/k2vec/kdtr/reader.py src/k2vec/kdtr/format.py"
 TESTS[kdtr]="tests/test_kdtr_roundtrip.py tests/test_kdtr_malformed.py tests/test_kdtr_cli.py tests/test_mutation_kdtr.py"
+# tests that run `python -m k2vec.kdtr` in a subprocess without mutmut on its path: they cannot kill a mutant
+DESELECT[kdtr]="tests/test_kdtr_cli.py::test_module_entry_point tests/test_kdtr_cli.py::test_list_into_a_closed_pipe_ends_quietly"
 SOURCES[quant]="src/k2vec/quant.py"
 TESTS[quant]="tests/test_quant.py tests/test_mutation_quant.py"
 ALL=(quant spec report kdtr runner)
@@ -64,8 +66,9 @@ for m in "${modules[@]}"; do
         echo "pytest_add_cli_args ="
         echo "    -p"
         echo "    no:cacheprovider"
+        for t in ${DESELECT[$m]:-}; do printf '    --deselect\n    %s\n' "$t"; done
         echo "also_copy ="
-        for f in Snakefile config.yaml workflow profiles include tools; do echo "    $f"; done
+        for f in Snakefile config.yaml workflow profiles include tools docs; do echo "    $f"; done
         echo "use_git_change_detection = false"
     } >"$dir/setup.cfg"
     echo "== $m: mutating ${SOURCES[$m]}; tests:$tests"
