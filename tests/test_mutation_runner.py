@@ -1,0 +1,162 @@
+"""The engine runner's checks: what mutation testing (bench/mutation.sh runner) found unchecked.
+
+An engine's result is refused with the whole reason a user reads in the FAILED row (where, what, the
+expected shape); results at the edge of what is allowed are accepted; the bundle's metadata is read
+with the same care. All in-process: no engine is started here."""
+import re
+
+import numpy as np
+import pytest
+from test_runner import EXPECT, SCORE_EXPECT, good_result, score_result
+
+from k2vec.digests import write_record
+from k2vec.engines import runner
+from k2vec.engines.runner import InvalidResult, check_result, expectations_from_bundle, json_nesting
+from k2vec.kdtr import write_bundle
+
+
+def reason(result, mode="score", expect=SCORE_EXPECT) -> str:
+    with pytest.raises(InvalidResult) as e:
+        check_result(result, mode, expect)
+    return str(e.value)
+
+
+def prompt1(edit, mode="score"):
+    r = score_result()
+    edit(r["runs"][0]["prompts"][1])
+    return r
+
+
+def greedy_routing(rows):
+    """A score result made greedy (N = 3 routing rows per prompt) whose prompt 1 has `rows` instead."""
+    r = score_result()
+    for p in r["runs"][0]["prompts"]:
+        p["router_experts"] = p["router_experts"][-3:]
+    r["runs"][0]["prompts"][1]["router_experts"] = rows
+    return r
+
+
+def greedy(edit):
+    r = good_result()
+    edit(r)
+    return r
+
+
+@pytest.mark.parametrize("result, mode, message", [
+    ([], "greedy", "result does not match the schema at (top level): [] is not of type 'object'"),
+    (greedy(lambda r: r.update(device=5)), "greedy", "result does not match the schema at device: 5 is not of type 'string'"),
+    (greedy(lambda r: r.update(timing={"load_s": -1.5})), "greedy",
+     "result does not match the schema at timing/load_s: -1.5 is less than the minimum of 0"),
+    (greedy(lambda r: r["runs"][0]["prompts"].pop()), "greedy", "run 0: 1 prompts, the bundle has 2"),
+    (prompt1(lambda p: (p.pop("topk_ids"), p.pop("topk_logits"))), "score",
+     "prompt 1: score mode requires topk_ids and topk_logits (at least 1 per step)"),
+    (prompt1(lambda p: p.pop("topk_ids")), "score", "prompt 1: score mode requires topk_ids (at least 1 per step)"),
+    (prompt1(lambda p: p.update(topk_ids=[[9]] * 3)), "score",
+     "prompt 1: topk_ids [3, 1] and topk_logits [3, 2] must both be [max_new_tokens = 3][k >= 1]"),
+    (prompt1(lambda p: p.update(topk_ids=[[2**70]] * 3, topk_logits=[[1.0]] * 3)), "score",
+     "prompt 1 topk_ids: an integer does not fit in 64 bits"),
+    (prompt1(lambda p: p.update(topk_logits=[[2.0, 1.5], [3.0, 3.0], [1.0, 1.5]])), "score",
+     "prompt 1 step 2: topk_logits are not in descending order"),
+    (prompt1(lambda p: p.update(topk_logits=[[2.0, 1.0], [3.0, 3.5], [1.0, 1.5]])), "score",
+     "prompt 1 step 1: topk_logits are not in descending order"),
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]]] * 3)), "score",
+     "prompt 1: router_experts is [3, 2, 2], expected [4, 2, 2]: "
+     "[P + N - 1 fed positions (prompt, then golden tokens)][MoE layers][num_experts_per_tok]"),
+    (greedy_routing([[[0, 1], [7, 2]]] * 4), "greedy",
+     "prompt 1: router_experts is [4, 2, 2], expected [3, 2, 2]: [N steps][MoE layers][num_experts_per_tok]"),
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 2]], [[0, 9], [7, 2]], [[0, 1], [8, 2]]])),
+     "score", "prompt 1: router_experts[2, 0, 1] = 9 is not an expert (n_routed_experts = 8)"),
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 7]], [[0, 1], [7, 2]], [[1, 1], [7, 2]]])),
+     "score", "prompt 1: router_experts[1, 1] names an expert twice"),
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 2]], [[0, 1], [2, 7]], [[1, 2], [0, 2]]])),
+     "score", None),   # the same expert in two layers, or at two positions, is fine
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [2]]] * 4)), "score",
+     "prompt 1 router_experts: rows of different lengths (expected a rectangular array)"),
+    (prompt1(lambda p: p.update(fingerprints=[[[0.5], [0.5, 1], [1]]] * 3)), "score",
+     "prompt 1 fingerprints: rows of different lengths (expected a rectangular array)"),
+    (prompt1(lambda p: p.update(topk_logits=[[1.0, 0.5], [1.0], [1.0, 0.0]])), "score",
+     "prompt 1 topk_logits: rows of different lengths (expected a rectangular array)"),
+])
+def test_result_refusals_are_complete(result, mode, message):
+    if message is None:
+        check_result(result, mode, SCORE_EXPECT)
+    else:
+        assert reason(result, mode) == message
+
+
+def test_edges_of_accepted_results():
+    # a single top-k entry per step, and logits that stay level (not rising) by less than 1
+    r = prompt1(lambda p: p.update(topk_ids=[[8], [5], [6]], topk_logits=[[0.0], [0.0], [0.0]]))
+    check_result(r, "score", SCORE_EXPECT)
+    r = prompt1(lambda p: p.update(topk_logits=[[2.0, 2.0], [3.0, 3.0], [1.0, 1.0]]))
+    check_result(r, "score", SCORE_EXPECT)
+    with pytest.raises(InvalidResult, match=re.escape("prompt 1 step 0: topk_logits are not in descending order")):
+        check_result(prompt1(lambda p: p.update(topk_logits=[[2.0, 2.5], [3.0, 3.0], [1.0, 1.0]])), "score",
+                     SCORE_EXPECT)
+    # ddtree results carry no per-step arrays to check (section 4 is greedy and score only)
+    r = good_result("ddtree")
+    for run in r["runs"]:
+        for p in run["prompts"]:
+            p.update(topk_ids=[[1]], topk_logits=[[1.0]])
+    check_result(r, "ddtree-b4", EXPECT)
+
+
+def test_the_engine_sees_its_gpus_in_pci_order():
+    assert runner._gpu_environment(["0", "3"]) == {"CUDA_VISIBLE_DEVICES": "0,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+# ---- nesting scan: where it stops
+
+def test_json_nesting_without_brackets_and_its_early_stop(monkeypatch):
+    assert json_nesting(b"") == (0, -1) and json_nesting(b'"[{"') == (0, -1)
+    monkeypatch.setattr(runner, "_SCAN_CHUNK", 1)
+    text = b" " * 40 + b"[" * 34 + b"]" * 34
+    # stops at the first chunk deeper than the limit: 33 deep at byte 72, not before
+    assert json_nesting(text, stop_above=32) == (33, 72)
+    assert json_nesting(text) == (34, 73)
+
+
+# ---- the bundle's metadata
+
+def bundle(tmp_path, golden_prompts=2, prompts=2, max_new_tokens=3, accuracies=(0.9, 0.3), hf_config=None):
+    meta = {"golden": {"prompts": golden_prompts, "ddtree": {"accuracies": accuracies}},
+            "decoding": {"max_new_tokens": max_new_tokens}, "model": {"vocab_size": 100},
+            "hf_config": hf_config if hf_config is not None else
+            {"num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2}}
+    path = tmp_path / "b.kdtr"
+    write_bundle(path, [(f"prompt.p{i}.tokens", np.arange(4 - 2 * (i % 2), dtype=np.int32)) for i in range(prompts)]
+                 + [("w", np.arange(64, dtype=np.float32))], meta)
+    write_record(path)
+    return path
+
+
+def test_expectations_at_their_edges(tmp_path):
+    dense = {"num_hidden_layers": 3, "first_k_dense_replace": 3, "n_routed_experts": 8, "num_experts_per_tok": 2}
+    e = expectations_from_bundle(bundle(tmp_path, max_new_tokens=1, accuracies=[], hf_config=dense))
+    assert (e.max_new_tokens, e.accuracies, e.moe_layers, e.prompt_lengths) == (1, (), 0, (4, 2))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"golden_prompts": 0}, "metadata golden.prompts is 0, expected a positive integer"),
+    ({"accuracies": ""}, "metadata golden.ddtree.accuracies is '', expected a list of numbers"),
+    ({"hf_config": {"num_hidden_layers": 3}},
+     "metadata hf_config lacks integer num_hidden_layers, first_k_dense_replace, n_routed_experts, num_experts_per_tok"),
+    ({"golden_prompts": 3}, "tensor prompt.p2.tokens is missing (metadata golden.prompts = 3)"),
+    ({"golden_prompts": 2, "prompts": 1}, "tensor prompt.p1.tokens is missing (metadata golden.prompts = 2)"),
+])
+def test_bundle_metadata_refusals_name_the_bundle(tmp_path, settings, message):
+    path = bundle(tmp_path, **settings)
+    with pytest.raises(InvalidResult) as e:
+        expectations_from_bundle(path)
+    assert str(e.value) == f"bundle {path}: {message}"
+
+
+def test_expectations_verify_the_bundle_by_default(tmp_path):
+    path = bundle(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-4] ^= 1   # inside the last tensor: only its checksum can tell
+    path.write_bytes(bytes(data))
+    with pytest.raises(InvalidResult) as e:
+        expectations_from_bundle(path)
+    assert str(e.value).startswith(f"bundle {path} failed verification, the engine was not run: {path}: offset ")
+    assert expectations_from_bundle(path, verify=False).n_prompts == 2
