@@ -70,6 +70,14 @@ def greedy(edit):
      "score", "prompt 1: router_experts[1, 1] names an expert twice"),
     (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 2]], [[0, 1], [2, 7]], [[1, 2], [0, 2]]])),
      "score", None),   # the same expert in two layers, or at two positions, is fine
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[2, 1], [1, 2]], [[0, 1], [7, 2]], [[1, 2], [0, 2]]])),
+     "score", None),   # experts listed in any order; sorting across layers would see a repeat
+    (prompt1(lambda p: p.update(router_experts=[[[0, 2**70], [7, 2]]] * 4)), "score",
+     "prompt 1 router_experts: an integer does not fit in 64 bits"),
+    (greedy(lambda r: r["runs"][0]["prompts"][0].update(topk_ids=[[1]] * 3)), "greedy",
+     "prompt 0: topk_ids [3, 1] and topk_logits [0] must both be [max_new_tokens = 3][k >= 1]"),
+    (greedy(lambda r: r["runs"][0]["prompts"][0].update(topk_logits=[[1.0]] * 3)), "greedy",
+     "prompt 0: topk_ids [0] and topk_logits [3, 1] must both be [max_new_tokens = 3][k >= 1]"),
     (prompt1(lambda p: p.update(router_experts=[[[0, 1], [2]]] * 4)), "score",
      "prompt 1 router_experts: rows of different lengths (expected a rectangular array)"),
     (prompt1(lambda p: p.update(fingerprints=[[[0.5], [0.5, 1], [1]]] * 3)), "score",
