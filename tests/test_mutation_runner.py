@@ -4,6 +4,7 @@ An engine's result is refused with the whole reason a user reads in the FAILED r
 expected shape); results at the edge of what is allowed are accepted; the bundle's metadata is read
 with the same care. All in-process: no engine is started here."""
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,3 +169,79 @@ def test_expectations_verify_the_bundle_by_default(tmp_path):
         expectations_from_bundle(path)
     assert str(e.value).startswith(f"bundle {path} failed verification, the engine was not run: {path}: offset ")
     assert expectations_from_bundle(path, verify=False).n_prompts == 2
+
+
+# ---- reading the result file (in-process: the file is written here, no engine runs)
+
+def test_result_file_edges(tmp_path):
+    from k2vec.engines.runner import MAX_RESULT_NESTING, read_result
+    exact = tmp_path / "exact.json"
+    exact.write_text("[" * MAX_RESULT_NESTING + "]" * MAX_RESULT_NESTING)   # exactly the nesting limit
+    value = read_result(exact, 1 << 20)
+    for _ in range(MAX_RESULT_NESTING - 1):
+        value = value[0]
+    assert value == []
+    big = tmp_path / "big.json"   # more than one 16 MiB read
+    big.write_bytes(b'{"x": 1' + b" " * (17 << 20) + b"}")
+    assert read_result(big, 18 << 20) == {"x": 1}
+
+
+def test_result_file_refusals(tmp_path):
+    from k2vec.engines.runner import read_result
+    (tmp_path / "file").write_text("{}")
+    deep = tmp_path / "deep.json"   # 40 deep in the first 4 MiB scanned: the scan stops there
+    deep.write_bytes(b"[" * 40 + b" " * (4 << 20) + b"[" * 60)
+    cases = [
+        (tmp_path / "file" / "x.json", 1 << 20,
+         f"the result at {tmp_path / 'file' / 'x.json'} is unreadable (Not a directory); write a regular file"),
+        # a file that holds more than its size says (as one still being written does)
+        (Path("/proc/self/smaps"), 100, "result file grew past the limit of 100 bytes while read"),
+        (deep, 8 << 20, "result file nests arrays/objects 40 deep (reached at byte 39); the limit is 32"),
+    ]
+    for path, limit, message in cases:
+        with pytest.raises(InvalidResult) as e:
+            read_result(path, limit)
+        assert str(e.value) == message
+
+
+def test_unknown_placeholder_lists_the_known_ones():
+    from k2vec.engines.runner import format_command
+    with pytest.raises(ValueError) as e:
+        format_command("run {nope}", bundle="b")
+    assert str(e.value) == ("engine command 'run {nope}' uses an unknown placeholder 'nope'; "
+                            "known: {bundle}, {mode}, {budget}, {output}, {gpus}, {python}")
+
+
+def test_stderr_tail_is_bounded_and_survives_bad_bytes(tmp_path):
+    from k2vec.engines.runner import _tail
+    log = tmp_path / "err.log"
+    data = b"".join(b"%03d" % i + b"x" * 3996 + b"\n" for i in range(30))   # 30 lines of 4000 bytes
+    log.write_bytes(data)
+    assert _tail(log) == data[-64 * 1024:-1].decode()   # the last 64 KiB only, cut mid-line
+    log.write_bytes(b"CUDA error \xff\xfe\n")
+    assert _tail(log) == "CUDA error \ufffd\ufffd"
+    assert _tail(tmp_path / "missing.log") == ""
+
+
+def test_changed_bundle_reason(tmp_path):
+    from k2vec.engines.runner import check_bundle_unchanged
+    missing = tmp_path / "gone.kdtr"
+    with pytest.raises(InvalidResult) as e:
+        check_bundle_unchanged(str(missing), "abc")
+    assert str(e.value) == (f"the input bundle {missing} changed during the run (sha256 abc before, unreadable "
+                            f"(No such file or directory) after): the engine or another process wrote into it; "
+                            f"the result is not trusted")
+
+
+def test_run_engine_argument_checks_and_new_directories(tmp_path):
+    from k2vec.engines.runner import run_engine
+    args = dict(engine="e", command="true", bundle=str(bundle(tmp_path)), mode="greedy", gpus=0, devices=[],
+                lock_dir=str(tmp_path / "locks"), timeout_s=10.0, max_result_mb=1.0, expect=EXPECT)
+    with pytest.raises(ValueError) as e:
+        run_engine(**args, output=str(tmp_path / "o.json"), stderr_path=str(tmp_path / "e.log"),
+                   scratch_dir=str(tmp_path / "s"), sandbox=True)
+    assert str(e.value) == "sandbox needs results_dir: the directory hidden from the engine"
+    out, err = tmp_path / "new" / "runs" / "o.json", tmp_path / "logs" / "new" / "e.log"
+    r = run_engine(**args, output=str(out), stderr_path=str(err), scratch_dir=str(tmp_path / "s"))
+    assert r["status"] == "failed" and r["reason"].startswith("engine exited 0 but wrote no result file at ")
+    assert out.exists() and err.exists()
