@@ -245,3 +245,10 @@ def test_run_engine_argument_checks_and_new_directories(tmp_path):
     r = run_engine(**args, output=str(out), stderr_path=str(err), scratch_dir=str(tmp_path / "s"))
     assert r["status"] == "failed" and r["reason"].startswith("engine exited 0 but wrote no result file at ")
     assert out.exists() and err.exists()
+
+
+def test_json_nesting_escape_run_after_a_chunk_that_ended_in_a_backslash(monkeypatch):
+    # chunks of 4 bytes: '["a\' | 'n\"[' | '" ]': the first chunk's backslash escapes 'n'; the next
+    # backslash starts a run of its own, so the quote after it is escaped and '[' is inside the string
+    monkeypatch.setattr(runner, "_SCAN_CHUNK", 4)
+    assert json_nesting(b'["a\\n\\"[" ]') == (1, 0)
