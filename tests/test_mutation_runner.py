@@ -252,3 +252,37 @@ def test_json_nesting_escape_run_after_a_chunk_that_ended_in_a_backslash(monkeyp
     # backslash starts a run of its own, so the quote after it is escaped and '[' is inside the string
     monkeypatch.setattr(runner, "_SCAN_CHUNK", 4)
     assert json_nesting(b'["a\\n\\"[" ]') == (1, 0)
+
+
+def test_run_record_and_what_the_engine_is_given(tmp_path, monkeypatch):
+    """Every placeholder filled, the environment the engine sees, and the run's record in the result."""
+    import hashlib
+    import json
+    import os
+    import sys
+
+    from k2vec.engines.runner import run_engine
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = bundle(tmp_path)
+    seen = tmp_path / "seen.json"
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"json.dump({{'argv': sys.argv[1:], 'python': sys.executable, 'tmp': os.environ['TMPDIR'], "
+        f"'workdir': os.environ['K2VEC_WORKDIR'], 'cuda': os.environ.get('CUDA_VISIBLE_DEVICES')}}, open({str(seen)!r}, 'w'))\n"
+        f"json.dump({good_result('ddtree')!r}, open(sys.argv[4], 'w'))\n")
+    err = tmp_path / "e.log"
+    err.write_text("an older attempt's log\n")
+    r = run_engine(engine="e", command=f"{{python}} {script} {{bundle}} {{mode}} {{budget}} {{output}} {{gpus}}",
+                   bundle=str(path), mode="ddtree-b4", output=str(tmp_path / "o.json"), gpus=0, devices=[],
+                   lock_dir=str(tmp_path / "locks"), timeout_s=30.0, stderr_path=str(err), max_result_mb=1.0,
+                   scratch_dir=str(tmp_path / "s"), expect=EXPECT)
+    assert r["status"] == "ok", r["reason"]
+    assert (r["engine"], r["bundle"], r["mode"], r["budget"], r["sandbox"]) == ("e", str(path), "ddtree-b4", 4, False)
+    assert r["inputs"] == {"bundle": {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
+    got = json.loads(seen.read_text())
+    scratch = (tmp_path / "s").resolve()
+    assert got["argv"] == [str(path.resolve()), "ddtree", "4", str(scratch / "out" / "result.json"), ""]
+    assert got["python"] == sys.executable and got["cuda"] is None
+    assert got["tmp"] == str(scratch / "tmp") and got["workdir"] == os.getcwd()
+    assert err.read_bytes() == b""   # this run's log only
