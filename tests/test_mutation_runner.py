@@ -3,6 +3,7 @@
 An engine's result is refused with the whole reason a user reads in the FAILED row (where, what, the
 expected shape); results at the edge of what is allowed are accepted; the bundle's metadata is read
 with the same care. All in-process: no engine is started here."""
+import json
 import re
 from pathlib import Path
 
@@ -245,6 +246,11 @@ def test_run_engine_argument_checks_and_new_directories(tmp_path):
     r = run_engine(**args, output=str(out), stderr_path=str(err), scratch_dir=str(tmp_path / "s"))
     assert r["status"] == "failed" and r["reason"].startswith("engine exited 0 but wrote no result file at ")
     assert out.exists() and err.exists()
+    scratch = (tmp_path / "s").resolve()
+    assert (r["format"], r["version"], r["runs"], r["command"], r["leftover_processes_killed"], r["scratch_kept"]) == \
+        ("k2vec-engine-result", 1, [], "true", 0, str(scratch))
+    assert scratch.is_dir()   # kept for inspection after a failed run
+    assert out.read_text() == json.dumps(r, indent=1, sort_keys=True) + "\n"
 
 
 def test_json_nesting_escape_run_after_a_chunk_that_ended_in_a_backslash(monkeypatch):
@@ -257,7 +263,7 @@ def test_json_nesting_escape_run_after_a_chunk_that_ended_in_a_backslash(monkeyp
 def test_run_record_and_what_the_engine_is_given(tmp_path, monkeypatch):
     """Every placeholder filled, the environment the engine sees, and the run's record in the result."""
     import hashlib
-    import json
+
     import os
     import sys
 
@@ -269,7 +275,8 @@ def test_run_record_and_what_the_engine_is_given(tmp_path, monkeypatch):
     script.write_text(
         "import json, os, sys\n"
         f"json.dump({{'argv': sys.argv[1:], 'python': sys.executable, 'tmp': os.environ['TMPDIR'], "
-        f"'workdir': os.environ['K2VEC_WORKDIR'], 'cuda': os.environ.get('CUDA_VISIBLE_DEVICES')}}, open({str(seen)!r}, 'w'))\n"
+        f"'workdir': os.environ['K2VEC_WORKDIR'], 'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), 'cwd': os.getcwd()}}, "
+        f"open({str(seen)!r}, 'w'))\nprint('to stdout')\n"
         f"json.dump({good_result('ddtree')!r}, open(sys.argv[4], 'w'))\n")
     err = tmp_path / "e.log"
     err.write_text("an older attempt's log\n")
@@ -284,5 +291,7 @@ def test_run_record_and_what_the_engine_is_given(tmp_path, monkeypatch):
     scratch = (tmp_path / "s").resolve()
     assert got["argv"] == [str(path.resolve()), "ddtree", "4", str(scratch / "out" / "result.json"), ""]
     assert got["python"] == sys.executable and got["cuda"] is None
-    assert got["tmp"] == str(scratch / "tmp") and got["workdir"] == os.getcwd()
-    assert err.read_bytes() == b""   # this run's log only
+    assert got["tmp"] == str(scratch / "tmp") and got["workdir"] == os.getcwd() and got["cwd"] == str(scratch / "work")
+    assert err.read_text() == "to stdout\n"   # this run's output only, standard output included
+    assert not scratch.exists()   # removed after an ok run
+    assert (tmp_path / "o.json").read_text() == json.dumps(r, indent=1, sort_keys=True) + "\n"
