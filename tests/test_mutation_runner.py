@@ -295,3 +295,15 @@ def test_run_record_and_what_the_engine_is_given(tmp_path, monkeypatch):
     assert err.read_text() == "to stdout\n"   # this run's output only, standard output included
     assert not scratch.exists()   # removed after an ok run
     assert (tmp_path / "o.json").read_text() == json.dumps(r, indent=1, sort_keys=True) + "\n"
+
+
+def test_sandbox_problem_fails_sandboxed_runs_only(tmp_path, monkeypatch):
+    from k2vec.engines.runner import run_engine
+    monkeypatch.setattr(runner, "sandbox_problem", lambda: "bubblewrap cannot create a user namespace here")
+    args = dict(engine="e", command="true", bundle=str(bundle(tmp_path)), mode="greedy", gpus=0, devices=[],
+                lock_dir=str(tmp_path / "locks"), timeout_s=10.0, max_result_mb=1.0, expect=EXPECT,
+                stderr_path=str(tmp_path / "e.log"), scratch_dir=str(tmp_path / "s"), results_dir=str(tmp_path))
+    plain = run_engine(**args, output=str(tmp_path / "plain.json"))
+    assert plain["reason"].startswith("engine exited 0 but wrote no result file")   # the engine did run
+    boxed = run_engine(**args, output=str(tmp_path / "boxed.json"), sandbox=True)
+    assert boxed["reason"] == "sandbox: true, but bubblewrap cannot create a user namespace here"
