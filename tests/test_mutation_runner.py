@@ -307,3 +307,22 @@ def test_sandbox_problem_fails_sandboxed_runs_only(tmp_path, monkeypatch):
     assert plain["reason"].startswith("engine exited 0 but wrote no result file")   # the engine did run
     boxed = run_engine(**args, output=str(tmp_path / "boxed.json"), sandbox=True)
     assert boxed["reason"] == "sandbox: true, but bubblewrap cannot create a user namespace here"
+
+
+@pytest.mark.skipif(runner.sandbox_problem() is not None, reason="bubblewrap cannot run here")
+def test_sandboxed_run_hides_the_results_directory(tmp_path):
+    from k2vec.engines.runner import run_engine
+    results = tmp_path / "results"
+    results.mkdir()
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"try:\n    open({str(results / 'escape.txt')!r}, 'w').write('out')\nexcept OSError:\n    pass\n"
+        "os.makedirs(os.environ['HOME'], exist_ok=True)\n"
+        f"json.dump({good_result()!r}, open(sys.argv[2], 'w'))\n")
+    r = run_engine(engine="e", command=f"{{python}} {script} {{bundle}} {{output}}", bundle=str(bundle(tmp_path)),
+                   mode="greedy", output=str(results / "run.json"), gpus=0, devices=[], lock_dir=str(tmp_path / "locks"),
+                   timeout_s=30.0, stderr_path=str(results / "e.log"), max_result_mb=1.0,
+                   scratch_dir=str(tmp_path / "s"), expect=EXPECT, sandbox=True, results_dir=str(results))
+    assert r["status"] == "ok", (r["reason"], r.get("stderr_tail"))
+    assert r["sandbox"] is True and not (results / "escape.txt").exists()
