@@ -18,15 +18,19 @@ jobs=${MUTATION_JOBS:-$(nproc)}
 work="$repo/.mutation"
 
 # module -> "files to mutate|test files" (tests: fast, in-process ones that call the module directly)
-declare -A SOURCES TESTS
+declare -A SOURCES TESTS DESELECT
 SOURCES[runner]="src/k2vec/engines/runner.py"
 TESTS[runner]="tests/test_runner.py tests/test_runner_hardening.py tests/test_mutation_runner.py"
+# the three tests of the hostile_run fixture run Snakemake (the runner in subprocesses): they cannot kill a mutant
+DESELECT[runner]="tests/test_runner_hardening.py::test_hostile_engines_are_failed_rows_in_the_report_and_the_rest_completes tests/test_runner_hardening.py::test_detached_process_is_gone_after_the_run tests/test_runner_hardening.py::test_sandboxed_engines_write_nothing_outside_and_a_real_engine_still_passes"
 SOURCES[spec]="src/k2vec/spec.py"
 TESTS[spec]="tests/test_spec.py tests/test_mutation_spec.py"
 SOURCES[report]="src/k2vec/report/classify.py src/k2vec/report/tokens.py src/k2vec/report/logits.py src/k2vec/report/score.py"
 TESTS[report]="tests/test_report_metrics.py tests/test_report_classify.py tests/test_report_gate.py tests/test_mutation_report.py"
 SOURCES[kdtr]="src/k2vec/kdtr/reader.py src/k2vec/kdtr/format.py"
 TESTS[kdtr]="tests/test_kdtr_roundtrip.py tests/test_kdtr_malformed.py tests/test_kdtr_cli.py tests/test_mutation_kdtr.py"
+# tests that run `python -m k2vec.kdtr` in a subprocess without mutmut on its path: they cannot kill a mutant
+DESELECT[kdtr]="tests/test_kdtr_cli.py::test_module_entry_point tests/test_kdtr_cli.py::test_list_into_a_closed_pipe_ends_quietly"
 SOURCES[quant]="src/k2vec/quant.py"
 TESTS[quant]="tests/test_quant.py tests/test_mutation_quant.py"
 ALL=(quant spec report kdtr runner)
@@ -64,8 +68,9 @@ for m in "${modules[@]}"; do
         echo "pytest_add_cli_args ="
         echo "    -p"
         echo "    no:cacheprovider"
+        for t in ${DESELECT[$m]:-}; do printf '    --deselect\n    %s\n' "$t"; done
         echo "also_copy ="
-        for f in Snakefile config.yaml workflow profiles include tools; do echo "    $f"; done
+        for f in Snakefile config.yaml workflow profiles include tools docs; do echo "    $f"; done
         echo "use_git_change_detection = false"
     } >"$dir/setup.cfg"
     echo "== $m: mutating ${SOURCES[$m]}; tests:$tests"

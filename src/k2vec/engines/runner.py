@@ -132,6 +132,8 @@ def _array(value: Any, dtype, what: str) -> np.ndarray:
         return np.array(value, dtype=dtype)
     except ValueError:
         raise InvalidResult(f"{what}: rows of different lengths (expected a rectangular array)") from None
+    except OverflowError:   # the schema bounds integers below only: 2**70 is a valid JSON token id
+        raise InvalidResult(f"{what}: an integer does not fit in 64 bits") from None
 
 
 def _check_step_arrays(prompt: dict, kind: str, p_i: int, expect: Expectations) -> None:
