@@ -250,7 +250,7 @@ def test_run_engine_argument_checks_and_new_directories(tmp_path):
     assert (r["format"], r["version"], r["runs"], r["command"], r["leftover_processes_killed"], r["scratch_kept"]) == \
         ("k2vec-engine-result", 1, [], "true", 0, str(scratch))
     assert scratch.is_dir()   # kept for inspection after a failed run
-    assert out.read_text() == json.dumps(r, indent=1, sort_keys=True) + "\n"
+    assert out.read_text() == json.dumps(r, sort_keys=True) + "\n"
 
 
 def test_json_nesting_escape_run_after_a_chunk_that_ended_in_a_backslash(monkeypatch):
@@ -294,7 +294,7 @@ def test_run_record_and_what_the_engine_is_given(tmp_path, monkeypatch):
     assert got["tmp"] == str(scratch / "tmp") and got["workdir"] == os.getcwd() and got["cwd"] == str(scratch / "work")
     assert err.read_text() == "to stdout\n"   # this run's output only, standard output included
     assert not scratch.exists()   # removed after an ok run
-    assert (tmp_path / "o.json").read_text() == json.dumps(r, indent=1, sort_keys=True) + "\n"
+    assert (tmp_path / "o.json").read_text() == json.dumps(r, sort_keys=True) + "\n"
 
 
 def test_sandbox_problem_fails_sandboxed_runs_only(tmp_path, monkeypatch):
