@@ -1,6 +1,7 @@
 """Report budgets, score verdicts and the top-k KL: what mutation testing (bench/mutation.sh report) found
 unchecked. Expected values are computed here by hand, not by the report code."""
 import math
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -292,3 +293,25 @@ def test_score_stats_by_hand():
     c = score_stats(rows.iloc[:2].assign(precision_class="fp8"), steps, BUDGETS).iloc[0]
     assert c["verdict"] == "within budget" and pd.isna(c["over_budget"])
     assert score_stats(rows.iloc[:0], steps, BUDGETS).columns.tolist() == SCORE_COLUMNS
+
+
+def test_topk_kl_counts_token_id_0_as_a_listed_id():
+    # the engine lists token 0 (not in the golden's list) as its lowest logit: it joins the union (at the
+    # golden's lowest logit, 0.5) and is the engine's floor for the golden's id 3 it does not list
+    Gids, Glog = np.array([[1, 2, 3]]), np.array([[2.0, 1.0, 0.5]])
+    Eids, Elog = np.array([[1, 2, 0]]), np.array([[2.5, 1.0, -1.0]])
+    expected = kl_by_hand({0: 0.5, 1: 2.0, 2: 1.0, 3: 0.5}, {0: -1.0, 1: 2.5, 2: 1.0, 3: -1.0})
+    assert topk_kl(Gids, Glog, Eids, Elog)[0] == pytest.approx(expected, rel=1e-12)
+
+
+def test_topk_kl_batched_over_rows_and_steps_takes_m_from_the_id_axis():
+    # [rows 1, steps 2, k 3]: m = 3 (the id axis), not the 2 steps; an engine id of -1 (padding) is not
+    # listed, and its -inf terms raise no floating-point warning
+    Gids, Glog = np.array([[[1, 2, 3], [4, 5, 6]]]), np.array([[[3.0, 2.0, 1.0], [1.0, 0.0, -1.0]]])
+    Eids, Elog = np.array([[[1, 3, 2], [5, 4, -1]]]), np.array([[[3.0, 2.5, 0.5], [1.5, 1.0, np.nan]]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kl = topk_kl(Gids, Glog, Eids, Elog)
+    assert kl.shape == (1, 2)
+    assert kl[0, 0] == pytest.approx(kl_by_hand({1: 3.0, 2: 2.0, 3: 1.0}, {1: 3.0, 2: 0.5, 3: 2.5}), rel=1e-12)
+    assert kl[0, 1] == pytest.approx(kl_by_hand({4: 1.0, 5: 0.0, 6: -1.0}, {4: 1.0, 5: 1.5, 6: 1.0}), rel=1e-12)
