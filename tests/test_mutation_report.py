@@ -315,3 +315,25 @@ def test_topk_kl_batched_over_rows_and_steps_takes_m_from_the_id_axis():
     assert kl.shape == (1, 2)
     assert kl[0, 0] == pytest.approx(kl_by_hand({1: 3.0, 2: 2.0, 3: 1.0}, {1: 3.0, 2: 0.5, 3: 2.5}), rel=1e-12)
     assert kl[0, 1] == pytest.approx(kl_by_hand({4: 1.0, 5: 0.0, 6: -1.0}, {4: 1.0, 5: 1.5, 6: 1.0}), rel=1e-12)
+
+
+def test_score_run_without_topk_logits_is_over_budget_not_a_crash():
+    """No run listed top-k logits: the report's step frame is empty (object columns, as compute_metrics
+    builds it); the score run has nothing to score and says so, with no warning."""
+    rows = pd.DataFrame({"run": "r", "engine": "e", "model": "m", "precision": "fp32", "precision_class": "bfloat16",
+                         "reference": False, "prompt": [0, 1], "same_top1": [1.0, 0.5]})
+    steps = pd.DataFrame(columns=["row", "step", "abs_max", "kl", "overlap", "sq_err", "sq_ref"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (r,) = score_stats(rows, steps, BUDGETS).to_dict("records")
+    assert (r["prompts"], r["positions"], r["same_top1"], r["top_kl"]) == (2, 0, 0.75, "")
+    assert all(math.isnan(r[k]) for k in ("kl_mean", "kl_p99", "kl_max", "logit_nmse"))
+    assert (r["verdict"], r["over_budget"]) == ("over budget", "no logits to score (topk_ids / topk_logits missing)")
+
+
+def test_score_table_rows_are_in_run_name_order():
+    rows = pd.DataFrame({"run": ["zeta", "alpha", "mid"], "engine": ["z", "a", "m"], "model": "m", "precision": "fp32",
+                         "precision_class": "bfloat16", "reference": False, "prompt": 0, "same_top1": 1.0})
+    steps = pd.DataFrame({"row": [0, 1, 2], "step": 0, "kl": [0.1, 0.2, 0.3], "sq_err": 0.0, "sq_ref": 1.0})
+    out = score_stats(rows, steps, BUDGETS)
+    assert out["run"].tolist() == ["alpha", "mid", "zeta"] and out["kl_max"].tolist() == [0.2, 0.3, 0.1]
