@@ -107,38 +107,39 @@ def test_compare_tokens_columns_by_hand():
              {"tokens": None},                        # r3 greedy, no tokens
              {"tokens": [10, 20]},                    # r4 greedy, stops after 2 steps
              {"tokens": [10, 21, 31, 40]},            # r5 DDTree against its trace [10, 21, 30, 40]
-             {"tokens": [110, 120, 130, 140]}]        # r6 score, equal
-    prompt = np.array([0, 0, 1, 1, 0, 0, 1])
+             {"tokens": [110, 120, 130, 140]},        # r6 score, equal
+             {"tokens": [0, 20, 30, 40]}]             # r7 greedy, token 0 (a real id) at step 0
+    prompt = np.array([0, 0, 1, 1, 0, 0, 1, 0])
     ref = G_TOK[prompt].copy()
     ref[5, 1] = 21
-    score = np.array([False, False, True, False, False, False, True])
+    score = np.array([False, False, True, False, False, False, True, False])
     cols, arr = compare_tokens(fake_golden(), datas, prompt, ref, score)
     nan = np.nan
     expected = {
-        "first_step": [nan, 2, 1, 0, 2, 2, nan],
-        "matched_steps": [4, 2, 1, 0, 2, 2, 4],
-        "same_top1": [nan, nan, 0.5, nan, nan, nan, 1.0],
-        "golden_token": [nan, 30, 120, 110, 30, 30, nan],
-        "engine_token": [nan, 32, 999, nan, nan, 31, nan],
-        "margin": [nan, 0.1, 0.75, 0.25, 0.1, 0.1, nan],
+        "first_step": [nan, 2, 1, 0, 2, 2, nan, 0],
+        "matched_steps": [4, 2, 1, 0, 2, 2, 4, 0],
+        "same_top1": [nan, nan, 0.5, nan, nan, nan, 1.0, nan],
+        "golden_token": [nan, 30, 120, 110, 30, 30, nan, 10],
+        "engine_token": [nan, 32, 999, nan, nan, 31, nan, 0],
+        "margin": [nan, 0.1, 0.75, 0.25, 0.1, 0.1, nan, 1.0],
         # golden top-1 logit minus the engine token's (or, not listed, minus the last listed one)
-        "golden_gap": [nan, 4.0, 3.0, 1.0, 4.0, 0.1, nan],
-        "engine_rank_in_golden": [nan, 2, nan, nan, nan, 1, nan],
+        "golden_gap": [nan, 4.0, 3.0, 1.0, 4.0, 0.1, nan, 3.0],
+        "engine_rank_in_golden": [nan, 2, nan, nan, nan, 1, nan, nan],
     }
     assert set(cols) == set(expected)
     for name, want in expected.items():
         np.testing.assert_allclose(cols[name], want, rtol=1e-12, err_msg=name)
-    assert arr["has_div"].tolist() == [False, True, True, True, True, True, False]
-    assert arr["fs"].tolist() == [4, 2, 1, 0, 2, 2, 4] and arr["fs_c"].tolist() == [3, 2, 1, 0, 2, 2, 3]
-    assert arr["g_tok"].tolist() == [40, 30, 120, 110, 30, 30, 140]
+    assert arr["has_div"].tolist() == [False, True, True, True, True, True, False, True]
+    assert arr["fs"].tolist() == [4, 2, 1, 0, 2, 2, 4, 0] and arr["fs_c"].tolist() == [3, 2, 1, 0, 2, 2, 3, 0]
+    assert arr["g_tok"].tolist() == [40, 30, 120, 110, 30, 30, 140, 10]
     # compared steps: up to the divergent one; every step of a score row
     assert arr["upto"].astype(int).tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0],
-                                                [1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+                                                [1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
 
 
 def test_compare_logits_columns_and_steps_by_hand():
     """Rows: A greedy without divergence, B greedy diverging at step 1 (its steps 2, 3 are not compared),
-    C without top-k, D a score row whose engine lists 2 ids and stops after 3 steps."""
+    C without top-k, D a score row whose engine lists 2 ids and stops after 3 steps, E ids without logits."""
     datas = [
         {"topk_ids": [[10, 11, 12], [21, 20, 99], [30, 31, 32], [40, 41, 42]],
          "topk_logits": [[5.5, 4.0, 2.0], [5.25, 6.0, 0.0], [3.0, 2.9, -1.0], [7.0, 1.0, 0.5]]},
@@ -146,12 +147,13 @@ def test_compare_logits_columns_and_steps_by_hand():
          "topk_logits": [[2.0, 1.75, 1.25], [3.5, 3.0, 0.0], [100.0, 0.0, -100.0], [100.0, 0.0, -100.0]]},
         {"topk_ids": None, "topk_logits": None},
         {"topk_ids": [[110, 111], [120, 121], [131, 130]], "topk_logits": [[2.0, 1.75], [3.25, 2.25], [2.5, 4.0]]},
+        {"topk_ids": G_IDS[0].tolist(), "topk_logits": None},
     ]
-    prompt = np.array([0, 1, 0, 1])
-    fs = np.array([4, 1, 4, 2])
-    upto = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]], bool)
-    has_div = np.array([False, True, False, True])
-    g_tok = np.array([40, 120, 40, 130])
+    prompt = np.array([0, 1, 0, 1, 0])
+    fs = np.array([4, 1, 4, 2, 4])
+    upto = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]], bool)
+    has_div = np.array([False, True, False, True, False])
+    g_tok = np.array([40, 120, 40, 130, 40])
     cols, steps = compare_logits(fake_golden(), datas, prompt, upto, fs, np.minimum(fs, 3), has_div, g_tok)
 
     # per-step KL by hand: each side's missing ids at its own lowest listed logit
@@ -187,7 +189,7 @@ def test_compare_logits_columns_and_steps_by_hand():
     }
     assert set(cols) == set(expected)
     for name, want in expected.items():
-        np.testing.assert_allclose(cols[name], want, rtol=1e-12, err_msg=name)
+        np.testing.assert_allclose(cols[name], want + [nan], rtol=1e-12, err_msg=name)   # E: not compared
 
     assert list(steps.columns) == ["i", "step", "abs_max", "kl", "overlap", "sq_err", "sq_ref"]
     want = pd.DataFrame({
@@ -337,3 +339,12 @@ def test_score_table_rows_are_in_run_name_order():
     steps = pd.DataFrame({"row": [0, 1, 2], "step": 0, "kl": [0.1, 0.2, 0.3], "sq_err": 0.0, "sq_ref": 1.0})
     out = score_stats(rows, steps, BUDGETS)
     assert out["run"].tolist() == ["alpha", "mid", "zeta"] and out["kl_max"].tolist() == [0.2, 0.3, 0.1]
+
+
+def test_compare_logits_without_any_topk_row_gives_nan_columns_and_an_empty_step_frame():
+    datas = [{"tokens": [10, 20, 30, 40]}, {"topk_ids": None, "topk_logits": None}]
+    fs, upto = np.array([4, 4]), np.ones((2, 4), bool)
+    cols, steps = compare_logits(fake_golden(), datas, np.array([0, 0]), upto, fs, fs - 1, np.zeros(2, bool),
+                                 np.array([40, 40]))
+    assert all(np.isnan(v).all() and v.shape == (2,) for v in cols.values())
+    assert steps.empty and list(steps.columns) == ["i", "step", "abs_max", "kl", "overlap", "sq_err", "sq_ref"]
