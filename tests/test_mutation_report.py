@@ -348,3 +348,26 @@ def test_compare_logits_without_any_topk_row_gives_nan_columns_and_an_empty_step
                                  np.array([40, 40]))
     assert all(np.isnan(v).all() and v.shape == (2,) for v in cols.values())
     assert steps.empty and list(steps.columns) == ["i", "step", "abs_max", "kl", "overlap", "sq_err", "sq_ref"]
+
+
+def test_compare_logits_rows_with_no_or_one_shared_id():
+    """`none`: an engine that listed empty top-k lists; `one`: top-k lists that share a single id with
+    the golden's (id 30 at step 2, 0.5 off): its errors are that one pair's, the other's are not 0 but NaN."""
+    none = {"topk_ids": [], "topk_logits": []}
+    one = {"topk_ids": [[99, 98, 97], [99, 98, 97], [30, 98, 97], [99, 98, 97]],
+           "topk_logits": [[1.0, 0.0, -1.0], [1.0, 0.0, -1.0], [3.5, 0.0, -1.0], [1.0, 0.0, -1.0]]}
+    fs, upto, g_tok = np.array([4, 4]), np.ones((2, 4), bool), np.array([40, 40])
+    cols, steps = compare_logits(fake_golden(), [none], np.array([0]), upto[:1], fs[:1], fs[:1] - 1,
+                                 np.zeros(1, bool), g_tok[:1])
+    assert (cols["topk_overlap"][0], cols["logit_steps"][0]) == (0, 0)
+    assert all(np.isnan(v[0]) for c, v in cols.items() if c not in ("topk_overlap", "logit_steps"))
+    assert steps["overlap"].tolist() == [0, 0, 0, 0] and steps[["abs_max", "kl", "sq_err", "sq_ref"]].isna().all().all()
+
+    cols, _ = compare_logits(fake_golden(), [none, one], np.array([0, 0]), upto, fs, fs - 1, np.zeros(2, bool), g_tok)
+    nan = np.nan
+    expected = {"logit_steps": [0, 1], "topk_overlap": [0, 1 / 12], "logit_abs_max": [nan, 0.5],
+                "logit_abs_mean": [nan, 0.5], "logit_abs_p99": [nan, 0.5], "logit_rel_max": [nan, 0.5 / 3],
+                "logit_rel_mean": [nan, 0.5 / 3], "logit_rel_p99": [nan, 0.5 / 3], "logit_nmse": [nan, 0.25 / 9],
+                "noise_before": [nan, 0.5]}
+    for name, want in expected.items():
+        np.testing.assert_allclose(cols[name], want, rtol=1e-12, err_msg=name)
