@@ -371,3 +371,22 @@ def test_compare_logits_rows_with_no_or_one_shared_id():
                 "noise_before": [nan, 0.5]}
     for name, want in expected.items():
         np.testing.assert_allclose(cols[name], want, rtol=1e-12, err_msg=name)
+
+
+def test_kl_of_an_engine_listing_one_id_or_token_0_first():
+    """Two engines on one golden: `one` lists only its top-1 (k = 1, padded to the other's k = 3), `zero`
+    ranks token 0 first. Both have a KL at every step (the engine's floor: its lowest listed logit)."""
+    g_ids, g_log = G_IDS[0], G_LOG[0]
+    one = {"topk_ids": g_ids[:, :1].tolist(), "topk_logits": g_log[:, :1].tolist()}
+    zero_ids = np.concatenate([np.zeros((4, 1), int), g_ids[:, :2]], 1)
+    zero_log = np.concatenate([g_log[:, :1] + 1, g_log[:, :2]], 1)
+    zero = {"topk_ids": zero_ids.tolist(), "topk_logits": zero_log.tolist()}
+    kl_one = [kl_by_hand(dict(zip(i, v)), dict.fromkeys(i, v[0])) for i, v in zip(g_ids, g_log)]
+    kl_zero = [kl_by_hand({0: v[2], **dict(zip(i, v))}, {0: v[0] + 1, i[0]: v[0], i[1]: v[1], i[2]: v[1]})
+               for i, v in zip(g_ids, g_log)]
+    fs = np.array([4, 4])
+    cols, _ = compare_logits(fake_golden(), [one, zero], np.array([0, 0]), np.ones((2, 4), bool), fs, fs - 1,
+                             np.zeros(2, bool), np.array([40, 40]))
+    np.testing.assert_allclose(cols["kl_mean"], [np.mean(kl_one), np.mean(kl_zero)], rtol=1e-12)
+    np.testing.assert_allclose(cols["kl_max"], [max(kl_one), max(kl_zero)], rtol=1e-12)
+    assert min(kl_one) > 0 and min(kl_zero) > 0
