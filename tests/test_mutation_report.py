@@ -200,6 +200,7 @@ def test_compare_logits_columns_and_steps_by_hand():
         "sq_err": [0.25, 0.0625, 0, 0, 0.0625, 1.5625, 0, 0.0625, 0.25, nan],
         "sq_ref": [45, 66.25, 18.41, 50.25, 8.0625, 14.0625, 7.0625, 14.0625, 20, nan]})
     pd.testing.assert_frame_equal(steps.reset_index(drop=True).astype(float), want.astype(float), rtol=1e-12)
+    assert (steps.dtypes.iloc[2:] == float).all()   # numbers (NaN where none), as the plots and pooling read them
 
 
 # ------------------------------------------------------------------------------------ classification
