@@ -200,7 +200,7 @@ def test_compare_logits_columns_and_steps_by_hand():
         "sq_err": [0.25, 0.0625, 0, 0, 0.0625, 1.5625, 0, 0.0625, 0.25, nan],
         "sq_ref": [45, 66.25, 18.41, 50.25, 8.0625, 14.0625, 7.0625, 14.0625, 20, nan]})
     pd.testing.assert_frame_equal(steps.reset_index(drop=True).astype(float), want.astype(float), rtol=1e-12)
-    assert (steps.dtypes.iloc[2:] == float).all()   # numbers (NaN where none), as the plots and pooling read them
+    assert (steps.dtypes.iloc[2:] == "float64").all()   # numbers (NaN where none), as the plots and pooling read them
 
 
 # ------------------------------------------------------------------------------------ classification
@@ -391,3 +391,13 @@ def test_kl_of_an_engine_listing_one_id_or_token_0_first():
     np.testing.assert_allclose(cols["kl_mean"], [np.mean(kl_one), np.mean(kl_zero)], rtol=1e-12)
     np.testing.assert_allclose(cols["kl_max"], [max(kl_one), max(kl_zero)], rtol=1e-12)
     assert min(kl_one) > 0 and min(kl_zero) > 0
+
+
+def test_golden_rank_in_engine_is_nan_where_the_engine_does_not_list_the_golden_token():
+    # both diverge at step 1 (golden token 20): `listed` ranks it second, `unlisted` does not list it
+    listed = {"topk_ids": [[10, 11, 12], [21, 20, 22], [30, 31, 32], [40, 41, 42]], "topk_logits": G_LOG[0].tolist()}
+    unlisted = {"topk_ids": [[10, 11, 12], [21, 22, 23], [30, 31, 32], [40, 41, 42]], "topk_logits": G_LOG[0].tolist()}
+    fs, upto = np.array([1, 1]), np.array([[1, 1, 0, 0], [1, 1, 0, 0]], bool)
+    cols, _ = compare_logits(fake_golden(), [listed, unlisted], np.array([0, 0]), upto, fs, fs, np.ones(2, bool),
+                             np.array([20, 20]))
+    np.testing.assert_array_equal(cols["golden_rank_in_engine"], [1, np.nan])
