@@ -233,6 +233,8 @@ CASES = [
      "score run over budget: kl_mean 0.3 > 0.2"),
     ("greedy", "bfloat16", None, None, None, 1.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, "over-budget",
      None, "score run over budget: kl_mean 0.3 > 0.2"),
+    ("greedy", "bfloat16", None, None, None, 9.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, "over-budget",
+     None, "logit error 9 > logit_abs 8"),                       # its own reason before the score run's
     ("score", "bfloat16", None, None, None, 7.5, None, None, None, None, None, None, "exact", None, None),
     ("score", "bfloat16", 2, 0.5, 7.5, 7.5, None, None, None, 0.001, 0.1, 0.001, "within-budget", 7.5, None),
     ("score", "bfloat16", 2, 0.5, 9.0, 9.0, None, None, None, 0.001, 0.1, 0.001, "over-budget", 9.0,
