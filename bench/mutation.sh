@@ -69,6 +69,10 @@ for m in "${modules[@]}"; do
         echo "    -p"
         echo "    no:cacheprovider"
         for t in ${DESELECT[$m]:-}; do printf '    --deselect\n    %s\n' "$t"; done
+        # keep every session's temp directory: a fixture cached in the forked test process (the report's
+        # goldens) points into the session that built it, which pytest would delete after 3 more sessions
+        echo "    -o"
+        echo "    tmp_path_retention_count=1000000"
         echo "also_copy ="
         for f in Snakefile config.yaml workflow profiles include tools docs; do echo "    $f"; done
         echo "use_git_change_detection = false"

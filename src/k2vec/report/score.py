@@ -23,7 +23,8 @@ def score_stats(rows: pd.DataFrame, steps: pd.DataFrame, budgets) -> pd.DataFram
     precision_class, reference, prompt, same_top1, and their index = steps["row"]."""
     if rows.empty:
         return pd.DataFrame(columns=SCORE_COLUMNS)
-    st = steps[steps["row"].isin(rows.index)].join(rows[["run", "prompt"]], on="row")
+    # float: the report's empty step frame (no run listed top-k logits) has object columns
+    st = steps[steps["row"].isin(rows.index)].astype({"kl": float}).join(rows[["run", "prompt"]], on="row")
     out = []
     for run, grp in rows.groupby("run", sort=True):
         s = st[st["run"] == run]
