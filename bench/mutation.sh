@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut 3) over the modules where a silent error costs users most.
 #
-#   bench/mutation.sh [MODULE ...]      MODULE: quant spec report kdtr runner (default: all, in that order)
+#   bench/mutation.sh [MODULE ...]      MODULE: quant spec report kdtr runner fast_schema (default: all, in that order)
 #
 # Each module is mutated in its own copy of this checkout under .mutation/MODULE (git-ignored), with only
 # the fast tests that exercise it; mutmut then runs, per mutant, only the tests that call the mutated
@@ -21,6 +21,8 @@ work="$repo/.mutation"
 declare -A SOURCES TESTS DESELECT
 SOURCES[runner]="src/k2vec/engines/runner.py"
 TESTS[runner]="tests/test_runner.py tests/test_runner_hardening.py tests/test_mutation_runner.py"
+SOURCES[fast_schema]="src/k2vec/engines/fast_schema.py"   # the runner's quick pass of valid results
+TESTS[fast_schema]="tests/test_fast_schema.py"
 # the three tests of the hostile_run fixture run Snakemake (the runner in subprocesses): they cannot kill a mutant
 DESELECT[runner]="tests/test_runner_hardening.py::test_hostile_engines_are_failed_rows_in_the_report_and_the_rest_completes tests/test_runner_hardening.py::test_detached_process_is_gone_after_the_run tests/test_runner_hardening.py::test_sandboxed_engines_write_nothing_outside_and_a_real_engine_still_passes"
 SOURCES[spec]="src/k2vec/spec.py"
@@ -33,7 +35,7 @@ TESTS[kdtr]="tests/test_kdtr_roundtrip.py tests/test_kdtr_malformed.py tests/tes
 DESELECT[kdtr]="tests/test_kdtr_cli.py::test_module_entry_point tests/test_kdtr_cli.py::test_list_into_a_closed_pipe_ends_quietly"
 SOURCES[quant]="src/k2vec/quant.py"
 TESTS[quant]="tests/test_quant.py tests/test_mutation_quant.py"
-ALL=(quant spec report kdtr runner)
+ALL=(quant spec report kdtr runner fast_schema)
 
 modules=("$@")
 [ ${#modules[@]} -gt 0 ] || modules=("${ALL[@]}")

@@ -95,3 +95,18 @@ def test_valid_results_are_not_sent_to_jsonschema(monkeypatch):
     result["runs"][0]["prompts"][0]["topk_logits"][7][1] = float("nan")
     with pytest.raises(runner.InvalidResult, match="schema at runs/0/prompts/0/topk_logits/7/1: nan is not a finite"):
         check_result(result, "greedy", Expectations(n_prompts=1, max_new_tokens=n, vocab_size=4))
+
+
+@pytest.mark.parametrize("schema, instances", [
+    ({"const": True}, [True, 1, 1.0, False]),            # JSON's true is not 1
+    ({"const": 1}, [1, 1.0, True, "1"]),                   # but 1 is 1.0
+    ({"items": {"type": "integer"}}, ["abc", {"x": 1}, 5, [1, 2], [1, True]]),   # items: arrays only
+    ({"items": {"type": "string"}}, [["a", "b"], ["a", 1], []]),   # items of a type without a quick path
+    ({"items": {"type": "number", "minimum": 0}}, [[0, 0.5], [-1e-9], [float("inf")], []]),
+])
+def test_small_schemas_get_the_answer_jsonschema_gives(schema, instances):
+    import jsonschema
+    validator = jsonschema.validators.extend(jsonschema.Draft202012Validator,
+                                             type_checker=runner._validator().TYPE_CHECKER)(schema)
+    for instance in instances:
+        assert conforms(instance, schema) == validator.is_valid(instance), instance
