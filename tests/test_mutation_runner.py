@@ -326,3 +326,63 @@ def test_sandboxed_run_hides_the_results_directory(tmp_path):
                    scratch_dir=str(tmp_path / "s"), expect=EXPECT, sandbox=True, results_dir=str(results))
     assert r["status"] == "ok", (r["reason"], r.get("stderr_tail"))
     assert r["sandbox"] is True and not (results / "escape.txt").exists()
+
+
+def test_modes_at_their_edges():
+    assert runner.parse_mode("ddtree-b1") == ("ddtree", 1)   # a one-node tree is a real budget
+    for bad in ("ddtree-b0", "ddtree-b", "beam"):
+        with pytest.raises(ValueError) as e:
+            runner.parse_mode(bad)
+        assert str(e.value) == f"unknown mode {bad!r}: expected 'greedy', 'score' or 'ddtree-b<budget>'"
+
+
+def engine_run(tmp_path, body: str, mode="greedy", gpus=0, devices=()):
+    """run_engine on this module's bundle with a Python engine whose argv[1] is {output}, argv[2] {gpus}."""
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text("import json, sys\n" + body)
+    return runner.run_engine(engine="e", command=f"{sys.executable} {script} {{output}} '{{gpus}}'",
+                             bundle=str(bundle(tmp_path)), mode=mode, output=str(tmp_path / "o.json"), gpus=gpus,
+                             devices=list(devices), lock_dir=str(tmp_path / "locks"), timeout_s=30.0,
+                             stderr_path=str(tmp_path / "e.log"), max_result_mb=1.0,
+                             scratch_dir=str(tmp_path / "s"), expect=EXPECT)
+
+
+def test_the_engine_reads_nothing_from_the_runners_stdin(tmp_path):
+    """An engine that reads standard input gets end-of-file at once: it neither blocks on nor consumes
+    the input of the process that runs it (Snakemake's, a user's terminal)."""
+    import os
+
+    seen = tmp_path / "stdin.txt"
+    body = (f"open({str(seen)!r}, 'w').write(repr(sys.stdin.read()))\n"
+            f"json.dump({good_result()!r}, open(sys.argv[1], 'w'))\n")
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"the runner's own input\n")
+    os.close(write_end)
+    saved = os.dup(0)
+    os.dup2(read_end, 0)
+    try:
+        r = engine_run(tmp_path, body)
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        os.close(read_end)
+    assert r["status"] == "ok", r["reason"]
+    assert seen.read_text() == "''"
+
+
+def test_an_engine_given_two_gpus_gets_both_in_its_gpus_placeholder(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "identify", lambda assigned: ([], None))
+    seen = tmp_path / "gpus.txt"
+    r = engine_run(tmp_path, f"open({str(seen)!r}, 'w').write(sys.argv[2])\n"
+                             f"json.dump({good_result()!r}, open(sys.argv[1], 'w'))\n", gpus=2, devices=["3", "5"])
+    assert r["status"] == "ok", r["reason"]
+    assert seen.read_text() == "3,5" and r["gpus"] == ["3", "5"]
+
+
+def test_a_number_too_large_for_a_float_in_a_free_key_is_refused_with_its_reason(tmp_path):
+    text = json.dumps(good_result())[:-1] + ', "timing": {"note": 1e999}}'
+    r = engine_run(tmp_path, f"open(sys.argv[1], 'w').write({text!r})\n")
+    assert r["status"] == "failed"
+    assert r["reason"] == "result holds a number too large for a float (read as infinity)"
