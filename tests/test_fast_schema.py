@@ -80,6 +80,10 @@ def test_a_schema_it_does_not_read_is_never_a_pass(schema):
     assert conforms({"x": 1}, schema) is False and conforms([1], schema) is False
 
 
+def test_an_item_type_it_does_not_read_is_never_a_pass():
+    assert conforms([1, None], {"items": {"type": ["integer", "null"]}}) is False
+
+
 def test_valid_results_are_not_sent_to_jsonschema(monkeypatch):
     """The point of the quick check: a long valid result costs milliseconds (jsonschema took 0.8 s for a
     small model's score run), and an invalid one still gets jsonschema's message."""

@@ -21,13 +21,19 @@ class _Unsure(Exception):
     """The schema uses something this module does not interpret."""
 
 
-def _is_number(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
+    """The result contract's integer: a JSON integer, not true/false and not 5.0."""
+    return type(value) is int
+
+
+def is_number(value: Any) -> bool:
+    """The result contract's number: an integer or a finite float (Python reads 1e999 as inf)."""
     return type(value) is int or (type(value) is float and math.isfinite(value))
 
 
 _TYPES = {
-    "integer": lambda v: type(v) is int,
-    "number": _is_number,
+    "integer": is_integer,
+    "number": is_number,
     "string": lambda v: type(v) is str,
     "null": lambda v: v is None,
     "object": lambda v: type(v) is dict,
@@ -53,13 +59,7 @@ def _equal(value: Any, want: Any) -> bool:
 
 def _scalar_items(values: list, schema: Mapping[str, Any]) -> bool:
     """`items` of integers or numbers (with an optional minimum), over the whole list at once."""
-    kind = schema.get("type")
-    if kind == "integer":
-        ok = all(type(v) is int for v in values)
-    elif kind == "number":
-        ok = all(type(v) is int or (type(v) is float and math.isfinite(v)) for v in values)
-    else:
-        raise _Unsure
+    ok = all(map(_TYPES[schema["type"]], values))
     return ok and ("minimum" not in schema or not values or min(values) >= schema["minimum"])
 
 
@@ -87,7 +87,7 @@ def _conforms(value: Any, schema: Mapping[str, Any]) -> bool:
         elif key == "minItems":
             ok = type(value) is not list or len(value) >= want
         elif key == "minimum":
-            ok = not _is_number(value) or value >= want
+            ok = not is_number(value) or value >= want
         elif key == "oneOf":
             ok = sum(_conforms(value, sub) for sub in want) == 1
         else:

@@ -29,7 +29,7 @@ import numpy as np
 from ..atomic import claim_directory, write_text_atomic
 from ..digests import IntegrityError, sha256_bytes, sha256_file, verify_kdtr, write_record
 from ..gpus import GpuError, identify, lease
-from .fast_schema import conforms
+from .fast_schema import conforms, is_integer, is_number
 from .isolation import Reaper, fresh_scratch, make_read_only, remove_tree, sandbox_command, sandbox_problem
 
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
@@ -76,8 +76,8 @@ def _validator():
 
     base = jsonschema.Draft202012Validator
     checker = base.TYPE_CHECKER.redefine_many({
-        "integer": lambda _, x: type(x) is int,   # not bool, not 5.0
-        "number": lambda _, x: type(x) is int or (type(x) is float and math.isfinite(x)),
+        "integer": lambda _, x: is_integer(x),
+        "number": lambda _, x: is_number(x),
     })
     strict = jsonschema.validators.extend(base, type_checker=checker)
     return strict(_schema())
