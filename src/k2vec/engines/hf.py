@@ -17,7 +17,6 @@ bias), as transformers' `from_pretrained` does (`_keep_in_fp32_modules_strict`).
 from __future__ import annotations
 
 import inspect
-import json
 import platform
 import sys
 import time
@@ -29,7 +28,7 @@ import transformers
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from ..kdtr import open_bundle
-from .cli import contract_parser
+from .cli import contract_parser, write_output
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # transformers renamed forward's `past_key_values` to `cache` (5.x); pass the cache by the name it takes.
@@ -206,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", default="", help="the runner's {gpus}: empty runs on the CPU, else on cuda:0")
     args = ap.parse_args(argv)
     result = run(args.bundle, args.mode, args.dtype, "cuda:0" if args.gpus.strip() else "cpu")
-    with open(args.output, "w") as fh:
-        fh.write(json.dumps(result))  # dumps uses the C encoder; dump streams through the Python one
+    write_output(args.output, result)
     return 0
 
 

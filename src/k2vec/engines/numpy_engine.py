@@ -15,7 +15,6 @@ Small matrices: run it with OPENBLAS_NUM_THREADS=1 (config.yaml does), extra BLA
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -28,7 +27,7 @@ from ..kdtr import bf16_to_f32, open_bundle
 from ..reference.generate import greedy_generate
 from ..reference.model import ReferenceModel
 from ..reference.speculative import DDTreeJob, ddtree_generate
-from .cli import contract_parser
+from .cli import contract_parser, write_output
 
 # float64 weights kept between forward calls (as the golden stage: k2vec.golden.WEIGHT_CACHE_BYTES);
 # weights over reference.model.STREAM_BYTES are streamed from the bundle's mapping instead.
@@ -172,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mutant", metavar="NAME", help="inject one fault of the mutant catalogue (docs/mutants.md)")
     args = ap.parse_args(argv)
     result = run(args.bundle, args.mode, args.budget, args.mutant)
-    with open(args.output, "w") as fh:
-        fh.write(json.dumps(result))  # dumps uses the C encoder; dump streams through the Python one
+    write_output(args.output, result)
     return 0
 
 

@@ -9,7 +9,6 @@ Reads only the bundle, onto one device (`cuda:0`: the runner's CUDA_VISIBLE_DEVI
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -18,7 +17,7 @@ import torch
 
 from ...ddtree.drafter import RecordedDrafts
 from ...kdtr import open_bundle
-from ..cli import contract_parser
+from ..cli import contract_parser, write_output
 from .ddtree import ddtree_decode
 from .model import Segment, Transformer
 
@@ -125,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda:0", help="cuda:0 (default) or cpu (with TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
     result = run(args.bundle, args.mode, args.budget, args.dtype, args.device)
-    with open(args.output, "w") as fh:
-        fh.write(json.dumps(result))  # dumps uses the C encoder; dump streams through the Python one
+    write_output(args.output, result)
     return 0
 
 
