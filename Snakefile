@@ -10,7 +10,7 @@ min_version("9.0")
 # every stage script and in engine commands (jobs inherit PYTHONPATH, which precedes site-packages).
 sys.path.insert(0, os.path.join(workflow.basedir, "src"))
 
-from k2vec import workflow_setup
+from k2vec.pipeline import setup as workflow_setup
 
 workflow_setup.put_checkout_first(os.path.join(workflow.basedir, "src"))
 

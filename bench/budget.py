@@ -1,4 +1,4 @@
-"""Measured peak RSS of each pipeline stage against k2vec.budget's estimate, for a few model sizes.
+"""Measured peak RSS of each pipeline stage against k2vec.config.resources's estimate, for a few model sizes.
 
   PYTHONPATH=src python bench/budget.py                      # presets tiny, small and a "medium" model
   PYTHONPATH=src python bench/budget.py --models small
@@ -22,9 +22,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from k2vec.budget import MiB, stage_memory  # noqa: E402
-from k2vec.cases import write_json  # noqa: E402
-from k2vec.spec import expand_config, resolve_model  # noqa: E402
+from k2vec.config.resources import MiB, stage_memory  # noqa: E402
+from k2vec.config.cases import write_json  # noqa: E402
+from k2vec.config.expand import expand_config, resolve_model  # noqa: E402
 
 MODELS = {
     "tiny": {"preset": "tiny"},
@@ -35,19 +35,19 @@ MODELS = {
 }
 
 STAGES = {
-    "weights": "from k2vec.weights import write_checkpoint; write_checkpoint(read_json(d/'model.json'), d/'fp32')",
-    "quantize": "from k2vec.int4_checkpoint import quantize_checkpoint; "
+    "weights": "from k2vec.stages.weights import write_checkpoint; write_checkpoint(read_json(d/'model.json'), d/'fp32')",
+    "quantize": "from k2vec.model.int4_checkpoint import quantize_checkpoint; "
                 "quantize_checkpoint(d/'fp32', d/'int4', read_json(d/'quantization.json'))",
-    "golden": "from k2vec.golden import make_golden, open_weights, write_golden; "
+    "golden": "from k2vec.stages.golden import make_golden, open_weights, write_golden; "
               "case = {s: read_json(d/f'{s}.json') for s in ('model', 'prompts', 'decoding')}; "
               "w = open_weights(P, d/'fp32', d/'int4' if P == 'int4' else None); "
               "write_golden(d/f'golden-{P}.kdtr', *make_golden(case, w, P))",
-    "bundle": "from k2vec.bundle import write_case_bundle; "
+    "bundle": "from k2vec.stages.bundle import write_case_bundle; "
               "write_case_bundle(d/f'{P}.kdtr', model=read_json(d/'model.json'), decoding=read_json(d/'decoding.json'), "
               "precision=P, fp32_dir=d/'fp32', int4_dir=d/'int4' if P == 'int4' else None, "
               "golden_path=d/f'golden-{P}.kdtr')",
 }
-PRELUDE = "import sys; from pathlib import Path; from k2vec.cases import read_json; d = Path(sys.argv[1]); P = sys.argv[2]; "
+PRELUDE = "import sys; from pathlib import Path; from k2vec.config.cases import read_json; d = Path(sys.argv[1]); P = sys.argv[2]; "
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
 
 

@@ -21,10 +21,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from k2vec.golden import make_golden, open_weights, reference_model  # noqa: E402
+from k2vec.stages.golden import make_golden, open_weights, reference_model  # noqa: E402
 from k2vec.reference.generate import greedy_generate  # noqa: E402
-from k2vec.spec import expand_config  # noqa: E402
-from k2vec.weights import write_checkpoint  # noqa: E402
+from k2vec.config.expand import expand_config  # noqa: E402
+from k2vec.stages.weights import write_checkpoint  # noqa: E402
 
 
 def best(fn, repeat):

@@ -3,7 +3,7 @@ the numpy engine (issue 16, must show 3).
 
   PYTHONPATH=src python bench/import_k2layer.py [--workdir DIR] [--keep]
 
-The source is written by compressed-tensors' own compressor (tests/ct_checkpoint.py): one MoE layer at
+The source is written by compressed-tensors' own compressor (tests/support/ct_checkpoint.py): one MoE layer at
 Kimi K2 widths (hidden 7168, 64 heads, q_lora 1536, kv_lora 512, rope 64 / nope 128 / v 128,
 moe_intermediate 2048, one shared expert, K2's YaRN) with 8 routed experts (top-4, one group), BF16
 everywhere but the pack-quantized routed experts (BF16 group-32 scales) and the float32 router bias, and
@@ -32,11 +32,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]
-from ct_checkpoint import arch, write_ct_checkpoint  # noqa: E402
-from k2vec.checkpoint import Checkpoint  # noqa: E402
+from support.ct_checkpoint import arch, write_ct_checkpoint  # noqa: E402
+from k2vec.model.checkpoint import Checkpoint  # noqa: E402
 from k2vec.kdtr import open_bundle  # noqa: E402
 
-# K2 widths (docs: /work/shared/notes, k2vec.spec K2 presets once merged), as overrides of `tiny`
+# K2 widths (docs: /work/shared/notes, k2vec.config.expand K2 presets once merged), as overrides of `tiny`
 K2_WIDTHS = {"vocab_size": 1024, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
              "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
              "qk_rope_head_dim": 64, "v_head_dim": 128}

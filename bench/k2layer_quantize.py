@@ -5,8 +5,8 @@ quantized as the real K2 checkpoint has them (scheme k2-checkpoint), written as 
 
 Why not from an fp32 checkpoint on disk: the layer's fp32 experts are 384 x 3 x 2048 x 7168 x 4 B = 67.6 GB,
 more than the free disk of the shared machine. So the quantizer reads straight from the deterministic
-generator (k2vec.weights.make_tensor: the very values the weights stage would have written, tensor by
-tensor) through the quantize stage's own writer (k2vec.int4_checkpoint.write_int4: quantize_packed,
+generator (k2vec.stages.weights.make_tensor: the very values the weights stage would have written, tensor by
+tensor) through the quantize stage's own writer (k2vec.model.int4_checkpoint.write_int4: quantize_packed,
 .qw/.sc files, index.json, one syncfs). The generation time is measured apart and taken out; wall and CPU time are both reported
 (on a shared machine CPU time is the one other jobs do not inflate).
 In the same run, per tensor, np.copyto of the same fp32 bytes into a preallocated buffer gives the
@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from k2vec.architecture import tensor_shapes  # noqa: E402
-from k2vec.int4_checkpoint import open_int4, write_int4  # noqa: E402
-from k2vec.spec import resolve_model, resolve_quantization  # noqa: E402
-from k2vec.weights import make_tensor  # noqa: E402
+from k2vec.model.architecture import tensor_shapes  # noqa: E402
+from k2vec.model.int4_checkpoint import open_int4, write_int4  # noqa: E402
+from k2vec.config.expand import resolve_model, resolve_quantization  # noqa: E402
+from k2vec.stages.weights import make_tensor  # noqa: E402
 
 
 def main() -> None:

@@ -21,11 +21,11 @@ work="$repo/.mutation"
 declare -A SOURCES TESTS DESELECT
 SOURCES[runner]="src/k2vec/engines/runner.py"
 TESTS[runner]="tests/test_runner.py tests/test_runner_hardening.py tests/test_mutation_runner.py"
-SOURCES[fast_schema]="src/k2vec/engines/fast_schema.py"   # the runner's quick pass of valid results
+SOURCES[fast_schema]="src/k2vec/engines/contract/schema.py"   # the runner's quick pass of valid results
 TESTS[fast_schema]="tests/test_fast_schema.py"
 # the three tests of the hostile_run fixture run Snakemake (the runner in subprocesses): they cannot kill a mutant
 DESELECT[runner]="tests/test_runner_hardening.py::test_hostile_engines_are_failed_rows_in_the_report_and_the_rest_completes tests/test_runner_hardening.py::test_detached_process_is_gone_after_the_run tests/test_runner_hardening.py::test_sandboxed_engines_write_nothing_outside_and_a_real_engine_still_passes"
-SOURCES[spec]="src/k2vec/spec.py"
+SOURCES[spec]="src/k2vec/config/expand.py"
 TESTS[spec]="tests/test_spec.py tests/test_mutation_spec.py"
 SOURCES[report]="src/k2vec/report/classify.py src/k2vec/report/tokens.py src/k2vec/report/logits.py src/k2vec/report/score.py"
 TESTS[report]="tests/test_report_metrics.py tests/test_report_classify.py tests/test_report_gate.py tests/test_mutation_report.py"
@@ -33,7 +33,7 @@ SOURCES[kdtr]="src/k2vec/kdtr/reader.py src/k2vec/kdtr/format.py"
 TESTS[kdtr]="tests/test_kdtr_roundtrip.py tests/test_kdtr_malformed.py tests/test_kdtr_cli.py tests/test_mutation_kdtr.py"
 # tests that run `python -m k2vec.kdtr` in a subprocess without mutmut on its path: they cannot kill a mutant
 DESELECT[kdtr]="tests/test_kdtr_cli.py::test_module_entry_point tests/test_kdtr_cli.py::test_list_into_a_closed_pipe_ends_quietly"
-SOURCES[quant]="src/k2vec/quant.py"
+SOURCES[quant]="src/k2vec/model/int4.py"
 TESTS[quant]="tests/test_quant.py tests/test_mutation_quant.py"
 ALL=(quant spec report kdtr runner fast_schema)
 

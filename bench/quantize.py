@@ -1,4 +1,4 @@
-"""Benchmark of INT4 quantization (k2vec.quant): throughput, cost relative to np.copy, and peak memory.
+"""Benchmark of INT4 quantization (k2vec.model.int4): throughput, cost relative to np.copy, and peak memory.
 
   PYTHONPATH=src python bench/quantize.py            # 20 tensors, 1.17 GB of fp32, group 32, float32 scales
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from k2vec.quant import BLOCK_ELEMENTS, pack, quantize, quantize_packed  # noqa: E402
+from k2vec.model.int4 import BLOCK_ELEMENTS, pack, quantize, quantize_packed  # noqa: E402
 from k2vec.seeds import rng_for  # noqa: E402
 
 

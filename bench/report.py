@@ -28,13 +28,14 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from k2vec.kdtr import open_bundle
-from k2vec.report import build_report
-from k2vec.report.metrics import compute_metrics
-from k2vec.report.synthetic import case_goldens, perfect_result, write_result
-from k2vec.spec import expand_config
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]  # the synthetic results are the tests' fixture
+
+from k2vec.config.expand import expand_config  # noqa: E402
+from k2vec.kdtr import open_bundle  # noqa: E402
+from k2vec.report import build_report  # noqa: E402
+from k2vec.report.metrics import compute_metrics  # noqa: E402
+from support.synthetic import case_goldens, perfect_result, write_result  # noqa: E402
 MODES = ["greedy", "ddtree-b1", "ddtree-b4", "ddtree-b16", "ddtree-b64"]
 
 

@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from k2vec.engines import runner
-from k2vec.engines.fast_schema import conforms
+from k2vec.engines.contract import checks
+from k2vec.engines.contract.schema import conforms
 
 
 def best(fn, repeat: int) -> float:
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("results", nargs="+", type=Path)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    schema, validator = runner._schema(), runner._validator()
+    schema, validator = checks._schema(), checks._validator()
     print("| result | MB | quick check | jsonschema | passed quickly | JSON indent=1 | JSON compact |")
     print("|---|---|---|---|---|---|---|")
     for path in args.results:

@@ -4,15 +4,15 @@ import copy
 import numpy as np
 import pytest
 
-from k2vec.architecture import tensor_shapes
+from k2vec.model.architecture import tensor_shapes
 from k2vec.errors import ConfigError
-from k2vec.golden import open_weights, reference_model, strength
-from k2vec.int4_checkpoint import quantize_checkpoint
+from k2vec.stages.golden import open_weights, reference_model, strength
+from k2vec.stages.quantize import quantize_checkpoint
 from k2vec.kdtr import open_bundle
-from k2vec.prompts import candidate, draw_prompts
+from k2vec.stages.prompts import candidate, draw_prompts
 from k2vec.reference.generate import greedy_generate, logits_no_cache
-from k2vec.spec import expand_config
-from k2vec.weights import make_tensor, write_checkpoint
+from k2vec.config.expand import expand_config
+from k2vec.stages.weights import make_tensor, write_checkpoint
 from conftest import default_config
 
 CASES = expand_config(default_config())
@@ -87,8 +87,8 @@ def test_default_positions_are_where_yarn_interpolation_matters():
 
 def test_report_shows_golden_strength_and_flags_blind_prompts(tmp_path):
     from k2vec.report import build_report
-    from k2vec.report.golden import Golden, golden_strength
-    from k2vec.report.synthetic import perfect_result, write_result
+    from k2vec.report.golden_data import Golden, golden_strength
+    from support.synthetic import perfect_result, write_result
     from test_report_metrics import make_goldens
 
     goldens = make_goldens(tmp_path / "goldens")

@@ -1,4 +1,4 @@
-"""Import of a compressed-tensors checkpoint slice (k2vec.checkpoint_import, docs/checkpoint-import.md).
+"""Import of a compressed-tensors checkpoint slice (k2vec.stages.import_checkpoint, docs/checkpoint-import.md).
 
 (a) a checkpoint written by compressed-tensors' own compressor: codes and scales copied byte for byte,
     the fp32 side equal to the bf16 values / code x scale, the router restricted to the kept experts;
@@ -20,17 +20,20 @@ pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from k2vec.checkpoint import INDEX_NAME, Checkpoint  # noqa: E402
-from k2vec.checkpoint_import import CheckpointImportError, import_checkpoint, source_name  # noqa: E402
+from k2vec.model.checkpoint import INDEX_NAME, Checkpoint  # noqa: E402
+from k2vec.config.imports import CheckpointImportError, source_name  # noqa: E402
+from k2vec.stages.import_checkpoint import import_checkpoint  # noqa: E402
 from k2vec.errors import ConfigError  # noqa: E402
-from k2vec.golden import make_golden, open_weights, reference_model  # noqa: E402
-from k2vec.prompts import draw_prompts  # noqa: E402
-from k2vec.int4_checkpoint import export_compressed_tensors, open_int4, quantize_checkpoint  # noqa: E402
-from k2vec.spec import expand_config, resolve_model, schema_error  # noqa: E402
-from k2vec.weights import write_checkpoint  # noqa: E402
+from k2vec.stages.golden import make_golden, open_weights, reference_model  # noqa: E402
+from k2vec.stages.prompts import draw_prompts  # noqa: E402
+from k2vec.model.int4_checkpoint import open_int4  # noqa: E402
+from k2vec.stages.export_compressed_tensors import export_compressed_tensors  # noqa: E402
+from k2vec.stages.quantize import quantize_checkpoint  # noqa: E402
+from k2vec.config.expand import expand_config, resolve_model, schema_error  # noqa: E402
+from k2vec.stages.weights import write_checkpoint  # noqa: E402
 from conftest import REPO, default_config, snakemake, write_config  # noqa: E402
 from test_workflow import scheduled_jobs  # noqa: E402
-from ct_checkpoint import arch, write_ct_checkpoint  # noqa: E402
+from support.ct_checkpoint import arch, write_ct_checkpoint  # noqa: E402
 
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 LAYERS, EXPERTS = [0, 2], [1, 3, 4, 6]  # tiny: layer 0 dense, 1-2 MoE; 8 experts in 2 groups of 4

@@ -13,10 +13,12 @@ from compressed_tensors.quantization.lifecycle.forward import quantize as ct_qua
 from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 from safetensors.torch import load_file
 
-from k2vec.checkpoint import Checkpoint
-from k2vec.int4_checkpoint import export_compressed_tensors, load_dequantized, quantize_checkpoint
-from k2vec.quant import dequantize, pack, pack_int32, quantize, round_to_bf16
-from ct_checkpoint import module_tree
+from k2vec.model.checkpoint import Checkpoint
+from k2vec.model.int4_checkpoint import load_dequantized
+from k2vec.stages.export_compressed_tensors import export_compressed_tensors
+from k2vec.stages.quantize import quantize_checkpoint
+from k2vec.model.int4 import dequantize, pack, pack_int32, quantize, round_to_bf16
+from support.ct_checkpoint import module_tree
 from test_quant import make_fp32_checkpoint, make_spec, worked_example
 
 

@@ -6,12 +6,13 @@ import re
 import pytest
 
 from conftest import copy_workflow, default_config, snakemake, write_config
-from k2vec import budget
-from k2vec.architecture import tensor_shapes
-from k2vec.configfile import ConfigFileError, check_config_file
-from k2vec.configfile import main as configfile_main
+from k2vec.config import resources
+from k2vec.model.architecture import tensor_shapes
+from k2vec.config.read import ConfigFileError, check_config_file
+from k2vec.config.read import main as configfile_main
 from k2vec.errors import ConfigError
-from k2vec.spec import check_command_template, resolve_model
+from k2vec.config.engines import check_command_template
+from k2vec.config.expand import resolve_model
 
 
 def _run(tmp_path, config: dict, *args) -> tuple[int, str]:
@@ -70,7 +71,7 @@ def test_too_many_files_stops_before_any_job(tmp_path):
 def test_closed_form_counts_match_the_checkpoint_layout(preset, overrides):
     m = resolve_model("m", {"preset": preset, **overrides})
     shapes = tensor_shapes(m)
-    c = budget.counts(m)
+    c = resources.counts(m)
     assert c.params == sum(math.prod(s) for s in shapes.values())
     assert c.tensors == len(shapes)
     assert c.largest_tensor == max(math.prod(s) for s in shapes.values())
@@ -82,25 +83,25 @@ def test_closed_form_counts_match_the_checkpoint_layout(preset, overrides):
 def test_default_config_fits_and_a_small_disk_is_refused(monkeypatch, tmp_path):
     config = default_config()
     runs = [("numpy", m, p, "greedy") for m in config["models"] for p in ("fp32", "int4")]
-    budget.check_config(config, runs, tmp_path / "results")  # this machine runs the default config
-    monkeypatch.setattr(budget, "free_disk", lambda path: 10 << 20)
+    resources.check_config(config, runs, tmp_path / "results")  # this machine runs the default config
+    monkeypatch.setattr(resources, "free_disk", lambda path: 10 << 20)
     with pytest.raises(ConfigError) as err:
-        budget.check_config(config, runs, tmp_path / "results")
+        resources.check_config(config, runs, tmp_path / "results")
     assert re.search(r"the outputs need ~\d+ MiB of disk .* has 10 MiB free", err.value.reason), err.value
-    monkeypatch.setenv(budget.SKIP_ENV, "1")
-    budget.check_config(config, runs, tmp_path / "results")
+    monkeypatch.setenv(resources.SKIP_ENV, "1")
+    resources.check_config(config, runs, tmp_path / "results")
 
 
 def test_driver_is_the_overridden_key_that_grows_the_estimate():
     config = default_config()
     m = resolve_model("x", {"preset": "small", "vocab_size": 10**6, "num_attention_heads": 8})
     # the golden stage: the weights stage streams a fixed-size chunk, whatever the widths
-    golden = lambda mm, cc: budget.stage_memory(mm, cc)[2].amount  # noqa: E731
-    assert budget._driver(golden, m, config, "models.x") == "models.x.vocab_size"
+    golden = lambda mm, cc: resources.stage_memory(mm, cc)[2].amount  # noqa: E731
+    assert resources._driver(golden, m, config, "models.x") == "models.x.vocab_size"
     preset = resolve_model("x", {"preset": "small"})  # no override: the key whose doubling costs most
-    key = budget._driver(golden, preset, config, "models.x")
+    key = resources._driver(golden, preset, config, "models.x")
     grow = lambda k: golden({**preset, k: 2 * preset[k]}, config)  # noqa: E731
-    assert key.startswith("models.x.") and all(grow(key[9:]) >= grow(k) for k in budget.SIZE_KEYS if preset[k])
+    assert key.startswith("models.x.") and all(grow(key[9:]) >= grow(k) for k in resources.SIZE_KEYS if preset[k])
 
 
 # ---------------------------------------------------------------------------- config file syntax

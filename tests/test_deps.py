@@ -1,4 +1,4 @@
-"""k2vec.deps: the code a stage declares (import closure) and the digest of its meaning."""
+"""k2vec.pipeline.code_digest: the code a stage declares (import closure) and the digest of its meaning."""
 import json
 import subprocess
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from k2vec.deps import PACKAGE_DIR, code_digest, module_sources
+from k2vec.pipeline.code_digest import PACKAGE_DIR, code_digest, module_sources
 
 MODULE = '''"""A module docstring."""
 import os
@@ -63,24 +63,24 @@ def _names(paths):
 
 
 def test_fp32_stages_do_not_declare_the_quantizer():
-    for stage in ("k2vec.golden", "k2vec.bundle"):
-        fp32 = _names(module_sources(stage, without=("k2vec.int4_checkpoint",)))
+    for stage in ("k2vec.stages.golden", "k2vec.stages.bundle"):
+        fp32 = _names(module_sources(stage, without=("k2vec.model.int4_checkpoint",)))
         int4 = _names(module_sources(stage))
-        assert "k2vec/quant.py" not in fp32 and "k2vec/int4_checkpoint.py" not in fp32
-        assert {"k2vec/quant.py", "k2vec/int4_checkpoint.py"} <= int4
+        assert "k2vec/model/int4.py" not in fp32 and "k2vec/model/int4_checkpoint.py" not in fp32
+        assert {"k2vec/model/int4.py", "k2vec/model/int4_checkpoint.py"} <= int4
 
 
 def test_leaving_out_a_module_imported_at_load_time_is_an_error():
     # int4_checkpoint imports the quantizer when it loads: a stage running it runs the quantizer
-    with pytest.raises(ValueError, match="int4_checkpoint.py imports k2vec.quant at module level"):
-        module_sources("k2vec.int4_checkpoint", without=("k2vec.quant",))
+    with pytest.raises(ValueError, match="int4_checkpoint.py imports k2vec.model.int4 at module level"):
+        module_sources("k2vec.model.int4_checkpoint", without=("k2vec.model.int4",))
 
 
 @pytest.mark.parametrize("modules, without", [
-    (("k2vec.golden", "k2vec.cases", "k2vec.stage"), ("k2vec.int4_checkpoint",)),
-    (("k2vec.bundle", "k2vec.cases", "k2vec.stage"), ("k2vec.int4_checkpoint",)),
-    (("k2vec.weights", "k2vec.cases", "k2vec.stage"), ()),
-    (("k2vec.report", "k2vec.stage"), ()),
+    (("k2vec.stages.golden", "k2vec.config.cases", "k2vec.pipeline.stage"), ("k2vec.model.int4_checkpoint",)),
+    (("k2vec.stages.bundle", "k2vec.config.cases", "k2vec.pipeline.stage"), ("k2vec.model.int4_checkpoint",)),
+    (("k2vec.stages.weights", "k2vec.config.cases", "k2vec.pipeline.stage"), ()),
+    (("k2vec.report", "k2vec.pipeline.stage"), ()),
 ])
 def test_declared_code_covers_what_importing_the_stage_loads(modules, without):
     """Importing a stage's modules in a fresh interpreter loads no package file it does not declare."""
@@ -93,4 +93,4 @@ def test_declared_code_covers_what_importing_the_stage_loads(modules, without):
     loaded = _names(json.loads(res.stdout))
     assert loaded <= _names(module_sources(*modules, without=without))
     if without:
-        assert "k2vec/quant.py" not in loaded
+        assert "k2vec/model/int4.py" not in loaded

@@ -6,10 +6,13 @@ import json
 import pytest
 
 from k2vec.engines import runner
-from k2vec.engines.fast_schema import conforms
-from k2vec.engines.runner import Expectations, check_result
+from k2vec.engines.contract import errors as contract_errors
+from k2vec.engines.contract import checks
+from k2vec.engines.contract.schema import conforms
+from k2vec.engines.contract.checks import check_result
+from k2vec.engines.contract.expectations import Expectations
 
-SCHEMA = json.loads(runner.SCHEMA_PATH.read_text())
+SCHEMA = json.loads(checks.SCHEMA_PATH.read_text())
 
 
 def full_result() -> dict:
@@ -49,7 +52,7 @@ REPLACEMENTS = [DELETE, True, False, 0, -1, 5.0, 1.5, -0.5, float("inf"), float(
 
 
 def schema_valid(doc) -> bool:
-    return next(iter(runner._validator().iter_errors(doc)), None) is None
+    return next(iter(checks._validator().iter_errors(doc)), None) is None
 
 
 def test_the_full_result_passes_both():
@@ -97,7 +100,7 @@ def test_valid_results_are_not_sent_to_jsonschema(monkeypatch):
     check_result(result, "greedy", Expectations(n_prompts=1, max_new_tokens=n, vocab_size=4))
     monkeypatch.undo()
     result["runs"][0]["prompts"][0]["topk_logits"][7][1] = float("nan")
-    with pytest.raises(runner.InvalidResult, match="schema at runs/0/prompts/0/topk_logits/7/1: nan is not a finite"):
+    with pytest.raises(contract_errors.InvalidResult, match="schema at runs/0/prompts/0/topk_logits/7/1: nan is not a finite"):
         check_result(result, "greedy", Expectations(n_prompts=1, max_new_tokens=n, vocab_size=4))
 
 
@@ -111,6 +114,6 @@ def test_valid_results_are_not_sent_to_jsonschema(monkeypatch):
 def test_small_schemas_get_the_answer_jsonschema_gives(schema, instances):
     import jsonschema
     validator = jsonschema.validators.extend(jsonschema.Draft202012Validator,
-                                             type_checker=runner._validator().TYPE_CHECKER)(schema)
+                                             type_checker=checks._validator().TYPE_CHECKER)(schema)
     for instance in instances:
         assert conforms(instance, schema) == validator.is_valid(instance), instance

@@ -7,7 +7,7 @@ import pytest
 from conftest import REPO
 from test_report_metrics import make_goldens
 
-from k2vec import golden
+from k2vec.stages import golden
 from k2vec.kdtr import open_bundle
 
 DOC = " ".join((REPO / "docs/golden-format.md").read_text().split())

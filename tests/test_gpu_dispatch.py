@@ -5,7 +5,7 @@ import re
 from conftest import REPO, default_config, snakemake, write_config
 from test_workflow import scheduled_jobs
 
-from k2vec.spec import engine_runs, engines_short_of_gpus, resolve_engines
+from k2vec.config.engines import engine_runs, engines_short_of_gpus, resolve_engines
 
 NOTICE = "k2vec: no run of GPU engine(s) gpu_fp32, gpu_bf16: the GPU pool has 0 device(s)"
 GPU_ENGINES = [name for name, e in default_config()["engines"].items() if e.get("gpus")]

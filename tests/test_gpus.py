@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from k2vec.gpus import GpuError, detect_devices, lease, scheduler_assigned
+from k2vec.engines.gpus import GpuError, detect_devices, lease, scheduler_assigned
 
 
 def _job(lock_dir, devices, count, hold_s, queue):

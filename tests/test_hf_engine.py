@@ -9,7 +9,7 @@ from test_workflow import scheduled_jobs
 
 from k2vec import quant
 from k2vec.engines import hf
-from k2vec.spec import engine_runs, engines_missing_modules, resolve_engines
+from k2vec.config.engines import engine_runs, engines_missing_modules, resolve_engines
 
 HF_ENGINES = ["hf_fp32", "hf_bf16"]
 

@@ -3,9 +3,9 @@ import pytest
 import torch
 import transformers
 
-from k2vec.prompts import candidate
-from k2vec.spec import expand_config
-from k2vec.weights import write_checkpoint
+from k2vec.stages.prompts import candidate
+from k2vec.config.expand import expand_config
+from k2vec.stages.weights import write_checkpoint
 from conftest import default_config
 
 @pytest.mark.parametrize("model_name", sorted(default_config()["models"]))

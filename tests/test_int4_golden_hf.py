@@ -4,12 +4,13 @@ import pytest
 import torch
 import transformers
 
-from k2vec.checkpoint import Checkpoint, write_shards
-from k2vec.golden import make_golden, open_weights, reference_model
-from k2vec.int4_checkpoint import quantize_checkpoint
-from k2vec.prompts import draw_prompts
-from k2vec.spec import expand_config
-from k2vec.weights import shard_groups, write_checkpoint
+from k2vec.model.checkpoint import Checkpoint, write_shards
+from k2vec.stages.golden import make_golden, open_weights, reference_model
+from k2vec.stages.quantize import quantize_checkpoint
+from k2vec.stages.prompts import draw_prompts
+from k2vec.config.expand import expand_config
+from k2vec.model.checkpoint import shard_groups
+from k2vec.stages.weights import write_checkpoint
 from conftest import default_config
 
 @pytest.mark.parametrize("model_name", ["tiny", "small"])

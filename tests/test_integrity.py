@@ -20,14 +20,16 @@ from conftest import REPO, copy_workflow, default_config, snakemake, write_confi
 from test_quant import make_fp32_checkpoint, make_spec
 from test_report_metrics import make_goldens
 
-from k2vec.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, write_shards
+from k2vec.model.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, write_shards
 from k2vec.digests import IntegrityError, check_record, sha256_file, verify_kdtr, write_record
-from k2vec.engines.runner import Expectations, run_engine
-from k2vec.int4_checkpoint import open_int4, quantize_checkpoint
+from k2vec.engines.contract.expectations import Expectations
+from k2vec.engines.runner import run_engine
+from k2vec.model.int4_checkpoint import open_int4
+from k2vec.stages.quantize import quantize_checkpoint
 from k2vec.kdtr import open_bundle, write_bundle
-from k2vec.quant import QuantError
+from k2vec.model.int4 import QuantError
 from k2vec.report.metrics import ReportError, compute_metrics
-from k2vec.report.synthetic import perfect_result, write_result
+from support.synthetic import perfect_result, write_result
 
 TAMPER = REPO / "tests" / "engines" / "tamper_engine.py"
 

@@ -179,14 +179,15 @@ def test_sandbox_where_bubblewrap_cannot_run_is_a_failed_row(tmp_path, monkeypat
 
 
 def test_sandbox_without_bubblewrap_is_a_config_error(monkeypatch, config):
-    from k2vec.engines import isolation
     from k2vec.errors import ConfigError
-    from k2vec.spec import resolve_engines
+    from k2vec.config.engines import check_sandboxes, resolve_engines
     from conftest import REPO
 
+    def absent():
+        return "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
+
     config["engines"]["numpy"]["sandbox"] = True
-    monkeypatch.setattr(isolation, "sandbox_problem", lambda: "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)")
     with pytest.raises(ConfigError, match=r"engines\.numpy\.sandbox.*bwrap\) is not installed.*or set sandbox: false"):
-        resolve_engines(config, str(REPO))
+        check_sandboxes(resolve_engines(config, str(REPO)), absent)
     config["engines"]["numpy"]["sandbox"] = False
-    assert resolve_engines(config, str(REPO))["numpy"]["sandbox"] is False
+    check_sandboxes(resolve_engines(config, str(REPO)), lambda: pytest.fail("probed with no sandboxed engine"))

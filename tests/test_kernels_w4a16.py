@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from kernel_checks import cuda_device, run_interpreted
+from support.kernel_checks import cuda_device, run_interpreted
 
 GROUPS = (32, 64, 128)
 SCALES = ("float32", "bfloat16")

@@ -1,4 +1,4 @@
-"""The mutant catalogue (k2vec.engines.mutants) and the mutation run (rule mutation_report).
+"""The mutant catalogue (k2vec.mutation.catalogue) and the mutation run (rule mutation_report).
 
 Unit tests: every mutant really changes what the engine computes on a small random model, and leaves
 nothing behind when its context exits. The pipeline test runs three mutants through the real rules
@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 
 from k2vec.ddtree import record_drafts
-from k2vec.engines import mutants
-from k2vec.engines.mutants import CATALOGUE, MUTANTS, MutantError, injected
+from k2vec.mutation import catalogue as mutants
+from k2vec.mutation.catalogue import CATALOGUE, MUTANTS, MutantError, injected
 from k2vec.engines.numpy_engine import BundleWeights
-from k2vec.quant import quantize_packed
+from k2vec.model.int4 import quantize_packed
 from k2vec.reference import ReferenceModel, greedy_generate
 from k2vec.reference import model as ref
 from k2vec.reference import speculative
@@ -133,7 +133,7 @@ def test_ddtree_mutant_changes_the_rounds_and_is_undone(source, base, name):
 
 def test_exercised_only_where_the_code_path_runs():
     cfg = default_config()
-    from k2vec.spec import expand_config
+    from k2vec.config.expand import expand_config
     case = expand_config(cfg)["tiny"]
     m, q = case["model"], case["quantization"]
     assert MUTANTS["int4_nibble_order"].exercised(m, q, "int4", "greedy", 0)

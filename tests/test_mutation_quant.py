@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from k2vec.quant import (MAX_SCALE, SCALE_DIVISOR, QuantError, bf16_bits, dequantize, pack, quantize,
+from k2vec.model.int4 import (MAX_SCALE, SCALE_DIVISOR, QuantError, bf16_bits, dequantize, pack, quantize,
                          quantize_packed, unpack)
 
 

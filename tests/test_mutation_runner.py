@@ -13,7 +13,10 @@ from test_runner import EXPECT, SCORE_EXPECT, good_result, score_result
 
 from k2vec.digests import write_record
 from k2vec.engines import runner
-from k2vec.engines.runner import InvalidResult, check_result, expectations_from_bundle, json_nesting
+from k2vec.engines.contract.modes import parse_mode
+from k2vec.engines.contract.checks import InvalidResult, check_result
+from k2vec.engines.contract.expectations import expectations_from_bundle
+from k2vec.engines.contract.files import json_nesting
 from k2vec.kdtr import write_bundle
 
 
@@ -175,7 +178,7 @@ def test_expectations_verify_the_bundle_by_default(tmp_path):
 # ---- reading the result file (in-process: the file is written here, no engine runs)
 
 def test_result_file_edges(tmp_path):
-    from k2vec.engines.runner import MAX_RESULT_NESTING, read_result
+    from k2vec.engines.contract.files import MAX_RESULT_NESTING, read_result
     exact = tmp_path / "exact.json"
     exact.write_text("[" * MAX_RESULT_NESTING + "]" * MAX_RESULT_NESTING)   # exactly the nesting limit
     value = read_result(exact, 1 << 20)
@@ -188,7 +191,7 @@ def test_result_file_edges(tmp_path):
 
 
 def test_result_file_refusals(tmp_path):
-    from k2vec.engines.runner import read_result
+    from k2vec.engines.contract.files import read_result
     (tmp_path / "file").write_text("{}")
     deep = tmp_path / "deep.json"   # 40 deep in the first 4 MiB scanned: the scan stops there
     deep.write_bytes(b"[" * 40 + b" " * (4 << 20) + b"[" * 60)
@@ -329,10 +332,10 @@ def test_sandboxed_run_hides_the_results_directory(tmp_path):
 
 
 def test_modes_at_their_edges():
-    assert runner.parse_mode("ddtree-b1") == ("ddtree", 1)   # a one-node tree is a real budget
+    assert parse_mode("ddtree-b1") == ("ddtree", 1)   # a one-node tree is a real budget
     for bad in ("ddtree-b0", "ddtree-b", "beam"):
         with pytest.raises(ValueError) as e:
-            runner.parse_mode(bad)
+            parse_mode(bad)
         assert str(e.value) == f"unknown mode {bad!r}: expected 'greedy', 'score' or 'ddtree-b<budget>'"
 
 

@@ -1,4 +1,4 @@
-"""Config and engine checks of k2vec.spec: what mutation testing (bench/mutation.sh spec) found unchecked.
+"""Config and engine checks of k2vec.config.expand: what mutation testing (bench/mutation.sh spec) found unchecked.
 
 Each rejected config must raise a ConfigError whose whole message names the key and says what to change;
 each value at the edge of a range must still be accepted; a resolved case must not share state with the
@@ -10,8 +10,9 @@ import pytest
 
 from conftest import REPO, default_config
 from k2vec.errors import ConfigError
-from k2vec.spec import (PRESETS, engine_runs, engines_missing_modules, engines_short_of_gpus, expand_config,
-                        resolve_engines, schema_error)
+from k2vec.config.engines import engine_runs, engines_missing_modules, engines_short_of_gpus, resolve_engines
+from k2vec.config.expand import expand_config, schema_error
+from k2vec.config.presets import PRESETS
 
 YARN = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0}
 
@@ -134,7 +135,7 @@ def test_resolved_case_sections_and_values():
     q = {k: v for k, v in case["quantization"].items() if k != "tensors"}
     assert q == {"scheme": "default", "targets": ["Linear"], "ignore": ["lm_head", "re:.*self_attn.*"], "bits": 4,
                  "symmetric": True, "group_size": 32, "scale_dtype": "float32"}
-    # the settings only: the prompts stage (k2vec.prompts) draws the tokens
+    # the settings only: the prompts stage (k2vec.stages.prompts) draws the tokens
     assert set(case["prompts"]) == {"seed", "count", "min_length", "max_length", "redraw_attempts", "near_tie",
                                     "router_near_tie"}
     assert (case["prompts"]["seed"], case["prompts"]["count"]) == (7, 4)
@@ -144,7 +145,7 @@ def test_resolved_case_sections_and_values():
 def test_prompt_tokens_are_pinned_by_seed_model_index_and_attempt():
     # golden vectors are compared across versions: the derivation (seed, model name, "prompt", index,
     # "attempt", attempt) of a candidate prompt is fixed
-    from k2vec.prompts import candidate
+    from k2vec.stages.prompts import candidate
     case = expand_config(default_config())["tiny"]
     prompts = [candidate(case["prompts"], case["model"], i, 0) for i in range(4)]
     assert [len(p) for p in prompts] == [4, 5, 4, 5]

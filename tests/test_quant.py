@@ -1,4 +1,4 @@
-"""INT4 quantization core (k2vec.quant) and the quantize stage (k2vec.int4_checkpoint)."""
+"""INT4 quantization core (k2vec.model.int4) and the quantize stage (k2vec.model.int4_checkpoint)."""
 
 import hashlib
 import json
@@ -7,11 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from k2vec.checkpoint import Checkpoint, write_shards
-from k2vec.int4_checkpoint import (export_compressed_tensors, load_dequantized, open_int4, quantize_checkpoint)
-from k2vec.quant import (QuantError, bf16_bits, dequantize, from_bf16_bits, pack, pack_int32, quantize,
+from k2vec.model.checkpoint import Checkpoint, write_shards
+from k2vec.model.int4_checkpoint import load_dequantized, open_int4
+from k2vec.stages.export_compressed_tensors import export_compressed_tensors
+from k2vec.stages.quantize import quantize_checkpoint
+from k2vec.model.int4 import (QuantError, bf16_bits, dequantize, from_bf16_bits, pack, pack_int32, quantize,
                          quantize_packed, round_to_bf16, unpack)
-from k2vec.schemes import SCHEMES, is_quantized
+from k2vec.model.schemes import SCHEMES, is_quantized
 
 EPS = {"float32": 2.0**-23, "bfloat16": 2.0**-7}
 
@@ -267,7 +269,7 @@ def test_overflowing_magnitude_is_rejected():
 
 
 def test_blocks_cover_many_rows_and_long_rows(monkeypatch):
-    import k2vec.quant as q
+    import k2vec.model.int4 as q
     rng = np.random.default_rng(9)
     w = rng.standard_normal((70, 512)).astype(np.float32)
     monkeypatch.setattr(q, "BLOCK_ELEMENTS", 3 * 512)  # 3 rows per block, a short last block

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-import hf_helpers as H
+from support import hf_helpers as H
 from k2vec.reference import ReferenceModel, greedy_generate, logits_no_cache, rope_tables
 
 STEPS = 17  # prefill + 16 decode steps
@@ -36,7 +36,7 @@ CONFIGS = {
 def pair(request, tmp_path_factory):
     cfg = CONFIGS[request.param]
     hf = H.build_hf_model(cfg, seed=1234)
-    sharded = request.param.startswith("qlora-groups")  # exercises k2vec.checkpoint.Checkpoint
+    sharded = request.param.startswith("qlora-groups")  # exercises k2vec.model.checkpoint.Checkpoint
     saved_cfg, weights = H.save_and_load(hf, tmp_path_factory.mktemp(request.param), shard=sharded)
     return cfg, saved_cfg, weights, hf
 

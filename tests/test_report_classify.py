@@ -16,7 +16,7 @@ from k2vec.report.classify import DEFAULT_BUDGETS
 from k2vec.report.gate import FAILING_CLASSES
 from k2vec.report.logits import topk_kl
 from k2vec.report.metrics import compute_metrics
-from k2vec.report.synthetic import perfect_result, write_result
+from support.synthetic import perfect_result, write_result
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_score_rows_compare_routing_at_prompt_positions(tmp_path, goldens, gold)
 
 
 def _tiny_spec():
-    from k2vec.spec import expand_config
+    from k2vec.config.expand import expand_config
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
     cfg["models"] = {"tiny": {"preset": "tiny"}}
     cfg["prompts"]["count"] = 2
@@ -214,8 +214,8 @@ def _tiny_spec():
 def test_reference_model_without_routed_scaling_fails_a_bfloat16_budget(tmp_path, goldens):
     """A real bug, computed (the reference model with routed_scaling_factor 1), scored in score mode and
     declared bfloat16: over budget and failing the gate; the same model without the bug is exact."""
-    from k2vec.format_effect import format_effect_result, write_format_effect
-    from k2vec.golden import open_weights
+    from k2vec.stages.format_effect import format_effect_result, write_format_effect
+    from k2vec.stages.golden import open_weights
 
     root, spec = goldens[("tiny", "fp32")].parent, _tiny_spec()
     runs = []
@@ -238,8 +238,8 @@ def test_format_effect_row_reproduces_the_fp32_vs_int4_figures(tmp_path, goldens
     row `int4-format`: up to each prompt's first fp32/int4 divergence both views fed the same tokens, so
     its first top-1 miss and its KL per step are those of the fp32-vs-int4 comparison; it is shown in
     the score table, not judged as an engine."""
-    from k2vec.format_effect import format_effect_result, write_format_effect
-    from k2vec.golden import open_weights
+    from k2vec.stages.format_effect import format_effect_result, write_format_effect
+    from k2vec.stages.golden import open_weights
 
     root = goldens[("tiny", "fp32")].parent
     result = format_effect_result(_tiny_spec(), open_weights("int4", root / "fp32", root / "int4"),

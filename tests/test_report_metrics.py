@@ -18,9 +18,9 @@ from conftest import REPO
 from k2vec.kdtr import open_bundle
 from k2vec.report import build_report
 from k2vec.report.metrics import ROW_COLUMNS, ReportError, compute_metrics
-from k2vec.report.synthetic import case_goldens, perfect_result
-from k2vec.report.synthetic import write_result as synthetic_result
-from k2vec.spec import expand_config
+from support.synthetic import case_goldens, perfect_result
+from support.synthetic import write_result as synthetic_result
+from k2vec.config.expand import expand_config
 
 _GOLDENS: dict[str, dict] = {}
 

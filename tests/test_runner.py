@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from k2vec.digests import write_record
-from k2vec.engines.runner import Expectations, check_result, format_command, parse_mode, run_engine
+from k2vec.engines.contract.checks import check_result
+from k2vec.engines.contract.expectations import Expectations
+from k2vec.engines.contract.modes import parse_mode
+from k2vec.engines.runner import format_command, run_engine
 from k2vec.kdtr import write_bundle
 
 EXPECT = Expectations(n_prompts=2, max_new_tokens=3, vocab_size=100, accuracies=(0.9, 0.3))
@@ -77,7 +80,7 @@ def test_failures_become_failed_results(tmp_path, what, body, reason):
 
 def test_ddtree_needs_one_run_per_accuracy():
     check_result(good_result("ddtree"), "ddtree-b4", EXPECT)
-    from k2vec.engines.runner import InvalidResult
+    from k2vec.engines.contract.checks import InvalidResult
     with pytest.raises(InvalidResult, match="drafters"):
         check_result(good_result("greedy"), "ddtree-b4", EXPECT)
 
@@ -138,7 +141,7 @@ def _broken(edit):
      "expected [max_new_tokens = 3][layers = 3][hidden]"),
 ])
 def test_score_mode_rules(what, edit, message):
-    from k2vec.engines.runner import InvalidResult
+    from k2vec.engines.contract.checks import InvalidResult
     with pytest.raises(InvalidResult, match=re.escape(message)) as err:
         check_result(_broken(edit), "score", SCORE_EXPECT)
     assert "prompt 1" in str(err.value)
@@ -146,7 +149,7 @@ def test_score_mode_rules(what, edit, message):
 
 def test_greedy_routing_is_one_row_per_step():
     """Greedy reports the experts of the token fed at each step (N rows); score mode's prompt rows are refused."""
-    from k2vec.engines.runner import InvalidResult
+    from k2vec.engines.contract.checks import InvalidResult
     r = score_result()
     for p in r["runs"][0]["prompts"]:
         p["router_experts"] = p["router_experts"][-3:]
@@ -159,7 +162,7 @@ def test_greedy_routing_is_one_row_per_step():
 
 def test_score_expectations_come_from_the_bundle(tmp_path):
     """Prompt lengths and layer/expert counts are read from the bundle the engine is given."""
-    from k2vec.engines.runner import expectations_from_bundle
+    from k2vec.engines.contract.expectations import expectations_from_bundle
     path = tmp_path / "b.kdtr"
     meta = {"golden": {"prompts": 2, "ddtree": {"accuracies": [0.9, 0.3]}}, "decoding": {"max_new_tokens": 3},
             "model": {"vocab_size": 100},

@@ -12,12 +12,14 @@ from test_report_metrics import make_goldens
 from test_runner import EXPECT, SCORE_EXPECT, fake_engine, good_result, tiny_bundle
 
 from k2vec.engines import runner
-from k2vec.engines.runner import MAX_RESULT_NESTING, expectations_from_bundle, json_nesting, run_engine
+from k2vec.engines.contract.expectations import expectations_from_bundle
+from k2vec.engines.contract.files import MAX_RESULT_NESTING, json_nesting
+from k2vec.engines.runner import run_engine
 from k2vec.digests import write_record
 from k2vec.kdtr.writer import write_bundle
-from k2vec.gpus import identify, short_uuid
+from k2vec.engines.gpus import identify, short_uuid
 from k2vec.report import build_report
-from k2vec.report.synthetic import perfect_result
+from support.synthetic import perfect_result
 
 UUID0 = "GPU-0a1b2c3d-1111-2222-3333-444455556666"
 UUID1 = "GPU-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff"

@@ -8,15 +8,16 @@ import mmap
 import numpy as np
 import pytest
 
-from k2vec import atomic, budget
-from k2vec.checkpoint import Checkpoint, CheckpointError, StreamedTensor, write_shards
+from k2vec import atomic
+from k2vec.config import resources
+from k2vec.model.checkpoint import Checkpoint, CheckpointError, StreamedTensor, write_shards
 from k2vec.errors import ConfigError
-from k2vec.golden import DequantizedWeights
-from k2vec.int4_checkpoint import quantize_checkpoint
+from k2vec.stages.golden import DequantizedWeights
+from k2vec.stages.quantize import quantize_checkpoint
 from k2vec.kdtr import open_bundle, write_bundle
 from k2vec.reference.model import WeightStore
-from k2vec.spec import expand_config, resolve_model
-from k2vec.weights import uniform, uniform_chunks, write_checkpoint
+from k2vec.config.expand import expand_config, resolve_model
+from k2vec.stages.weights import uniform, uniform_chunks, write_checkpoint
 
 GiB = 1 << 30
 
@@ -31,7 +32,7 @@ def test_k2slice_has_the_k2_widths_and_k2layer_all_384_experts():
     assert s["rope_scaling"]["factor"] == 64.0 and s["rope_scaling"]["beta_fast"] == 1.0
     assert (s["num_hidden_layers"], s["first_k_dense_replace"], s["n_routed_experts"]) == (3, 1, 16)
     # the reduced vocabulary keeps the dense MLP the largest tensor (the RSS bound's reference)
-    c = budget.counts(s)
+    c = resources.counts(s)
     assert c.largest_name == "mlp.gate_proj.weight [18432, 7168]" and s["vocab_size"] * 7168 < c.largest_tensor
     layer = resolve_model("l", {"preset": "k2layer"})
     assert {k: layer[k] for k in k2} == k2
@@ -39,30 +40,30 @@ def test_k2slice_has_the_k2_widths_and_k2layer_all_384_experts():
 
 
 def _this_machine(monkeypatch, memory=24 * GiB, disk=65 * 10**9):
-    monkeypatch.delenv(budget.SKIP_ENV, raising=False)
-    monkeypatch.setattr(budget, "available_memory", lambda: (memory, "test"))
-    monkeypatch.setattr(budget, "free_disk", lambda path: disk)
+    monkeypatch.delenv(resources.SKIP_ENV, raising=False)
+    monkeypatch.setattr(resources, "available_memory", lambda: (memory, "test"))
+    monkeypatch.setattr(resources, "free_disk", lambda path: disk)
 
 
 def test_budget_admits_the_k2_presets_on_a_24_gib_machine_and_refuses_the_full_model(config, monkeypatch, tmp_path):
     _this_machine(monkeypatch)
     config["models"] = {"k2slice": {"preset": "k2slice"}}
     runs = [("numpy", "k2slice", p, "greedy") for p in ("fp32", "int4")]
-    budget.check_config(config, runs, tmp_path / "results")
+    resources.check_config(config, runs, tmp_path / "results")
     m = resolve_model("k2slice", {"preset": "k2slice"})
-    for need in budget.stage_memory(m, config):
+    for need in resources.stage_memory(m, config):
         assert need.amount < 4 * GiB, need  # every stage streams: none holds a layer (3.4 GB) or the model
     # k2layer's fp32 outputs are ~160 GB of disk: refused on this disk, admitted on memory
     config["models"] = {"k2layer": {"preset": "k2layer"}}
     with pytest.raises(ConfigError, match="of disk"):
-        budget.check_config(config, [], tmp_path / "results")
-    assert all(n.amount < 4 * GiB for n in budget.stage_memory(resolve_model("k2layer", {"preset": "k2layer"}),
+        resources.check_config(config, [], tmp_path / "results")
+    assert all(n.amount < 4 * GiB for n in resources.stage_memory(resolve_model("k2layer", {"preset": "k2layer"}),
                                                                config))
     # the real Kimi K2 (61 layers, 384 experts, full vocabulary): refused, naming what drives it
     config["models"] = {"k2": {"preset": "k2layer", "num_hidden_layers": 61, "first_k_dense_replace": 1,
                                "vocab_size": 163840}}
     with pytest.raises(ConfigError) as err:
-        budget.check_config(config, [], tmp_path / "results")
+        resources.check_config(config, [], tmp_path / "results")
     assert err.value.key == "models.k2.num_hidden_layers", err.value
 
 
@@ -74,7 +75,7 @@ def test_uniform_chunks_do_not_change_the_values():
 
 
 def test_streamed_checkpoint_equals_an_in_memory_one_and_maps_each_tensor_alone(config, tmp_path, monkeypatch):
-    import k2vec.weights as weights
+    import k2vec.stages.weights as weights
 
     model = expand_config(config)["tiny"]["model"]
     write_checkpoint(model, tmp_path / "a")

@@ -93,7 +93,7 @@ def test_a_jobs_own_snakemake_leaves_temporaries_alone(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert planted.exists()
     assert not (tmp_path / ".snakemake" / "k2vec-owners").exists()
-    # The started Snakemake does sweep it (k2vec.workflow_setup): the writer is dead on the only host it serves.
+    # The started Snakemake does sweep it (k2vec.pipeline.setup): the writer is dead on the only host it serves.
     res = snakemake("-n", "results/cases/tiny/model.json", "--directory", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert not planted.exists()

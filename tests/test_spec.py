@@ -2,9 +2,11 @@
 
 import pytest
 
-from k2vec.architecture import tensor_shapes
+from k2vec.model.architecture import tensor_shapes
 from k2vec.errors import ConfigError
-from k2vec.spec import PRESETS, engine_runs, expand_config, resolve_engines, schema_error
+from k2vec.config.engines import engine_runs, resolve_engines
+from k2vec.config.expand import expand_config, schema_error
+from k2vec.config.presets import PRESETS
 from conftest import REPO
 
 SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
@@ -113,7 +115,7 @@ def test_schema_errors_name_the_key(config, mutate, key):
 
 
 def test_engines_get_score_runs_unless_they_opt_out_and_null_disables_one():
-    from k2vec.spec import engine_runs, resolve_engines
+    from k2vec.config.engines import engine_runs, resolve_engines
     from conftest import default_config
     cfg = default_config()
     cmd = "run {bundle} {output}"
@@ -135,7 +137,7 @@ def test_engines_get_score_runs_unless_they_opt_out_and_null_disables_one():
      "pattern 'engine/*.cu' matches no file"),
 ], ids=["unknown-placeholder", "no-bundle", "no-output", "unknown-model", "sources-match-nothing"])
 def test_bad_engine_entry_names_its_key(entry, key, reason):
-    from k2vec.spec import resolve_engines
+    from k2vec.config.engines import resolve_engines
     from conftest import default_config
     cfg = default_config()
     cfg["engines"] = {**cfg["engines"], "mine": entry}

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from k2vec.architecture import tensor_shapes
-from k2vec.checkpoint import Checkpoint
-from k2vec.spec import expand_config
-from k2vec.weights import LOGIT_STD, init_range, uniform, write_checkpoint
+from k2vec.model.architecture import tensor_shapes
+from k2vec.model.checkpoint import Checkpoint
+from k2vec.config.expand import expand_config
+from k2vec.stages.weights import LOGIT_STD, init_range, uniform, write_checkpoint
 
 
 def sha256_files(d):
@@ -98,7 +98,7 @@ def test_init_scales(cases, tmp_path):
 
 
 def test_no_partial_directory_on_failure(cases, tmp_path, monkeypatch):
-    import k2vec.weights as weights
+    import k2vec.stages.weights as weights
 
     def boom(*a, **k):
         raise RuntimeError("disk full")

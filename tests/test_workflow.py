@@ -128,17 +128,17 @@ INT4_SIDE = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golde
 AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 2, "golden": 2, "format_effect": 1,
                  **AFTER_GOLDEN}
 CODE_EDITS = [
-    ("k2vec/weights.py", {"weights": 1, **AFTER_WEIGHTS}),
-    ("k2vec/checkpoint.py", {"weights": 1, **AFTER_WEIGHTS}),
-    ("k2vec/cases.py", {"case_section": 4, "case": 1, "weights": 1, **AFTER_WEIGHTS}),
+    ("k2vec/stages/weights.py", {"weights": 1, **AFTER_WEIGHTS}),
+    ("k2vec/model/checkpoint.py", {"weights": 1, **AFTER_WEIGHTS}),
+    ("k2vec/config/cases.py", {"case_section": 4, "case": 1, "weights": 1, **AFTER_WEIGHTS}),
     # Run by the int4 side only: the fp32 weights, golden, bundle and engine runs stay.
-    ("k2vec/quant.py", INT4_SIDE),
-    ("k2vec/int4_checkpoint.py", INT4_SIDE),
+    ("k2vec/model/int4.py", INT4_SIDE),
+    ("k2vec/model/int4_checkpoint.py", INT4_SIDE),
     # Parse-time only: the resolved content is unchanged, so nothing reruns.
-    ("k2vec/spec.py", {}),
+    ("k2vec/config/expand.py", {}),
     # The reference model: golden data and what follows, and the numpy engine (it shares the math).
     ("k2vec/reference/model.py", {"prompts": 2, "golden": 2, "format_effect": 1, **AFTER_GOLDEN}),
-    ("k2vec/bundle.py", AFTER_GOLDEN),
+    ("k2vec/stages/bundle.py", AFTER_GOLDEN),
     # The numpy engine: its runs, and the format-effect run, which writes its results the same way.
     ("k2vec/engines/numpy_engine.py", {"engine_run": 12, "format_effect": 1, "report": 1, "all": 1}),
     # The report alone.
@@ -172,7 +172,7 @@ def scheduled_job_wildcards(stdout: str) -> list[tuple[str, dict[str, str]]]:
 
 def test_quantizer_code_change_schedules_nothing_on_the_fp32_side(built_workflow):
     root, env = built_workflow
-    path = root / "src/k2vec/quant.py"
+    path = root / "src/k2vec/model/int4.py"
     original = path.read_text()
     try:
         # a real code change: a new function in the quantizer module
@@ -195,7 +195,7 @@ def test_comment_edit_upstream_reruns_nothing(built_workflow):
     """A comment and a docstring edit in the weight generator: no job runs; the whole rerun is one
     Snakemake start (bench/RESULTS.md records the time)."""
     root, env = built_workflow
-    path = root / "src/k2vec/weights.py"
+    path = root / "src/k2vec/stages/weights.py"
     original = path.read_text()
     edited = original.replace('"""', '"""Edited docstring. ', 1) + "\n# a new comment\n"
     try:
@@ -208,7 +208,7 @@ def test_comment_edit_upstream_reruns_nothing(built_workflow):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Nothing to be done" in res.stdout + res.stderr, (res.stdout + res.stderr)[-3000:]
     assert "Finished jobid" not in res.stdout + res.stderr
-    print(f"comment edit in k2vec/weights.py: no job ran, whole rerun {elapsed:.1f} s")
+    print(f"comment edit in k2vec/stages/weights.py: no job ran, whole rerun {elapsed:.1f} s")
     assert elapsed < 30
 
 

@@ -15,8 +15,8 @@ import os
 import re
 from pathlib import Path
 
-from .atomic import write_text_atomic
-from .errors import K2VecError
+from k2vec.atomic import write_text_atomic
+from k2vec.errors import K2VecError
 
 SUFFIX = ".sha256"
 _CHUNK = 1 << 24
@@ -82,7 +82,7 @@ def verify_kdtr(path: str | os.PathLike) -> str:
     """Every check a KDTR file offers, then its sha256 against its record; returns the sha256.
 
     The KDTR checks come first: when both fail, their message names the tensor and byte offset."""
-    from .kdtr import KdtrError, open_bundle
+    from k2vec.kdtr import KdtrError, open_bundle
 
     try:
         with open_bundle(path, verify=True):

@@ -20,6 +20,6 @@ rule bundle:
         "../envs/pipeline.yaml"
     params:
         # per precision: the fp32 bundle does not run the quantizer
-        code=precision_code("bundle.py", "k2vec.bundle", "k2vec.cases", "k2vec.stage"),
+        code=precision_code("bundle.py", "k2vec.stages.bundle", "k2vec.config.cases", "k2vec.pipeline.stage"),
     script:
         "../scripts/bundle.py"

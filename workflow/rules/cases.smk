@@ -14,7 +14,7 @@ rule case_section:
         "../envs/pipeline.yaml"
     params:
         content=lambda wc: CASES[wc.model][wc.section],
-        code=stage_code("write_json.py", "k2vec.cases", "k2vec.stage"),
+        code=stage_code("write_json.py", "k2vec.config.cases", "k2vec.pipeline.stage"),
     script:
         "../scripts/write_json.py"
 
@@ -34,6 +34,6 @@ rule case:
     conda:
         "../envs/pipeline.yaml"
     params:
-        code=stage_code("merge_case.py", "k2vec.cases", "k2vec.stage"),
+        code=stage_code("merge_case.py", "k2vec.config.cases", "k2vec.pipeline.stage"),
     script:
         "../scripts/merge_case.py"

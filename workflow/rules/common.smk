@@ -4,25 +4,27 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 # k2vec imports come from this checkout's src/, which the Snakefile puts first on sys.path and PYTHONPATH.
-from k2vec.budget import check_config
-from k2vec.checkpoint_import import source_files
-from k2vec.deps import code_digest, module_sources
+from k2vec.config.resources import check_config
+from k2vec.config.imports import source_files
+from k2vec.pipeline.code_digest import code_digest, module_sources
 from k2vec.errors import ConfigError
-from k2vec.gpus import detect_devices
-from k2vec.spec import (
+from k2vec.engines.gpus import detect_devices
+from k2vec.engines.isolation import sandbox_problem
+from k2vec.config.engines import (
+    check_sandboxes,
     engine_runs,
     engines_missing_modules,
     engines_short_of_gpus,
-    expand_config,
     resolve_engines,
-    schema_error,
 )
+from k2vec.config.expand import expand_config, schema_error
 
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
     validate(config, schema=CONFIG_SCHEMA)
     ENGINES = resolve_engines(config, workflow.basedir)
-    # Resource budget (k2vec.budget): a config whose memory, disk or file count cannot fit here stops
+    check_sandboxes(ENGINES, sandbox_problem)
+    # Resource budget (k2vec.config.resources): a config whose memory, disk or file count cannot fit here stops
     # now, before expand_config lists every tensor of every model and before any job.
     check_config(config, engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"]), os.path.abspath("results"))
     CASES = expand_config(config)
@@ -86,7 +88,7 @@ wildcard_constraints:
 
 
 # Imported by the int4 side only, inside functions: the fp32 golden and bundle never run the quantizer.
-INT4_ONLY = ("k2vec.int4_checkpoint",)
+INT4_ONLY = ("k2vec.model.int4_checkpoint",)
 
 
 def stage_files(script, *modules, without=()):
@@ -95,7 +97,7 @@ def stage_files(script, *modules, without=()):
 
 
 def stage_code(script, *modules, without=()):
-    """What a stage executes, as a `params:` value: the meaning (k2vec.deps.code_digest) of its script
+    """What a stage executes, as a `params:` value: the meaning (k2vec.pipeline.code_digest.code_digest) of its script
     and of the package modules it imports. Comment, docstring and layout edits change nothing; any other
     edit reruns exactly the stages that execute the file."""
     return code_digest(stage_files(script, *modules, without=without), workflow.basedir)

@@ -2,7 +2,7 @@
 # key is reported with its file and line (Snakemake would give no line, or keep the last key).
 from snakemake.exceptions import WorkflowError
 
-from k2vec.configfile import ConfigFileError, check_config_files
+from k2vec.config.read import ConfigFileError, check_config_files
 
 DEFAULT_CONFIG = os.path.join(workflow.basedir, "config.yaml")
 try:

@@ -17,7 +17,7 @@ rule engine_build:
     conda:
         "../envs/pipeline.yaml"
     params:
-        code=engine_code("engine_build.py", "k2vec.engines.build", "k2vec.stage"),
+        code=engine_code("engine_build.py", "k2vec.engines.build", "k2vec.pipeline.stage"),
         # every source, Python ones included, hashed into the stamp
         sources=lambda wc: engine_source_paths(wc.engine),
         command=lambda wc: ENGINES[wc.engine]["build"],
@@ -47,7 +47,7 @@ rule engine_run:
         slurm_partition=lambda wc: slurm_partition(ENGINES[wc.engine]["gpus"]),
     params:
         # the runner's code and the engine's Python sources (its other sources are inputs)
-        code=engine_code("engine_run.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage"),
+        code=engine_code("engine_run.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.pipeline.stage"),
         # The engine's own settings only: changing another engine's settings reruns nothing here.
         engine=lambda wc: engine_settings(wc.engine),
         devices=GPU_DEVICES,

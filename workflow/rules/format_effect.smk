@@ -1,6 +1,6 @@
 # The format-effect run: the int4 golden model forced on the fp32 golden sequence (score mode),
 # written as an engine result and judged by the report against the fp32 golden as the engine
-# `int4-format` (k2vec.format_effect).
+# `int4-format` (k2vec.stages.format_effect).
 
 
 rule format_effect:
@@ -22,6 +22,6 @@ rule format_effect:
         "../envs/pipeline.yaml"
     threads: 1
     params:
-        code=stage_code("format_effect.py", "k2vec.format_effect", "k2vec.cases", "k2vec.stage"),
+        code=stage_code("format_effect.py", "k2vec.stages.format_effect", "k2vec.config.cases", "k2vec.pipeline.stage"),
     script:
         "../scripts/format_effect.py"

@@ -22,6 +22,6 @@ rule golden:
     threads: 1
     params:
         # per precision: the fp32 golden does not run the quantizer
-        code=precision_code("golden.py", "k2vec.golden", "k2vec.cases", "k2vec.stage"),
+        code=precision_code("golden.py", "k2vec.stages.golden", "k2vec.config.cases", "k2vec.pipeline.stage"),
     script:
         "../scripts/golden.py"

@@ -1,6 +1,6 @@
 # The mutation run (docs/mutants.md), off by default: `snakemake mutation_report`. Every mutant of the
-# catalogue (k2vec.engines.mutants) is the numpy engine's command plus `--mutant NAME`, run through the
-# same runner on the same bundles, on each of the numpy engine's runs that executes its code path; the
+# catalogue (k2vec.mutation.catalogue) is the numpy engine with that fault injected through its hook
+# (k2vec.mutation.engine), run with the numpy engine's settings through the same runner on the same bundles, on each of the numpy engine's runs that executes its code path; the
 # report's code judges them beside the unmutated engine's own runs (the false-alarm check). One job per
 # (mutant, model, precision) runs its modes one after the other: fewer Snakemake jobs, same engine runs.
 
@@ -25,7 +25,7 @@ rule mutant_runs:
         code=mutant_code,
         engine=lambda wc: {
             **engine_settings("numpy"),
-            "command": ENGINES["numpy"]["command"] + f" --mutant {wc.mutant}",
+            "command": mutant_command(wc.mutant),
         },
         name=lambda wc: mutant_engine(wc.mutant),
         modes=mutant_modes,
@@ -54,7 +54,7 @@ rule mutation_report:
     conda:
         "../envs/report.yaml"
     params:
-        code=stage_code("mutation_report.py", "k2vec.report.mutation", "k2vec.stage"),
+        code=stage_code("mutation_report.py", "k2vec.mutation.score", "k2vec.pipeline.stage"),
         runs=[run_record(*run) for run in RUNS if run[0] == "numpy"] + mutant_records(),
         mutants={
             mutant_engine(mu.name): {

@@ -1,7 +1,8 @@
 # The plan of the mutation run (`snakemake mutation_report`, workflow/rules/mutation.smk): which mutant
 # runs on which bundle in which modes, and the helpers of its two rules.
-from k2vec.engines.mutants import MUTANTS
-from k2vec.engines.mutants import plan as mutation_plan
+from k2vec.mutation.catalogue import MUTANTS
+from k2vec.mutation.plan import mutant_command
+from k2vec.mutation.plan import plan as mutation_plan
 
 MUTATION_PLAN, MUTATION_PROBLEM = mutation_plan(config, ENGINES, RUNS, CASES)
 
@@ -36,13 +37,13 @@ def mutant_records():
 
 
 def mutant_code(wildcards):
-    """What a mutant run executes, by meaning: its script, the runner, and the numpy engine's Python
-    sources (the catalogue, k2vec.engines.mutants, is among the engine's imports via --mutant)."""
+    """What a mutant run executes, by meaning: its script, the runner, the mutation engine with the
+    catalogue (k2vec.mutation.engine), and the numpy engine's Python sources."""
     python = [p for p in ENGINES["numpy"]["source_files"] if p.endswith(".py")]
     return code_digest(
         [
             *stage_files(
-                "mutant_runs.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.stage", "k2vec.engines.mutants"
+                "mutant_runs.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.pipeline.stage", "k2vec.mutation.engine"
             ),
             *python,
         ],

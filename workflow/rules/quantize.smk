@@ -15,7 +15,7 @@ rule quantize:
     conda:
         "../envs/pipeline.yaml"
     params:
-        code=stage_code("quantize.py", "k2vec.int4_checkpoint", "k2vec.cases", "k2vec.stage"),
+        code=stage_code("quantize.py", "k2vec.model.int4_checkpoint", "k2vec.config.cases", "k2vec.pipeline.stage"),
     script:
         "../scripts/quantize.py"
 
@@ -33,6 +33,6 @@ rule export_compressed_tensors:
     conda:
         "../envs/pipeline.yaml"
     params:
-        code=stage_code("export_compressed_tensors.py", "k2vec.int4_checkpoint", "k2vec.stage"),
+        code=stage_code("export_compressed_tensors.py", "k2vec.model.int4_checkpoint", "k2vec.pipeline.stage"),
     script:
         "../scripts/export_compressed_tensors.py"

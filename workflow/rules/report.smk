@@ -29,7 +29,7 @@ rule report:
     conda:
         "../envs/report.yaml"
     params:
-        code=stage_code("report.py", "k2vec.report", "k2vec.stage"),
+        code=stage_code("report.py", "k2vec.report", "k2vec.pipeline.stage"),
         runs=[run_record(*run) for run in RUNS] + [format_effect_record(m) for m in MODELS],
         goldens={f"{m}/{p}": f"results/golden/{m}/{p}.kdtr" for m in MODELS for p in PRECISIONS},
         near_tie=config["report"]["near_tie"],
@@ -52,6 +52,6 @@ rule strict_gate:
     conda:
         "../envs/report.yaml"
     params:
-        code=stage_code("strict_gate.py", "k2vec.report.gate", "k2vec.stage"),
+        code=stage_code("strict_gate.py", "k2vec.report.gate", "k2vec.pipeline.stage"),
     script:
         "../scripts/strict_gate.py"

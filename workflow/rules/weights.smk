@@ -1,4 +1,4 @@
-# Synthetic fp32 weights: an HF DeepseekV3 checkpoint per model (docs in k2vec/weights.py).
+# Synthetic fp32 weights: an HF DeepseekV3 checkpoint per model (docs in k2vec/stages/weights.py).
 
 
 rule weights:
@@ -13,6 +13,6 @@ rule weights:
     conda:
         "../envs/pipeline.yaml"
     params:
-        code=stage_code("make_weights.py", "k2vec.weights", "k2vec.cases", "k2vec.stage"),
+        code=stage_code("make_weights.py", "k2vec.stages.weights", "k2vec.config.cases", "k2vec.pipeline.stage"),
     script:
         "../scripts/make_weights.py"

@@ -1,9 +1,9 @@
 """One KDTR bundle per (model, precision)."""
 import os
 
-from k2vec.bundle import write_case_bundle
-from k2vec.cases import read_json
-from k2vec.stage import fail_to_stderr, stage_logging
+from k2vec.stages.bundle import write_case_bundle
+from k2vec.config.cases import read_json
+from k2vec.pipeline.stage import fail_to_stderr, stage_logging
 
 fail_to_stderr()  # the message names the file at fault; the traceback is in the log
 with stage_logging(snakemake.log[0], "bundle") as log:

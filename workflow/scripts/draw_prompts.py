@@ -1,13 +1,13 @@
-"""Draw one model's prompts for one precision, rejecting those near-tied at a prompt position (k2vec.prompts)."""
+"""Draw one model's prompts for one precision, rejecting those near-tied at a prompt position (k2vec.stages.prompts)."""
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", str(snakemake.threads))  # before numpy loads
 os.environ.setdefault("OMP_NUM_THREADS", str(snakemake.threads))
 
-from k2vec.cases import read_json, write_json  # noqa: E402
-from k2vec.golden import open_weights, reference_model  # noqa: E402
-from k2vec.prompts import draw_prompts  # noqa: E402
-from k2vec.stage import fail_to_stderr, stage_logging  # noqa: E402
+from k2vec.config.cases import read_json, write_json  # noqa: E402
+from k2vec.stages.golden import open_weights, reference_model  # noqa: E402
+from k2vec.stages.prompts import draw_prompts  # noqa: E402
+from k2vec.pipeline.stage import fail_to_stderr, stage_logging  # noqa: E402
 
 fail_to_stderr()
 with stage_logging(snakemake.log[0], "prompts"):

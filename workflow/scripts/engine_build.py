@@ -1,6 +1,6 @@
 """Build one engine; the stamp records what was built."""
 from k2vec.engines.build import build_engine
-from k2vec.stage import stage_logging
+from k2vec.pipeline.stage import stage_logging
 
 with stage_logging(snakemake.log[0], "engine_build"):
     build_engine(snakemake.wildcards.engine, snakemake.params.command, list(snakemake.params.sources),

@@ -2,7 +2,7 @@
 import sys
 
 from k2vec.engines.runner import run_engine
-from k2vec.stage import stage_logging
+from k2vec.pipeline.stage import stage_logging
 
 with stage_logging(snakemake.log.runner, "engine_run") as log:
     engine = snakemake.params.engine

@@ -5,10 +5,10 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", str(snakemake.threads))
 os.environ.setdefault("OMP_NUM_THREADS", str(snakemake.threads))
 
-from k2vec.cases import read_json  # noqa: E402
-from k2vec.format_effect import format_effect_result, write_format_effect  # noqa: E402
-from k2vec.golden import open_weights  # noqa: E402
-from k2vec.stage import fail_to_stderr, stage_logging  # noqa: E402
+from k2vec.config.cases import read_json  # noqa: E402
+from k2vec.stages.format_effect import format_effect_result, write_format_effect  # noqa: E402
+from k2vec.stages.golden import open_weights  # noqa: E402
+from k2vec.pipeline.stage import fail_to_stderr, stage_logging  # noqa: E402
 
 fail_to_stderr()
 with stage_logging(snakemake.log[0], "format_effect") as log:

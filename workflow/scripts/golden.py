@@ -6,9 +6,9 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", str(snakemake.threads))
 os.environ.setdefault("OMP_NUM_THREADS", str(snakemake.threads))
 
-from k2vec.cases import read_json  # noqa: E402
-from k2vec.golden import make_golden, open_weights, write_golden  # noqa: E402
-from k2vec.stage import fail_to_stderr, stage_logging  # noqa: E402
+from k2vec.config.cases import read_json  # noqa: E402
+from k2vec.stages.golden import make_golden, open_weights, write_golden  # noqa: E402
+from k2vec.pipeline.stage import fail_to_stderr, stage_logging  # noqa: E402
 
 fail_to_stderr()  # the message names the file at fault; the traceback is in the log
 with stage_logging(snakemake.log[0], "golden"):

@@ -1,7 +1,7 @@
 """A slice of the user's compressed-tensors checkpoint as the pipeline's fp32 and int4 weights."""
-from k2vec.cases import read_json
-from k2vec.checkpoint_import import import_checkpoint
-from k2vec.stage import fail_to_stderr, stage_logging
+from k2vec.config.cases import read_json
+from k2vec.stages.import_checkpoint import import_checkpoint
+from k2vec.pipeline.stage import fail_to_stderr, stage_logging
 
 fail_to_stderr()  # the message names the file and tensor at fault; the traceback is in the log
 with stage_logging(snakemake.log[0], "import_checkpoint") as log:

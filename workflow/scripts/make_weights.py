@@ -1,7 +1,7 @@
 """Synthetic fp32 HF checkpoint for one model."""
-from k2vec.cases import read_json
-from k2vec.stage import fail_to_stderr, stage_logging
-from k2vec.weights import write_checkpoint
+from k2vec.config.cases import read_json
+from k2vec.pipeline.stage import fail_to_stderr, stage_logging
+from k2vec.stages.weights import write_checkpoint
 
 fail_to_stderr()  # the message names the file at fault; the traceback is in the log
 with stage_logging(snakemake.log[0], "weights") as log:

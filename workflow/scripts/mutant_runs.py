@@ -4,7 +4,7 @@ from pathlib import Path
 
 from k2vec.atomic import atomic_directory
 from k2vec.engines.runner import run_engine
-from k2vec.stage import stage_logging
+from k2vec.pipeline.stage import stage_logging
 
 with stage_logging(snakemake.log.runner, "mutant_runs") as log, atomic_directory(snakemake.output[0]) as out:
     engine = snakemake.params.engine

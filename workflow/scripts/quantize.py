@@ -1,7 +1,7 @@
 """INT4 .qw/.sc files for the weights that the quantization section selects."""
-from k2vec.cases import read_json
-from k2vec.int4_checkpoint import quantize_checkpoint
-from k2vec.stage import fail_to_stderr, stage_logging
+from k2vec.config.cases import read_json
+from k2vec.stages.quantize import quantize_checkpoint
+from k2vec.pipeline.stage import fail_to_stderr, stage_logging
 
 fail_to_stderr()  # the message names the file at fault; the traceback is in the log
 with stage_logging(snakemake.log[0], "quantize") as log:

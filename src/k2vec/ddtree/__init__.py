@@ -3,9 +3,9 @@
 docs/ddtree.md is the engine-facing specification of everything here.
 """
 
-from .drafter import RecordedDrafts, record_drafts
-from .tree import Tree, TreeInputError, build_tree, top_k_logprobs
-from .walk import accept_walk, compacted_kv_rows, tree_attention_mask, tree_input_ids, tree_positions
+from k2vec.ddtree.drafter import RecordedDrafts, record_drafts
+from k2vec.ddtree.tree import Tree, TreeInputError, build_tree, top_k_logprobs
+from k2vec.ddtree.walk import accept_walk, compacted_kv_rows, tree_attention_mask, tree_input_ids, tree_positions
 
 __all__ = [
     "RecordedDrafts", "Tree", "TreeInputError", "accept_walk", "build_tree", "compacted_kv_rows",

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..seeds import rng_for
-from .tree import TreeInputError
+from k2vec.ddtree.tree import TreeInputError
+from k2vec.seeds import rng_for
 
 GRID = 2.0**-10  # log-prob quantum: keeps every tree score exact, so only the tie-break rule decides ties
 P_ABSENT = 0.25  # a miss drops the golden token from the list with this probability

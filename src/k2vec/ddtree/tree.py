@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import K2VecError
+from k2vec.errors import K2VecError
 
 
 class TreeInputError(K2VecError, ValueError):

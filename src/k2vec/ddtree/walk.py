@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tree import Tree, TreeInputError
+from k2vec.ddtree.tree import Tree, TreeInputError
 
 
 def tree_input_ids(tree: Tree, root_token: int) -> np.ndarray:

@@ -9,8 +9,8 @@ import signal
 import subprocess
 from pathlib import Path
 
-from ..atomic import write_text_atomic
-from ..errors import K2VecError
+from k2vec.atomic import write_text_atomic
+from k2vec.errors import K2VecError
 
 
 class BuildError(K2VecError):

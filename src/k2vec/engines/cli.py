@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any, Sequence
 
-CONTRACT_MODES = ("greedy", "ddtree", "score")
+from k2vec.engines.contract.modes import CONTRACT_MODES
 
 
 def contract_parser(description: str, modes: Sequence[str] = CONTRACT_MODES) -> argparse.ArgumentParser:

@@ -27,8 +27,8 @@ import torch
 import transformers
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from ..kdtr import open_bundle
-from .cli import contract_parser, write_output
+from k2vec.engines.cli import contract_parser, write_output
+from k2vec.kdtr import open_bundle
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # transformers renamed forward's `past_key_values` to `cache` (5.x); pass the cache by the name it takes.

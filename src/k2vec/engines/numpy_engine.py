@@ -7,8 +7,9 @@ transformer math is the reference model's (k2vec.reference), as the engine contr
 
     python -m k2vec.engines.numpy_engine --bundle B.kdtr --mode greedy|ddtree|score --budget N --output R.json
 
-`--mutant NAME` runs it with one deliberate fault from the mutant catalogue (k2vec.engines.mutants,
-docs/mutants.md), for the mutation run; without it nothing of the catalogue is even imported.
+`run(..., install=hook)` calls `hook(model)` on the freshly built reference model before decoding: the
+mutation run's engine (k2vec.mutation.engine) injects one catalogue fault that way; this module knows
+nothing of the catalogue.
 
 Small matrices: run it with OPENBLAS_NUM_THREADS=1 (config.yaml does), extra BLAS threads only contend.
 """
@@ -18,18 +19,21 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from ..ddtree.drafter import RecordedDrafts
-from ..kdtr import bf16_to_f32, open_bundle
-from ..reference.generate import greedy_generate
-from ..reference.model import ReferenceModel
-from ..reference.speculative import DDTreeJob, ddtree_generate
-from .cli import contract_parser, write_output
+from k2vec.ddtree.drafter import RecordedDrafts
+from k2vec.engines.cli import contract_parser, write_output
+from k2vec.engines.contract.modes import CONTRACT_MODES
+from k2vec.engines.contract.serialize import ddtree_round, greedy_prompt, score_prompt
+from k2vec.errors import K2VecError
+from k2vec.kdtr import bf16_to_f32, open_bundle
+from k2vec.reference.generate import greedy_generate
+from k2vec.reference.model import ReferenceModel
+from k2vec.reference.speculative import DDTreeJob, ddtree_generate
 
-# float64 weights kept between forward calls (as the golden stage: k2vec.golden.WEIGHT_CACHE_BYTES);
+# float64 weights kept between forward calls (as the golden stage: k2vec.stages.golden.WEIGHT_CACHE_BYTES);
 # weights over reference.model.STREAM_BYTES are streamed from the bundle's mapping instead.
 WEIGHT_CACHE_BYTES = 512 << 20
 
@@ -56,7 +60,7 @@ class BundleWeights(Mapping[str, np.ndarray]):
         self.group = quantization["group_size"] if quantization else None
         self.bf16_scales = bool(quantization) and quantization["scale_dtype"] == "bfloat16"
         self.quantized = set(quantization["tensors"]) if quantization else set()
-        # The decoding steps as attributes: a mutant (k2vec.engines.mutants) swaps one on this instance.
+        # The decoding steps as attributes: a mutant (k2vec.mutation.catalogue) swaps one on this instance.
         self.unpack, self.dequantize = unpack_int4, dequantize
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -92,17 +96,8 @@ class BundleWeights(Mapping[str, np.ndarray]):
         return sum(1 for _ in self)
 
 
-def run(bundle_path: str, mode: str, budget: int, mutant: str | None = None) -> dict:
-    """The result object of one contract run; `mutant`: the name of a catalogue fault to run with."""
-    if mutant is None:
-        return _run(bundle_path, mode, budget)
-    from .mutants import injected
-
-    with injected(mutant) as install:
-        return _run(bundle_path, mode, budget, install)
-
-
-def _run(bundle_path: str, mode: str, budget: int, install=None) -> dict:
+def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceModel], None] | None = None) -> dict:
+    """The result object of one contract run; `install(model)`, when given, changes the model before it decodes."""
     t0 = time.perf_counter()
     bundle = open_bundle(bundle_path)
     meta = bundle.metadata
@@ -118,7 +113,7 @@ def _run(bundle_path: str, mode: str, budget: int, install=None) -> dict:
     n_new = decoding["max_new_tokens"]
     if mode == "greedy":
         results = greedy_generate(model, prompts, n_new, top_k=decoding["top_k"])
-        runs = [{"drafter": None, "prompts": [_greedy_prompt(r, len(p)) for r, p in zip(results, prompts)]}]
+        runs = [{"drafter": None, "prompts": [greedy_prompt(r, len(p)) for r, p in zip(results, prompts)]}]
     elif mode == "score":
         # the only golden tensor an engine may read, and only in this mode (docs/engine-contract.md §3)
         golden = [np.asarray(bundle[f"golden.p{i}.tokens"]) for i in range(n_prompts)]
@@ -135,10 +130,10 @@ def _run(bundle_path: str, mode: str, budget: int, install=None) -> dict:
                 jobs.append(DDTreeJob(p, drafts, budget))
             results = ddtree_generate(model, jobs, n_new)
             runs.append({"drafter": {"accuracy": accuracy},
-                         "prompts": [{"tokens": r.tokens.tolist(), "rounds": [_round(x) for x in r.rounds]}
+                         "prompts": [{"tokens": r.tokens.tolist(), "rounds": [ddtree_round(x) for x in r.rounds]}
                                      for r in results]})
     else:
-        raise SystemExit(f"unknown mode {mode!r}")
+        raise K2VecError(f"unknown mode {mode!r}; the contract's modes: {', '.join(CONTRACT_MODES)}")
     t_end = time.perf_counter()
     return {"format": "k2vec-engine-result", "version": 1,
             "device": f"cpu ({platform.machine()}, numpy {np.__version__}, float64)",
@@ -146,31 +141,10 @@ def _run(bundle_path: str, mode: str, budget: int, install=None) -> dict:
             "runs": runs}
 
 
-def _greedy_prompt(r, prompt_len: int) -> dict:
-    # Router choices for the token fed at each step: the last prompt token, then generated tokens.
-    fed = np.arange(len(r.tokens)) + prompt_len - 1
-    return {"tokens": r.tokens.tolist(), "topk_ids": r.topk_ids.tolist(), "topk_logits": r.topk_logits.tolist(),
-            "fingerprints": r.hidden.astype(np.float32).tolist(),
-            "router_experts": r.router_ids[:, fed].transpose(1, 0, 2).tolist()}
-
-
-def score_prompt(r) -> dict:
-    # Router choices for every fed token: the P prompt tokens, then golden tokens 0..N-2.
-    return {"tokens": r.tokens.tolist(), "topk_ids": r.topk_ids.tolist(), "topk_logits": r.topk_logits.tolist(),
-            "fingerprints": r.hidden.astype(np.float32).tolist(),
-            "router_experts": r.router_ids.transpose(1, 0, 2).tolist()}
-
-
-def _round(x) -> dict:
-    return {"start": x.start, "tokens": x.node_tokens.tolist(), "parents": x.parents.tolist(),
-            "depths": x.depths.tolist(), "accepted": x.accepted.tolist(), "bonus": x.bonus}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = contract_parser(__doc__.splitlines()[0])
-    ap.add_argument("--mutant", metavar="NAME", help="inject one fault of the mutant catalogue (docs/mutants.md)")
     args = ap.parse_args(argv)
-    result = run(args.bundle, args.mode, args.budget, args.mutant)
+    result = run(args.bundle, args.mode, args.budget)
     write_output(args.output, result)
     return 0
 

@@ -15,315 +15,28 @@ import os
 import select
 import shlex
 import signal
-import stat
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
+from k2vec.atomic import claim_directory
+from k2vec.digests import IntegrityError, sha256_file, verify_kdtr
+from k2vec.engines.contract.checks import check_result
+from k2vec.engines.contract.errors import InvalidResult
+from k2vec.engines.contract.expectations import Expectations, expectations_from_bundle
+from k2vec.engines.contract.files import read_result, write_result
+from k2vec.engines.contract.modes import parse_mode
+from k2vec.engines.gpus import GpuError, identify, lease
+from k2vec.engines.isolation import Reaper, fresh_scratch, make_read_only, remove_tree, sandbox_command, sandbox_problem
 
-from ..atomic import claim_directory, write_text_atomic
-from ..digests import IntegrityError, sha256_bytes, sha256_file, verify_kdtr, write_record
-from ..gpus import GpuError, identify, lease
-from .fast_schema import conforms, is_integer, is_number
-from .isolation import Reaper, fresh_scratch, make_read_only, remove_tree, sandbox_command, sandbox_problem
-
-SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
 PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 STDERR_TAIL_LINES = 20
 KILL_GRACE_S = 5.0
-# A valid result nests 8 deep ({runs: [{prompts: [{fingerprints: [[[ ... ); the limit leaves room for
-# free-form keys while keeping every later step (schema check, JSON writer, report) far from
-# Python's recursion limit.
-MAX_RESULT_NESTING = 32
-_SCAN_CHUNK = 1 << 22
 
 
-class InvalidResult(Exception):
-    """The engine's output breaks the contract; the message becomes the failure reason."""
-
-
-@dataclass(frozen=True)
-class Expectations:
-    """What a valid result must hold, from the bundle's metadata."""
-
-    n_prompts: int
-    max_new_tokens: int
-    vocab_size: int
-    accuracies: tuple[float, ...] = ()  # ddtree: one run per drafter accuracy
-    # The shapes of the optional per-step arrays (section 4); None where the bundle does not say.
-    prompt_lengths: tuple[int, ...] | None = None
-    layers: int | None = None
-    moe_layers: int | None = None
-    experts: int | None = None            # n_routed_experts
-    experts_per_token: int | None = None  # num_experts_per_tok
-
-
-@lru_cache(maxsize=1)
-def _schema() -> dict:
-    return json.loads(SCHEMA_PATH.read_text())
-
-
-@lru_cache(maxsize=1)
-def _validator():
-    """The schema's validator with strict types: JSON Schema counts 5.0 as an integer, and Python's
-    reader turns 1e999 into inf; token ids must be integers and every number finite."""
-    import jsonschema
-
-    base = jsonschema.Draft202012Validator
-    checker = base.TYPE_CHECKER.redefine_many({
-        "integer": lambda _, x: is_integer(x),
-        "number": lambda _, x: is_number(x),
-    })
-    strict = jsonschema.validators.extend(base, type_checker=checker)
-    return strict(_schema())
-
-
-def parse_mode(mode: str) -> tuple[str, int]:
-    """'greedy' -> ('greedy', 0); 'score' -> ('score', 0); 'ddtree-b16' -> ('ddtree', 16)."""
-    if mode in ("greedy", "score"):
-        return mode, 0
-    if mode.startswith("ddtree-b") and mode[len("ddtree-b"):].isdigit() and int(mode[len("ddtree-b"):]) > 0:
-        return "ddtree", int(mode[len("ddtree-b"):])
-    raise ValueError(f"unknown mode {mode!r}: expected 'greedy', 'score' or 'ddtree-b<budget>'")
-
-
-def check_result(result: Any, mode: str, expect: Expectations) -> None:
-    """Raise InvalidResult naming the first contract violation."""
-    # jsonschema, slow on long arrays, only for results the quick check does not pass: it names the error
-    err = None if conforms(result, _schema()) else next(iter(_validator().iter_errors(result)), None)
-    if err is not None:
-        where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
-        what = err.message
-        if err.validator == "type" and err.validator_value == "integer":
-            what = f"{err.instance!r} is not a JSON integer (write token ids and indices without a fraction)"
-        elif err.validator == "type" and err.validator_value == "number" and isinstance(err.instance, float):
-            what = f"{err.instance!r} is not a finite number"
-        raise InvalidResult(f"result does not match the schema at {where}: {what}")
-    kind, _ = parse_mode(mode)
-    runs = result["runs"]
-    want_drafters = [None] if kind in ("greedy", "score") else [{"accuracy": a} for a in expect.accuracies]
-    got = [None if r["drafter"] is None else {"accuracy": r["drafter"]["accuracy"]} for r in runs]
-    if got != want_drafters:
-        raise InvalidResult(f"runs are for drafters {got}, expected {want_drafters}")
-    for r_i, run in enumerate(runs):
-        if len(run["prompts"]) != expect.n_prompts:
-            raise InvalidResult(f"run {r_i}: {len(run['prompts'])} prompts, the bundle has {expect.n_prompts}")
-        for p_i, prompt in enumerate(run["prompts"]):
-            tokens = prompt["tokens"]
-            if len(tokens) != expect.max_new_tokens:
-                raise InvalidResult(f"run {r_i} prompt {p_i}: {len(tokens)} tokens, "
-                                    f"expected max_new_tokens = {expect.max_new_tokens}")
-            bad = next((t for t in tokens if t >= expect.vocab_size), None)
-            if bad is not None:
-                raise InvalidResult(f"run {r_i} prompt {p_i}: token {bad} outside the vocabulary "
-                                    f"(size {expect.vocab_size})")
-            if kind != "ddtree":
-                _check_step_arrays(prompt, kind, p_i, expect)
-
-
-def _array(value: Any, dtype, what: str) -> np.ndarray:
-    """A nested list as an array; InvalidResult when its rows have different lengths."""
-    try:
-        return np.array(value, dtype=dtype)
-    except ValueError:
-        raise InvalidResult(f"{what}: rows of different lengths (expected a rectangular array)") from None
-    except OverflowError:   # the schema bounds integers below only: 2**70 is a valid JSON token id
-        raise InvalidResult(f"{what}: an integer does not fit in 64 bits") from None
-
-
-def _check_step_arrays(prompt: dict, kind: str, p_i: int, expect: Expectations) -> None:
-    """The per-step arrays of a greedy or score result (section 4): their lengths, the top-k order,
-    and expert ids. Score mode requires the top-k and reports routing for every fed token."""
-    n = expect.max_new_tokens
-    where = f"prompt {p_i}"
-    if kind == "score":
-        missing = [k for k in ("topk_ids", "topk_logits") if k not in prompt]
-        if missing:
-            raise InvalidResult(f"{where}: score mode requires {' and '.join(missing)} (at least 1 per step)")
-    if "topk_ids" in prompt or "topk_logits" in prompt:
-        ids = _array(prompt.get("topk_ids", []), np.int64, f"{where} topk_ids")
-        logits = _array(prompt.get("topk_logits", []), np.float64, f"{where} topk_logits")
-        if ids.shape != logits.shape or ids.ndim != 2 or ids.shape[0] != n or ids.shape[1] < 1:
-            raise InvalidResult(f"{where}: topk_ids {list(ids.shape)} and topk_logits {list(logits.shape)} must "
-                                f"both be [max_new_tokens = {n}][k >= 1]")
-        if (ids >= expect.vocab_size).any():
-            step, col = np.argwhere(ids >= expect.vocab_size)[0]
-            raise InvalidResult(f"{where} step {step}: topk id {ids[step, col]} outside the vocabulary "
-                                f"(size {expect.vocab_size})")
-        rising = np.argwhere(np.diff(logits, axis=1) > 0)
-        if rising.size:
-            raise InvalidResult(f"{where} step {rising[0][0]}: topk_logits are not in descending order")
-        if kind == "score" and not np.array_equal(ids[:, 0], prompt["tokens"]):
-            step = int(np.flatnonzero(ids[:, 0] != np.asarray(prompt["tokens"]))[0])
-            raise InvalidResult(f"{where} step {step}: tokens must be the engine's own argmax, topk_ids[j][0]")
-    if "router_experts" in prompt and expect.moe_layers is not None:
-        # score mode: every fed token (P prompt tokens, then golden 0..N-2); greedy: the token of each step
-        rows = expect.prompt_lengths[p_i] + n - 1 if kind == "score" else n
-        routed = _array(prompt["router_experts"], np.int64, f"{where} router_experts")
-        want = (rows, expect.moe_layers, expect.experts_per_token)
-        if routed.shape != want:
-            fed = "P + N - 1 fed positions (prompt, then golden tokens)" if kind == "score" else "N steps"
-            raise InvalidResult(f"{where}: router_experts is {list(routed.shape)}, expected {list(want)}: "
-                                f"[{fed}][MoE layers][num_experts_per_tok]")
-        if routed.size and (routed >= expect.experts).any():
-            pos = np.argwhere(routed >= expect.experts)[0]
-            raise InvalidResult(f"{where}: router_experts{pos.tolist()} = {routed[tuple(pos)]} is not an expert "
-                                f"(n_routed_experts = {expect.experts})")
-        repeated = np.diff(np.sort(routed, axis=-1), axis=-1) == 0
-        if repeated.any():
-            pos = np.argwhere(repeated)[0][:2]
-            raise InvalidResult(f"{where}: router_experts{pos.tolist()} names an expert twice")
-    if "fingerprints" in prompt and expect.layers is not None:
-        fp = _array(prompt["fingerprints"], np.float64, f"{where} fingerprints")
-        if fp.ndim != 3 or fp.shape[:2] != (n, expect.layers):
-            raise InvalidResult(f"{where}: fingerprints is {list(fp.shape)}, expected [max_new_tokens = {n}]"
-                                f"[layers = {expect.layers}][hidden]")
-
-
-def expectations_from_bundle(path: str | os.PathLike, verify: bool = True) -> Expectations:
-    """What the engine's result must hold, from the bundle's metadata (the engine sees the same).
-
-    The bundle's checksums are verified first (`verify=False` only where the caller has just verified
-    them): an engine must never be run, nor judged, on a damaged bundle. Raises InvalidResult naming
-    the file and what is wrong, so the run becomes a failed row."""
-    from ..kdtr import KdtrError, open_bundle
-
-    try:
-        with open_bundle(path, verify=verify) as b:
-            meta = b.metadata
-            lengths = {t.name: int(np.prod(t.shape)) for t in b.tensors if t.name.startswith("prompt.p")}
-    except (KdtrError, OSError) as err:
-        raise InvalidResult(f"bundle {path} failed verification, the engine was not run: {err}") from None
-    fields = {"n_prompts": ("golden", "prompts"), "max_new_tokens": ("decoding", "max_new_tokens"),
-              "vocab_size": ("model", "vocab_size"), "accuracies": ("golden", "ddtree", "accuracies")}
-    got: dict[str, Any] = {}
-    for name, keys in fields.items():
-        value: Any = meta
-        for k in keys:
-            value = value.get(k) if isinstance(value, dict) else None
-        ok = isinstance(value, list) and all(type(a) in (int, float) for a in value) if name == "accuracies" \
-            else type(value) is int and value > 0
-        if not ok:
-            raise InvalidResult(f"bundle {path}: metadata {'.'.join(keys)} is {value!r}, expected "
-                                f"{'a list of numbers' if name == 'accuracies' else 'a positive integer'}")
-        got[name] = tuple(value) if name == "accuracies" else value
-    return Expectations(**got, **_shapes(meta, lengths, path, got["n_prompts"]))
-
-
-def _shapes(meta: dict, tensor_sizes: dict[str, int], path: Any, n_prompts: int) -> dict[str, Any]:
-    """Prompt lengths and the layer/expert counts that fix the per-step arrays' shapes."""
-    c = meta.get("hf_config")
-    keys = ("num_hidden_layers", "first_k_dense_replace", "n_routed_experts", "num_experts_per_tok")
-    if not isinstance(c, dict) or any(type(c.get(k)) is not int for k in keys):
-        raise InvalidResult(f"bundle {path}: metadata hf_config lacks integer {', '.join(keys)}")
-    names = [f"prompt.p{i}.tokens" for i in range(n_prompts)]
-    absent = [n for n in names if n not in tensor_sizes]
-    if absent:
-        raise InvalidResult(f"bundle {path}: tensor {absent[0]} is missing (metadata golden.prompts = {n_prompts})")
-    layers = c["num_hidden_layers"]
-    return {"prompt_lengths": tuple(tensor_sizes[n] for n in names), "layers": layers,
-            "moe_layers": max(0, layers - c["first_k_dense_replace"]),
-            "experts": c["n_routed_experts"], "experts_per_token": c["num_experts_per_tok"]}
-
-
-_OPEN, _CLOSE, _QUOTE, _BACKSLASH = 1, 2, 3, 4
-_BYTE_KIND = np.zeros(256, np.uint8)
-_BYTE_KIND[[ord("["), ord("{")]] = _OPEN
-_BYTE_KIND[[ord("]"), ord("}")]] = _CLOSE
-_BYTE_KIND[ord('"')] = _QUOTE
-_BYTE_KIND[ord("\\")] = _BACKSLASH
-
-
-def json_nesting(data: bytes, stop_above: int | None = None) -> tuple[int, int]:
-    """(deepest nesting of arrays and objects, byte offset where it is first reached) of JSON text,
-    brackets inside strings not counted; before parsing, so that no depth can exhaust the parser.
-
-    Vectorised over chunks, on the bracket, quote and backslash bytes only. Carried between chunks:
-    the depth, whether a string is open, and how many backslashes end the chunk (an odd run escapes
-    the quote right after it). With `stop_above`, stops after the first chunk deeper than that."""
-    depth, in_string, slashes, best = 0, 0, 0, (0, -1)
-    for lo in range(0, len(data), _SCAN_CHUNK):
-        kinds = _BYTE_KIND[np.frombuffer(data, np.uint8, count=min(_SCAN_CHUNK, len(data) - lo), offset=lo)]
-        pos = np.flatnonzero(kinds)
-        if pos.size == 0:
-            slashes = 0
-            continue
-        kind = kinds[pos]
-        bs = kind == _BACKSLASH
-        ids = np.arange(pos.size)
-        # adjacent[i]: element i directly follows element i-1 (element 0: the previous chunk's last byte)
-        adjacent = np.concatenate(([pos[0] == 0], np.diff(pos) == 1))
-        prev_bs = np.concatenate(([slashes > 0], bs[:-1]))
-        run_start = np.maximum.accumulate(np.where(bs & ~(adjacent & prev_bs), ids, -1))
-        run = np.where(run_start >= 0, ids - run_start + 1, ids + 1 + slashes)   # backslashes ending here
-        before = np.where(adjacent & prev_bs, np.concatenate(([slashes], run[:-1])), 0)
-        quote = (kind == _QUOTE) & (before % 2 == 0)
-        outside = (np.cumsum(quote) + in_string) % 2 == 0   # a quote is never a bracket: its parity is moot
-        step = ((kind == _OPEN) & outside).astype(np.int64) - ((kind == _CLOSE) & outside)
-        level = depth + np.cumsum(step)
-        top = int(level.argmax())
-        if level[top] > best[0]:
-            best = (int(level[top]), lo + int(pos[top]))
-            if stop_above is not None and best[0] > stop_above:
-                break
-        depth, in_string = int(level[-1]), (in_string + int(quote.sum())) % 2
-        slashes = int(run[-1]) if bs[-1] and pos[-1] == kinds.size - 1 else 0
-    return best
-
-
-def _non_finite(token: str) -> Any:
-    raise InvalidResult(f"result holds {token}: every number must be finite")
-
-
-def read_result(path: Path, max_bytes: int) -> Any:
-    """The engine's result file, parsed, or InvalidResult saying why it cannot be: missing, not a
-    regular file (a directory, a link, a FIFO), over `max_bytes` (checked before reading), not UTF-8,
-    nested deeper than MAX_RESULT_NESTING, not JSON, numbers the reader refuses (NaN, Infinity,
-    integers of thousands of digits)."""
-    try:
-        # O_NOFOLLOW: a link could point anywhere; O_NONBLOCK: opening a FIFO must not wait for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise InvalidResult(f"engine exited 0 but wrote no result file at {path}") from None
-    except OSError as err:
-        kind = "a symbolic link" if os.path.islink(path) else "unreadable"
-        raise InvalidResult(f"the result at {path} is {kind} ({err.strerror}); write a regular file") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise InvalidResult(f"the result at {path} is {kind}; write a regular file")
-        if st.st_size > max_bytes:
-            raise InvalidResult(f"result file is {st.st_size:,} bytes, over the limit of {max_bytes:,} "
-                                f"(engine setting max_result_mb)")
-        chunks, size = [], 0
-        while size <= max_bytes and (chunk := os.read(fd, min(max_bytes + 1 - size, 1 << 24))):
-            chunks.append(chunk)
-            size += len(chunk)
-        data = b"".join(chunks)
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:   # still growing: a process of the engine is writing it
-        raise InvalidResult(f"result file grew past the limit of {max_bytes:,} bytes while read")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise InvalidResult(f"result file is not valid JSON: not UTF-8 at byte {err.start}") from None
-    deepest, at = json_nesting(data, stop_above=MAX_RESULT_NESTING)
-    if deepest > MAX_RESULT_NESTING:
-        raise InvalidResult(f"result file nests arrays/objects {deepest} deep (reached at byte {at}); "
-                            f"the limit is {MAX_RESULT_NESTING}")
-    try:
-        return json.loads(text, parse_constant=_non_finite)
-    except json.JSONDecodeError as err:
-        raise InvalidResult(f"result file is not valid JSON: {err}") from None
-    except ValueError as err:   # e.g. an integer of more digits than Python converts
-        raise InvalidResult(f"result file holds a number the JSON reader refuses: {err}") from None
 
 
 def format_command(template: str, **values: Any) -> str:
@@ -430,13 +143,6 @@ def check_bundle_unchanged(bundle: str, sha256: str) -> None:
     if after != sha256:
         raise InvalidResult(f"the input bundle {bundle} changed during the run (sha256 {sha256} before, {after} "
                             f"after): the engine or another process wrote into it; the result is not trusted")
-
-
-def write_result(output: Path, text: str) -> None:
-    """The final result and its sha256 record `<output>.sha256`, by which the report notices a result
-    rewritten after the runner wrote it."""
-    write_text_atomic(output, text)
-    write_record(output, sha256_bytes(text.encode("utf-8")))
 
 
 def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str,

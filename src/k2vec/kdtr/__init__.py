@@ -6,11 +6,17 @@
         b.metadata, b.tensors, b["w"]          # b["w"] is a read-only view into the mmap
 """
 
-from .format import (
-    DEFAULT_ALIGNMENT, DTYPE_CODES, VERSION, KdtrError, TensorInfo, bf16_to_f32, f32_to_bf16,
+from k2vec.kdtr.format import (
+    DEFAULT_ALIGNMENT,
+    DTYPE_CODES,
+    VERSION,
+    KdtrError,
+    TensorInfo,
+    bf16_to_f32,
+    f32_to_bf16,
 )
-from .reader import Bundle, open_bundle, open_bundle_buffer
-from .writer import TensorData, bf16, int4, write_bundle
+from k2vec.kdtr.reader import Bundle, open_bundle, open_bundle_buffer
+from k2vec.kdtr.writer import TensorData, bf16, int4, write_bundle
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "DTYPE_CODES", "VERSION", "KdtrError", "TensorInfo", "bf16_to_f32",

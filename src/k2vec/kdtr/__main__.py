@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from k2vec.kdtr.cli import main
 
 sys.exit(main())

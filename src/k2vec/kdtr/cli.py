@@ -14,8 +14,8 @@ from typing import Iterator
 
 import numpy as np
 
-from .format import FLOAT_DTYPES, KdtrError, bf16_to_f32
-from .reader import Bundle, open_bundle
+from k2vec.kdtr.format import FLOAT_DTYPES, KdtrError, bf16_to_f32
+from k2vec.kdtr.reader import Bundle, open_bundle
 
 _CHUNK = 1 << 20  # elements compared at a time: diff of two 1 GiB tensors stays in a few MiB
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import K2VecError
+from k2vec.errors import K2VecError
 
 MAGIC = b"KDTR"
 VERSION = 1

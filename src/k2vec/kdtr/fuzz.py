@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .format import ENTRY, ENTRY_SIZE, HEADER, HEADER_CRC_SPAN, HEADER_FIELDS, HEADER_SIZE, align_up
-from .writer import bf16, int4, write_bundle
+from k2vec.kdtr.format import ENTRY, ENTRY_SIZE, HEADER, HEADER_CRC_SPAN, HEADER_FIELDS, HEADER_SIZE, align_up
+from k2vec.kdtr.writer import bf16, int4, write_bundle
 
 _HEADER_WIDTHS = {"magic": 4, "version": 4, "header_size": 4, "alignment": 4, "file_size": 8,
                   "tensor_count": 8, "dir_offset": 8, "dir_size": 8, "meta_offset": 8,

@@ -17,11 +17,31 @@ from typing import Iterator
 
 import numpy as np
 
-from .format import (
-    DTYPES, ENTRY, ENTRY_FIELDS, ENTRY_SIZE, HEADER, HEADER_CRC_SPAN, HEADER_FIELDS, HEADER_SIZE,
-    MAGIC, MAX_ALIGNMENT, MAX_DIR_SIZE, MAX_META_SIZE, MAX_NAME_LEN, MAX_RANK, MIN_ALIGNMENT,
-    PACKING_DTYPES, PACKINGS, VERSION, KdtrError, TensorInfo, align_up, element_count,
-    name_problem, parse_metadata,
+from k2vec.kdtr.format import (
+    DTYPES,
+    ENTRY,
+    ENTRY_FIELDS,
+    ENTRY_SIZE,
+    HEADER,
+    HEADER_CRC_SPAN,
+    HEADER_FIELDS,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_ALIGNMENT,
+    MAX_DIR_SIZE,
+    MAX_META_SIZE,
+    MAX_NAME_LEN,
+    MAX_RANK,
+    MIN_ALIGNMENT,
+    PACKING_DTYPES,
+    PACKINGS,
+    VERSION,
+    KdtrError,
+    TensorInfo,
+    align_up,
+    element_count,
+    name_problem,
+    parse_metadata,
 )
 
 _PARALLEL_BYTES = 32 << 20  # verify() uses threads above this many tensor bytes

@@ -9,11 +9,30 @@ from typing import Any, Callable, Iterable, Mapping, Union
 
 import numpy as np
 
-from ..atomic import atomic_file
-from .format import (
-    DEFAULT_ALIGNMENT, DTYPE_CODES, DTYPES, ENTRY, HEADER, HEADER_CRC_SPAN, HEADER_SIZE, MAGIC,
-    MAX_ALIGNMENT, MAX_DIR_SIZE, MAX_RANK, MIN_ALIGNMENT, PACKING_CODES, PACKING_DTYPES, VERSION,
-    KdtrError, TensorInfo, align_up, dump_metadata, element_count, entry_size, name_problem,
+from k2vec.atomic import atomic_file
+from k2vec.kdtr.format import (
+    DEFAULT_ALIGNMENT,
+    DTYPE_CODES,
+    DTYPES,
+    ENTRY,
+    HEADER,
+    HEADER_CRC_SPAN,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_ALIGNMENT,
+    MAX_DIR_SIZE,
+    MAX_RANK,
+    MIN_ALIGNMENT,
+    PACKING_CODES,
+    PACKING_DTYPES,
+    VERSION,
+    KdtrError,
+    TensorInfo,
+    align_up,
+    dump_metadata,
+    element_count,
+    entry_size,
+    name_problem,
 )
 
 ArrayLike = Union[np.ndarray, Callable[[], np.ndarray]]

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .model import ReferenceModelError, ReferenceModel, Segment
+from k2vec.reference.model import ReferenceModel, ReferenceModelError, Segment
 
 
 @dataclass

@@ -5,52 +5,10 @@ building blocks (RMSNorm, MLA attention, SwiGLU MLP, the MoE router and experts)
 `ReferenceModel.forward`, which runs a block of new tokens at explicit positions against a cache
 (`forward_many`: blocks of several sequences in one pass over the weights).
 
-What it matches: transformers 5.24 `models/deepseek_v3/modeling_deepseek_v3.py` (the same op order as
-DeepSeek's remote code), checked by `tests/test_reference_vs_hf.py`. In particular:
-  * Layer i is MoE iff i >= first_k_dense_replace; `moe_layer_freq` is ignored (as in HF).
-  * The router is always sigmoid + `e_score_correction_bias` ("noaux_tc"); `topk_method` and
-    `scoring_func` are ignored (HF hard-codes them too). The bias only picks experts; the mixing
-    weights are the unbiased sigmoid scores, renormalised when `norm_topk_prob` (denominator + 1e-20),
-    then always multiplied by `routed_scaling_factor`. The group step always runs: group score = sum of
-    the top-2 biased scores in the group, keep `topk_group` groups.
-  * Experts of dropped groups are masked to -inf before the top-k (HF 5.x). HF 4.x (`get_topk_indices`)
-    and some engine reference paths fill 0.0 instead; the two pick differently only when a kept expert's
-    biased score (sigmoid + bias) is <= 0, which cannot happen with e_score_correction_bias >= 0.
-  * q_a_layernorm / kv_a_layernorm use eps 1e-6, not `rms_norm_eps`: HF (and DeepSeek's remote and
-    inference code) build them with the RMSNorm default. vLLM and SGLang pass `config.rms_norm_eps`,
-    which differs for Kimi K2-Thinking (1e-5). `ReferenceModel(latent_norm_eps=None)` follows the
-    engines instead.
-  * RoPE is applied to the rope part only, to interleaved pairs (x[2i], x[2i+1]) rotated by inv_freq[i]
-    (HF `rope_interleave=True`). YaRN: inv_freq blend with a linear ramp over the floor/ceil-truncated
-    correction range (+0.001 on the upper end when it equals the lower), cos/sin scaled by
-    attention_factor, softmax scale qk_head_dim**-0.5 * mscale(factor, mscale_all_dim)**2.
-  * attention_factor follows HF: get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) when both are
-    non-zero, else get_mscale(f). DeepSeek's remote code (and vLLM) always use the ratio, with
-    mscale_all_dim defaulting to 0, so the two differ only when exactly `mscale` is 0/absent while
-    mscale_all_dim is set; real DeepSeek/Kimi configs (1.0 / 1.0 → 1.0) are unaffected.
-
-Divergences from the DeepSeek-V3 paper (we follow the code): the paper's gate normalises the selected
-sigmoid scores and (as we read it) shows no routed_scaling_factor; its node-limited routing ranks nodes by the sum of
-the top K_r/M scores per node (8/4 = 2 for V3), which the code hard-codes as top-2 for every config.
-
-Compute dtype: float64 by default, because the golden data is an oracle: an fp32/bf16 engine should
-differ from it by its own rounding only (we differ from HF fp32 by ~1e-6 relative, all of it HF's).
-Measured on this 2-core machine, 4 prompts (9-23 tokens) x 32 greedy tokens, OPENBLAS_NUM_THREADS=1,
-min of 9 runs, against HF `generate` (fp32, eager) on the same weights:
-    preset tiny : float64 0.04 s, float32 0.04 s; HF one prompt at a time 0.32 s, padded batch 0.10 s
-    preset small: float64 0.18 s, float32 0.12 s; HF one prompt at a time 0.64 s, padded batch 0.25 s
-    hidden 1024, 8 layers, 64 experts top-6, vocab 32000: float64 4.2 s, float32 3.5 s; HF 5.4 s / 3.0 s
-So on the pipeline's presets float64 costs little: the time is per-call overhead and cache traffic,
-not FLOPs. Only on models big enough to be memory-bound does it fall behind HF's padded batch, and
-`dtype=np.float32` is there for that.
-BLAS threading: with several processes on 2 cores, multi-threaded OpenBLAS ran this 3-5x slower than
-OPENBLAS_NUM_THREADS=1 (tiny matrices, threads waiting on each other); run it single-threaded.
-
-KV cache contents (decision): per layer the *expanded* keys and values, i.e. k_nope [H, S, nope] and
-v [H, S, v] per head plus the single shared roped k_pe [S, rope], not the compressed latent. This costs
-more memory than the latent (H*(nope+v) vs kv_lora_rank per row) but each decode step then needs no
-re-expansion through kv_b_proj, and numerically it equals HF, which caches the latent and re-expands
-row by row (kv_b_proj acts on each row independently).
+It follows transformers' DeepseekV3 op for op (tests/test_reference_vs_hf.py); docs/reference-model.md
+lists each convention where implementations differ and which one this follows. It computes in float64
+by default: the golden data is an oracle, so an engine should differ from it by its own rounding only.
+The KV cache holds the expanded per-head keys and values, not the latent (docs/reference-model.md).
 """
 
 from __future__ import annotations
@@ -61,7 +19,8 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import ConfigError, K2VecError
+from k2vec.errors import ConfigError, K2VecError
+from k2vec.model.limits import STREAM_BYTES
 
 HF_LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm default, used by HF for q_a_layernorm and kv_a_layernorm
 
@@ -70,7 +29,6 @@ class ReferenceModelError(K2VecError):
     pass
 
 
-ReferenceError = ReferenceModelError  # old name (shadows the builtin); kept for existing importers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,17 +166,13 @@ def rope_tables(c: Mapping, rope_dim: int) -> tuple[np.ndarray, float, float]:
 
 def to_float(arr: np.ndarray, dtype) -> np.ndarray:
     """Convert a stored tensor to `dtype`. A uint16 array is BF16 bits (that is how
-    `k2vec.checkpoint.Checkpoint` exposes BF16, numpy having no bfloat16)."""
+    `k2vec.model.checkpoint.Checkpoint` exposes BF16, numpy having no bfloat16)."""
     arr = np.asarray(arr)
     if arr.dtype == np.uint16:
         arr = (arr.astype(np.uint32) << 16).view(np.float32)
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
-# A weight whose compute-dtype copy is larger than this is never held whole: `WeightStore.mm` multiplies
-# by it a block of rows at a time (K2's 18432 x 7168 dense MLP is 1 GB in float64). Smaller weights, and
-# so every weight of the small presets, take the whole-tensor path, unchanged.
-STREAM_BYTES = 64 << 20
 STREAM_BLOCK_BYTES = 32 << 20  # compute-dtype bytes of one block of rows
 
 

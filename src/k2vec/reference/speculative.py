@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ddtree import accept_walk, build_tree, compacted_kv_rows, tree_positions
-from ..ddtree.drafter import RecordedDrafts
-from .generate import top_k_sorted
-from .model import ReferenceError, ReferenceModel, Segment
+from k2vec.ddtree import accept_walk, build_tree, compacted_kv_rows, tree_positions
+from k2vec.ddtree.drafter import RecordedDrafts
+from k2vec.reference.generate import top_k_sorted
+from k2vec.reference.model import ReferenceModelError, ReferenceModel, Segment
 
 
 @dataclass
@@ -61,7 +61,7 @@ def ddtree_generate(model: ReferenceModel, jobs: list[DDTreeJob], max_new_tokens
     prompts = [np.asarray(j.prompt, dtype=np.int64).reshape(-1) for j in jobs]
     for job, prompt in zip(jobs, prompts):
         if job.drafts.first_start != prompt.size:
-            raise ReferenceError(f"drafts start at position {job.drafts.first_start}, "
+            raise ReferenceModelError(f"drafts start at position {job.drafts.first_start}, "
                                  f"the prompt has {prompt.size} tokens")
     caches = [model.new_cache(capacity=p.size + max_new_tokens + j.budget + 1) for p, j in zip(prompts, jobs)]
     outs = model.forward_many([Segment(p, c) for p, c in zip(prompts, caches)], last_only=True)

@@ -26,8 +26,8 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from ..atomic import write_bytes_atomic, write_text_atomic
-from .metrics import ROW_COLUMNS, Metrics, ReportError, compute_metrics
+from k2vec.atomic import write_bytes_atomic, write_text_atomic
+from k2vec.report.metrics import ROW_COLUMNS, Metrics, ReportError, compute_metrics
 
 __all__ = ["build_report", "ReportResult", "ReportError", "compute_metrics", "main", "snakemake_main", "OUTPUTS"]
 
@@ -60,8 +60,8 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
                  fingerprint_rtol: float = 1e-3, budgets: Mapping[str, Mapping[str, Any]] | None = None) -> ReportResult:
     """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
     budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml)."""
-    from . import plots
-    from .html import render_html, summary_text
+    from k2vec.report import plots
+    from k2vec.report.html import render_html, summary_text
 
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
                                  fingerprint_rtol=fingerprint_rtol, budgets=budgets)
@@ -117,7 +117,7 @@ def snakemake_main(smk: Any) -> ReportResult:
     output.html: .../divergence.html; every other output is written next to it (OUTPUTS).
     log[0] (optional): the stage log.
     """
-    from ..stage import stage_logging
+    from k2vec.pipeline.stage import stage_logging
 
     def get(key: str, default: Any = None) -> Any:
         return getattr(smk.params, key, default)

@@ -1,5 +1,5 @@
 import sys
 
-from . import main
+from k2vec.report import main
 
 sys.exit(main())

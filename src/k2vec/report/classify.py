@@ -30,6 +30,8 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from k2vec.errors import K2VecError
+
 PRECISION_CLASSES = ("float32", "bfloat16", "float16", "fp8")
 BUDGET_KEYS = ("logit_abs", "hidden_rel", "same_top1", "kl_mean", "kl_p99")
 # The same table as config.yaml's report.budgets (tests/test_report_classify.py keeps them equal).
@@ -41,8 +43,8 @@ DEFAULT_BUDGETS: dict[str, dict[str, float | None]] = {
 }
 
 
-class BudgetError(ValueError):
-    pass
+class BudgetError(K2VecError):
+    """A `report.budgets` entry that is not a known precision, budget or number."""
 
 
 def resolve_budgets(budgets: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, float | None]]:

@@ -6,8 +6,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .arrays import REL_EPS
-from .golden import Golden
+from k2vec.report.arrays import REL_EPS
+from k2vec.report.golden_data import Golden
 
 FINGERPRINT_COLUMNS = ("first_bad_step", "first_bad_layer", "first_bad_rel_err", "fingerprint_rel_max",
                        "fingerprint_rel_before")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..atomic import write_text_atomic
-from ..errors import K2VecError
+from k2vec.atomic import write_text_atomic
+from k2vec.errors import K2VecError
 
 # changed: a run whose result or inputs changed under it; over-budget: errors beyond the declared
 # precision's budget (report/classify.py), tokens equal or not

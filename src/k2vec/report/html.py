@@ -15,10 +15,10 @@ from typing import Any, Iterable, Sequence
 
 import pandas as pd
 
-from .. import __version__
-from .metrics import CLASSES, SEVERITY, Metrics
-from .plots import COLORS, PLOTS, row_labels
-from .words import plural
+from k2vec import __version__
+from k2vec.report.metrics import CLASSES, SEVERITY, Metrics
+from k2vec.report.plots import COLORS, PLOTS, row_labels
+from k2vec.report.words import plural
 
 MAX_SUMMARY_ROWS = 200
 MAX_DETAIL_ROWS = 300

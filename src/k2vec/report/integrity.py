@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..digests import IntegrityError, check_record, recorded, sha256_file, verify_kdtr
-from ..kdtr import KdtrError, open_bundle
+from k2vec.digests import IntegrityError, check_record, recorded, sha256_file, verify_kdtr
+from k2vec.kdtr import KdtrError, open_bundle
 
 CHANGED = "changed"  # the row status and class of a run whose result or inputs changed after it ran
 
@@ -51,7 +51,7 @@ class RunChecks:
             return None   # nothing is judged; its own record is intact
         bundle = (result.get("inputs") or {}).get("bundle")
         if not isinstance(bundle, Mapping):
-            return None   # not written by the runner (e.g. k2vec.report.synthetic): no bundle to check
+            return None   # not written by the runner (e.g. tests/support/synthetic.py): no bundle to check
         return self._bundle_problem(str(bundle.get("path")), str(bundle.get("sha256")), spec)
 
     def _bundle_problem(self, path: str, used: str, spec: Mapping[str, Any]) -> str | None:

@@ -17,8 +17,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from .arrays import REL_EPS, logsumexp, nan_percentile_rows, stack_rows
-from .golden import Golden
+from k2vec.report.arrays import REL_EPS, logsumexp, nan_percentile_rows, stack_rows
+from k2vec.report.golden_data import Golden
 
 LOGIT_COLUMNS = ("golden_rank_in_engine", "logit_steps", "topk_overlap", "logit_abs_max", "logit_abs_mean",
                  "logit_abs_p99", "logit_rel_max", "logit_rel_mean", "logit_rel_p99", "logit_nmse", "kl_mean",

@@ -12,7 +12,7 @@ and for every score-mode row, which was fed the golden tokens); after k the inpu
 comparison would mean nothing.
 
 By concern: tokens.py, logits.py (errors, KL), fingerprints.py, routing.py, ddtree.py, score.py (score
-statistics), classify.py (precision-aware classes), format_effect.py, integrity.py; this module loads
+statistics), classify.py (precision-aware classes), format_effect_table.py, integrity.py; this module loads
 the results and puts the rows together.
 """
 
@@ -28,20 +28,20 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from ..engines.runner import parse_mode
-from ..gpus import short_uuid
-from .classify import BudgetError, classify, resolve_budgets
-from .ddtree import acceptance_hist, compare_tree
-from .fingerprints import compare_fingerprints
-from .golden import Golden, ReportError, golden_strength
-from .integrity import CHANGED, RunChecks
-from .logits import STEP_COLUMNS, compare_logits
-from .routing import compare_routing, score_evidence
-from .score import SCORE_COLUMNS, score_stats
-from .tokens import compare_tokens
-from .words import plural
+from k2vec.engines.contract.modes import parse_mode
+from k2vec.engines.gpus import short_uuid
+from k2vec.report.classify import BudgetError, classify, resolve_budgets
+from k2vec.report.compare import compare_rows, finish_frame
+from k2vec.report.ddtree import acceptance_hist, compare_tree
+from k2vec.report.format_effect_table import format_effect
+from k2vec.report.golden_data import Golden, ReportError, golden_strength
+from k2vec.report.integrity import CHANGED, RunChecks
+from k2vec.report.logits import STEP_COLUMNS
+from k2vec.report.routing import score_evidence
+from k2vec.report.score import SCORE_COLUMNS, score_stats
+from k2vec.report.words import plural
 
-__all__ = ["CLASSES", "SEVERITY", "ROW_COLUMNS", "Metrics", "ReportError", "compute_metrics", "compare_rows"]
+__all__ = ["CLASSES", "SEVERITY", "ROW_COLUMNS", "Metrics", "ReportError", "compute_metrics"]
 
 # changed: the result or its inputs changed after the run (report/integrity.py); the run is not judged.
 # classify.py says what each class means.
@@ -63,13 +63,7 @@ ROW_COLUMNS = [
     "accept_mean_engine", "accept_mean_golden", "tokens_per_s", "decode_tokens_per_s", "wall_s",
     "device", "gpu", "gpu_uuid", "reason", "result",
 ]
-_INT_COLUMNS = [
-    "budget", "first_step", "matched_steps", "golden_token", "engine_token", "golden_rank_in_engine",
-    "engine_rank_in_golden", "router_layer", "router_position", "logit_steps", "first_bad_step",
-    "first_bad_layer", "router_diff_step", "router_diff_layer", "first_tree_diff_round",
-    "first_tree_diff_node",
-]
-_OBJECT_COLUMNS = ("class", "tree_diff_what", "tree_match", "router_evidence")
+OBJECT_COLUMNS = ("class", "tree_diff_what", "tree_match", "router_evidence")
 
 
 def run_kind(mode: str) -> tuple[str, int]:
@@ -100,12 +94,12 @@ class Metrics:
     format_models: pd.DataFrame  # fp32 vs int4 golden per model: same-top-1 rate etc.
     score_reference_steps: pd.DataFrame  # per step KL of the int4-format reference runs (model, prompt, step, kl)
     thresholds: dict[str, float] = field(default_factory=dict)
-    golden_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden (report/golden.py)
+    golden_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden (report/golden_data.py)
     prompt_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden x prompt: margins, blind
 
     @property
     def has_real_divergence_or_failure(self) -> bool:
-        from .gate import FAILING_CLASSES
+        from k2vec.report.gate import FAILING_CLASSES
         return bool(self.rows["class"].isin(FAILING_CLASSES).any())
 
 
@@ -202,31 +196,6 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
     return items, facts
 
 
-
-
-# ------------------------------------------------------------------------------------ per-golden metrics
-
-
-def compare_rows(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.ndarray, ref_tokens: np.ndarray,
-                 *, score: np.ndarray | None = None, fingerprint_rtol: float
-                 ) -> tuple[dict[str, np.ndarray], pd.DataFrame, dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """Token, logit, fingerprint and router comparison of R engine rows against golden `g` (unclassified).
-
-    datas[r]: the engine's prompt object ({"tokens", optional "topk_ids", "topk_logits",
-    "fingerprints", "router_experts"}); prompt[r]: golden prompt index; ref_tokens: [R, N] the golden
-    tokens to match (greedy, or the DDTree trace); score[r]: row r is a score-mode row. Returns column
-    arrays, the per-step frame (logits.STEP_COLUMNS) and the score rows' routing evidence by position
-    (routing.compare_routing)."""
-    score = np.zeros(len(datas), bool) if score is None else score
-    cols, t = compare_tokens(g, datas, prompt, ref_tokens, score)
-    logit_cols, steps = compare_logits(g, datas, prompt, t["upto"], t["fs"], t["fs_c"], t["has_div"], t["g_tok"])
-    cols.update(logit_cols)
-    cols.update(compare_fingerprints(g, datas, prompt, t["upto"], t["fs"], fingerprint_rtol))
-    routing, by_pos = compare_routing(g, datas, prompt, t["fs"], score)
-    cols.update(routing)
-    return cols, steps, by_pos
-
-
 # ---------------------------------------------------------------------------------------------- driver
 
 
@@ -237,17 +206,6 @@ def _check_golden(goldens: Mapping[tuple[str, str], Any], key: tuple[str, str], 
                           f"goldens given: {have}")
 
 
-def _finish_frame(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
-    for c in columns:
-        if c not in df:
-            df[c] = np.nan
-    df = df[list(columns) + [c for c in df.columns if c not in columns]]
-    for c in _INT_COLUMNS:
-        if c in df:
-            df[c] = pd.array(pd.to_numeric(df[c], errors="coerce").round(), dtype="Int64")
-    return df
-
-
 
 def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, str], str | Path], *,
                     near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
@@ -256,7 +214,6 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
     "precision_class" (default float32) and "reference" (the int4-format row: scored, not judged)
     each) against `goldens` ({(model, precision): golden KDTR path}). `budgets`: per precision class,
     laid over classify.DEFAULT_BUDGETS."""
-    from .format_effect import format_effect
 
     try:
         budgets = resolve_budgets(budgets)
@@ -327,7 +284,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
         items.extend(its)
         stderr[r_i] = facts["stderr_tail"]
     if not items:   # no engine runs: the report still shows the format effect
-        empty = _finish_frame(pd.DataFrame(columns=ROW_COLUMNS), ROW_COLUMNS)
+        empty = finish_frame(pd.DataFrame(columns=ROW_COLUMNS), ROW_COLUMNS)
         return empty, pd.DataFrame(), pd.DataFrame(columns=["row"] + STEP_COLUMNS[1:]), acceptance_hist([]), \
             pd.DataFrame(columns=SCORE_COLUMNS), pd.DataFrame(columns=["model", "prompt", "step", "kl"])
     base = pd.DataFrame([it.base for it in items])
@@ -337,7 +294,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
 
     def put(idx: np.ndarray, name: str, values) -> None:
         if name not in extra:
-            extra[name] = np.full(len(items), np.nan, dtype=object if name in _OBJECT_COLUMNS else float)
+            extra[name] = np.full(len(items), np.nan, dtype=object if name in OBJECT_COLUMNS else float)
         extra[name][idx] = values
 
     ok = np.array([it.data is not None for it in items], bool)
@@ -416,7 +373,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     classified = classify(base, budgets, near_tie=th["near_tie"], router_near_tie=th["router_near_tie"])
     classified["class"] = _not_judged_class(base["status"], classified["class"])
     # the int4-format reference rows are scored (score table), not judged as an engine
-    rows = _finish_frame(classified[~classified["reference"]].reset_index(drop=True), ROW_COLUMNS)
+    rows = finish_frame(classified[~classified["reference"]].reset_index(drop=True), ROW_COLUMNS)
     kept = ~base["reference"].to_numpy()
     new_index = pd.Series(np.cumsum(kept) - 1, index=base.index)[kept]
     ref = steps[~steps["row"].isin(new_index.index)].join(base[["model", "prompt"]], on="row")

@@ -17,8 +17,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from .metrics import CLASSES, SEVERITY
-from .words import plural
+from k2vec.report.metrics import CLASSES, SEVERITY
+from k2vec.report.words import plural
 
 COLORS = {"exact": "#43a047", "within-budget": "#9ccc65", "near-tie": "#fdd835", "router-near-tie": "#fb8c00",
           "precision-tie": "#4fc3f7", "over-budget": "#ad1457", "real": "#e53935", "failed": "#37474f",

@@ -18,8 +18,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .arrays import first_2d, stack_rows
-from .golden import Golden
+from k2vec.report.arrays import first_2d, stack_rows
+from k2vec.report.golden_data import Golden
 
 ROUTER_COLUMNS = ("router_diff_step", "router_diff_layer", "router_margin", "router_layer", "router_position",
                   "router_evidence")

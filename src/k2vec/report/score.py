@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .arrays import REL_EPS
+from k2vec.report.arrays import REL_EPS
 
 SCORE_COLUMNS = ["run", "engine", "model", "precision", "precision_class", "reference", "prompts", "positions",
                  "same_top1", "kl_mean", "kl_p99", "kl_max", "logit_nmse", "top_kl", "verdict", "over_budget"]

@@ -11,8 +11,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .arrays import stack_rows
-from .golden import Golden
+from k2vec.report.arrays import stack_rows
+from k2vec.report.golden_data import Golden
 
 
 def compare_tokens(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.ndarray, ref_tokens: np.ndarray,

@@ -15,11 +15,11 @@ import time
 import numpy as np
 import torch
 
-from ...ddtree.drafter import RecordedDrafts
-from ...kdtr import open_bundle
-from ..cli import contract_parser, write_output
-from .ddtree import ddtree_decode
-from .model import Segment, Transformer
+from k2vec.ddtree.drafter import RecordedDrafts
+from k2vec.engines.cli import contract_parser, write_output
+from k2vec.engines.gpu_triton.ddtree import ddtree_decode
+from k2vec.engines.gpu_triton.model import Segment, Transformer
+from k2vec.kdtr import open_bundle
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...ddtree import Tree, accept_walk, build_tree
-from ...ddtree.drafter import RecordedDrafts
-from .model import KVCache, Segment, Transformer
+from k2vec.ddtree import Tree, accept_walk, build_tree
+from k2vec.ddtree.drafter import RecordedDrafts
+from k2vec.engines.gpu_triton.model import KVCache, Segment, Transformer
 
 
 def tree_mask(parents: Tensor, max_depth: int, past_length: int) -> Tensor:

@@ -25,10 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...errors import K2VecError
-from ...kdtr import bf16_to_f32
-from ...reference.model import Dims, rope_tables
-from .kernels import PackedExperts, PackedInt4, fused_moe, pack_experts, pack_for_gpu, w4a16_linear
+from k2vec.engines.gpu_triton.kernels import (
+    PackedExperts,
+    PackedInt4,
+    fused_moe,
+    pack_experts,
+    pack_for_gpu,
+    w4a16_linear,
+)
+from k2vec.errors import K2VecError
+from k2vec.kdtr import bf16_to_f32
+from k2vec.reference.model import Dims, rope_tables
 
 
 class GpuEngineError(K2VecError):

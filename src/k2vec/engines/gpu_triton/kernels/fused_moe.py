@@ -26,8 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .int4_layout import _as_tensor, scales_tensor
-from .w4a16 import _int4_tile, check_activation, interpreting, pick_config, tile_config, to_planes
+from k2vec.engines.gpu_triton.kernels.int4_layout import _as_tensor, scales_tensor
+from k2vec.engines.gpu_triton.kernels.w4a16 import (
+    _int4_tile,
+    check_activation,
+    interpreting,
+    pick_config,
+    tile_config,
+    to_planes,
+)
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ....seeds import seed_for
-from .fused_moe import PackedExperts, fused_moe, pack_experts
-from .int4_layout import PackedInt4, pack_for_gpu
-from .w4a16 import w4a16_linear
+from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts, fused_moe, pack_experts
+from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4, pack_for_gpu
+from k2vec.engines.gpu_triton.kernels.w4a16 import w4a16_linear
+from k2vec.seeds import seed_for
 
 # relative-error bounds per activation dtype: float32 is the golden-matching contract; fp16/bf16 round the
 # dequantized weight to the activation dtype before the tensor-core product (2^-11 / 2^-8 per element)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .int4_layout import PackedInt4
+from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,0 +1,127 @@
+"""The `engines:` section resolved: defaults, command templates checked, source globs expanded, the runs each engine gets."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any, Callable
+
+from k2vec.config.expand import require
+
+# -------------------------------------------------------------------------------------------- engines
+
+# max_result_mb: the largest legitimate result of the default config is about 2 MB (small model,
+# greedy: 4 prompts x 24 steps of full fingerprints), so a 100-prompt config writes about 51 MB
+# compact or 71 MB indented; anything larger is refused before it is read (docs/engine-contract.md
+# section 5). Configs with wider models or longer decodes raise it per engine.
+ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "timeout_s": 600.0,
+                                   "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
+                                   "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
+                                   "sandbox": False, "precision": "float32", "requires": [],
+                                   "ddtree_budgets": None}
+_PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
+
+
+# A command template's tokens, as str.format reads them: escaped braces, a {placeholder}, a lone brace.
+_TEMPLATE_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+_BRACE_HELP = "for a brace the shell should see, write it twice ({{ or }})"
+
+
+def check_command_template(template: str, key: str) -> set[str]:
+    """The placeholder names of an engine command template; ConfigError naming `key`, the character
+    position and the text around it for a stray brace or an unknown placeholder."""
+    known = ", ".join("{" + p + "}" for p in _PLACEHOLDERS)
+
+    def where(i: int) -> str:
+        return f"at character {i + 1} (near {template[max(0, i - 25): i + 25]!r})"
+
+    fields = set()
+    for m in _TEMPLATE_TOKEN.finditer(template):
+        token = m.group(0)
+        if token in ("{{", "}}"):
+            continue
+        require(token not in ("{", "}"), key, f"stray {token!r} {where(m.start())}; {_BRACE_HELP}")
+        name = re.split(r"[!:]", m.group(1), maxsplit=1)[0]
+        require(name in _PLACEHOLDERS, key, f"unknown placeholder {token} {where(m.start())}; known: {known}; "
+                 f"{_BRACE_HELP}")
+        require(token == "{" + name + "}", key, f"placeholder {token} {where(m.start())} has a conversion or "
+                 f"format spec; write {{{name}}}: values are shell-quoted strings")
+        fields.add(name)
+    return fields
+
+
+def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str, Any]]:
+    """Engine settings with defaults filled in and source globs expanded (relative to `basedir`).
+    An entry set to null (`engines: {numpy: null}` in an overlay config) disables that engine."""
+    import glob
+    import os
+
+    engines = {}
+    for name, entry in (config.get("engines") or {}).items():
+        if entry is None:
+            continue
+        key = f"engines.{name}"
+        e = {**copy.deepcopy(ENGINE_DEFAULTS), "models": sorted(config["models"]), **copy.deepcopy(entry)}
+        fields = check_command_template(e["command"], f"{key}.command")
+        require("output" in fields and "bundle" in fields, f"{key}.command",
+                 "must use {bundle} and {output}")
+        for m in e["models"]:
+            require(m in config["models"], f"{key}.models", f"unknown model {m!r}")
+        budgets = config["decoding"]["ddtree"]["budgets"]
+        if e["ddtree_budgets"] is None:
+            e["ddtree_budgets"] = list(budgets)
+        unknown = [b for b in e["ddtree_budgets"] if b not in budgets]
+        require(not unknown, f"{key}.ddtree_budgets", f"budget(s) {unknown} not in decoding.ddtree.budgets "
+                 f"{budgets}: the golden has DDTree traces for those budgets only")
+        require(len(set(e["ddtree_budgets"])) == len(e["ddtree_budgets"]), f"{key}.ddtree_budgets", "has duplicates")
+        files: list[str] = []
+        for pattern in e["sources"]:
+            path = pattern if os.path.isabs(pattern) else os.path.join(basedir, pattern)
+            matched = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+            require(bool(matched), f"{key}.sources", f"pattern {pattern!r} matches no file")
+            files.extend(matched)
+        e["source_files"] = sorted(set(files))
+        engines[name] = e
+    return engines
+
+
+def check_sandboxes(engines: dict[str, dict[str, Any]], sandbox_problem: Callable[[], str | None]) -> None:
+    """Refuse `sandbox: true` where this host cannot sandbox (`sandbox_problem`: the engines' own probe,
+    k2vec.engines.isolation, asked only when an engine wants the sandbox)."""
+    wanted = [name for name, e in engines.items() if e["sandbox"]]
+    problem = sandbox_problem() if wanted else None
+    require(problem is None, f"engines.{wanted[0] if wanted else ''}.sandbox", f"{problem}; or set sandbox: false")
+
+
+def engines_short_of_gpus(engines: dict[str, dict[str, Any]], n_devices: int) -> list[str]:
+    """Engines that need more GPUs per run than the node's pool has (all GPU engines on a CPU machine)."""
+    return [name for name, e in engines.items() if e["gpus"] > n_devices]
+
+
+def engines_missing_modules(engines: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """Engine name -> the modules of its `requires` that the pipeline's Python cannot import (e.g. the
+    transformers engine where transformers is not installed); engines missing none are not listed."""
+    import importlib.util
+
+    missing = {}
+    for name, e in engines.items():
+        absent = [m for m in e["requires"] if importlib.util.find_spec(m) is None]
+        if absent:
+            missing[name] = absent
+    return missing
+
+
+def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int],
+                left_out: list[str] = ()) -> list[tuple[str, str, str, str]]:
+    """Every (engine, model, precision, mode) run: greedy, ddtree-b<budget> per DDTree budget of
+    `budgets` that the engine runs (its `ddtree_budgets`), and score (forced decoding of the golden
+    tokens); none for the engines in `left_out`."""
+    runs = []
+    for name, e in engines.items():
+        if name in left_out:
+            continue
+        modes = (["greedy"] if "greedy" in e["modes"] else []) + (
+            [f"ddtree-b{b}" for b in budgets if b in e["ddtree_budgets"]] if "ddtree" in e["modes"] else []) + (
+            ["score"] if "score" in e["modes"] else [])
+        runs.extend((name, m, p, mode) for m in e["models"] for p in e["precisions"] for mode in modes)
+    return runs
