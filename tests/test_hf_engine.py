@@ -7,7 +7,7 @@ import torch
 from conftest import REPO, default_config, snakemake, write_config
 from test_workflow import scheduled_jobs
 
-from k2vec import quant
+from k2vec.model import int4 as quant
 from k2vec.engines import hf
 from k2vec.config.engines import engine_runs, engines_missing_modules, resolve_engines
 

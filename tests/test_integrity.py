@@ -169,7 +169,7 @@ def rows_of(m, engine="e"):
 
 def test_perfect_result_with_intact_records_is_exact(tmp_path, goldens):
     m = judge(tmp_path, goldens, perfect_result(goldens[("tiny", "fp32")], "greedy"))
-    assert (rows_of(m)["class"] == "exact").all() and not m.has_real_divergence_or_failure
+    assert (rows_of(m)["class"] == "exact").all() and m.strict_problem is None
 
 
 def test_result_rewritten_after_the_run_is_changed_not_blamed(tmp_path, goldens):
@@ -185,7 +185,7 @@ def test_result_rewritten_after_the_run_is_changed_not_blamed(tmp_path, goldens)
     assert (rows["class"] == "changed").all() and not (rows["class"] == "real").any()
     assert rows["reason"].str.contains("result changed after the engine runner wrote it").all()
     assert rows["reason"].str.contains("e.json: sha256").all()
-    assert m.has_real_divergence_or_failure   # strict mode does not pass a run it could not judge
+    assert m.strict_problem is not None   # strict mode does not pass a run it could not judge
 
 
 def test_result_overwritten_with_garbage_is_changed(tmp_path, goldens):

@@ -113,7 +113,7 @@ def test_divergence_within_the_engines_own_noise_is_a_precision_tie_and_a_bug_is
     r = m2.rows[(m2.rows["prompt"] == p) & (m2.rows["mode"] == "greedy")].iloc[0]
     assert r["class"] == "real" and r["over_budget"].startswith("score run over budget")
     assert (m2.rows[m2.rows["mode"] == "score"]["class"] == "over-budget").all()
-    assert m2.has_real_divergence_or_failure and not m.rows[m.rows["engine"] == "bf16"]["class"].isin(
+    assert m2.strict_problem is not None and not m.rows[m.rows["engine"] == "bf16"]["class"].isin(
         FAILING_CLASSES).any()
 
 
@@ -126,10 +126,10 @@ def test_float32_engine_with_logit_errors_is_flagged_though_its_tokens_match(tmp
     assert r["first_step"] is pd.NA and r["class"] == "over-budget"
     assert r["over_budget"] == "logit error 0.47 > logit_abs 0.001"
     assert get(m, "bf16", 0)["class"] == "exact" and get(m, "f32", 1)["class"] == "exact"
-    assert m.has_real_divergence_or_failure
+    assert m.strict_problem is not None
     # a looser float32 budget from the config lets it pass
     loose = judge(tmp_path, goldens, {"f32": ("greedy", "float32", res)}, budgets={"float32": {"logit_abs": 0.5}})
-    assert get(loose, "f32", 0)["class"] == "exact" and not loose.has_real_divergence_or_failure
+    assert get(loose, "f32", 0)["class"] == "exact" and loose.strict_problem is None
 
 
 def test_unknown_precision_class_or_budget_is_an_error(tmp_path, goldens):
@@ -230,7 +230,7 @@ def test_reference_model_without_routed_scaling_fails_a_bfloat16_budget(tmp_path
     assert sr.loc["noscale", "verdict"] == "over budget" and sr.loc["noscale", "kl_mean"] > DEFAULT_BUDGETS["bfloat16"]["kl_mean"]
     assert set(m.rows.loc[m.rows["engine"] == "noscale", "class"]) == {"over-budget"}
     assert set(m.rows.loc[m.rows["engine"] == "correct", "class"]) == {"exact"}
-    assert m.has_real_divergence_or_failure
+    assert m.strict_problem is not None
 
 
 def test_format_effect_row_reproduces_the_fp32_vs_int4_figures(tmp_path, goldens):
@@ -283,6 +283,6 @@ def test_report_shows_the_score_table_plot_and_budget_verdicts(tmp_path, goldens
     assert 'id="score-table"' in html and 'id="plot-score-kl"' in html and "over budget" in html
     assert res.paths["score_kl"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "score bf16 tiny/fp32 (bfloat16): same top-1 100.0%" in res.summary
-    assert res.has_real_divergence_or_failure   # the float32 run is over its budget
+    assert res.strict_problem is not None   # the float32 run is over its budget
     rows = pd.read_csv(res.paths["csv"])
     assert set(rows.loc[rows["engine"] == "f32", "class"]) == {"over-budget"}

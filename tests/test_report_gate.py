@@ -1,8 +1,12 @@
-"""report.strict: which rows fail the gate."""
+"""report.strict: which rows fail the gate, and one verdict for the gate, the CLI and the banner."""
+from dataclasses import dataclass
+from typing import Callable
+
 import pandas as pd
 import pytest
 
 from k2vec.report.gate import StrictFailure, check_strict
+from test_report_metrics import make_goldens
 
 
 def rows(*specs):
@@ -29,4 +33,67 @@ def test_gate(tmp_path, specs, fails):
     else:
         with pytest.raises(StrictFailure, match=fails):
             check_strict(str(csv), str(ok))
+        assert not ok.exists()
+
+
+# ------------------------------------------------- one verdict: CLI, banner and gate on the same results
+
+@pytest.fixture(scope="module")
+def goldens(tmp_path_factory):
+    return make_goldens(tmp_path_factory.mktemp("gate-goldens"))
+
+
+@dataclass(frozen=True)
+class VerdictCase:
+    name: str
+    edit: Callable[[dict], None]   # applied to a perfect ddtree-b4 result
+    fails: str | None              # the run's strict verdict, None: passes
+
+
+def _swap_two_nodes(res: dict) -> None:
+    """Two sibling tokens of one round swapped: the tree differs, the emitted tokens do not."""
+    for run in res["runs"]:
+        for prompt in run["prompts"]:
+            for rnd in prompt["rounds"]:
+                t = rnd["tokens"]
+                if len(t) >= 3 and t[1] != t[2] and rnd["parents"][1] == rnd["parents"][2]:
+                    t[1], t[2] = t[2], t[1]
+                    return
+    pytest.fail("no round with two sibling nodes")
+
+
+VERDICT_CASES = [
+    VerdictCase("perfect", lambda res: None, None),
+    VerdictCase("tree-differs-tokens-match", _swap_two_nodes, "tree differs"),
+]
+
+
+@pytest.mark.parametrize("case", VERDICT_CASES, ids=lambda c: c.name)
+def test_cli_banner_and_gate_give_one_verdict(tmp_path, goldens, case, capsys):
+    from k2vec.report import main
+    from support.synthetic import perfect_result, write_result
+
+    golden = goldens[("tiny", "fp32")]
+    res = perfect_result(golden, "ddtree-b4")
+    case.edit(res)
+    result = tmp_path / "e.json"
+    write_result(result, res)
+    out = tmp_path / "report"
+    rc = main(["--out", str(out), "--golden", "tiny", "fp32", str(golden),
+               "--run", "e", "tiny", "fp32", "ddtree-b4", str(result), "--strict"])
+    rows = pd.read_csv(out / "divergence.csv")
+    assert (rows["class"] == "exact").all()   # every token matches in both cases
+    html = (out / "divergence.html").read_text()
+    ok = tmp_path / "strict.ok"
+    if case.fails is None:
+        assert rc == 0
+        assert "No real divergence or failure" in html
+        check_strict(str(out / "divergence.csv"), str(ok))
+        assert ok.exists()
+    else:
+        assert rc == 1 and f"e/tiny-fp32-ddtree-b4: {case.fails}" in capsys.readouterr().err
+        assert f"Fails the strict verdict: {case.fails} 1" in html
+        assert f"FAIL: {case.fails} 1" in (out / "summary.txt").read_text()
+        with pytest.raises(StrictFailure, match=f"e/tiny-fp32-ddtree-b4: {case.fails}"):
+            check_strict(str(out / "divergence.csv"), str(ok))
         assert not ok.exists()

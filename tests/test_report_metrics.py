@@ -109,7 +109,7 @@ def test_perfect_runs_are_exact_with_zero_errors(tmp_path, goldens, gold):
     for acc in accs:
         means = [np.diff(gold[f"ddtree.b4.a{accs.index(acc)}.p{i}.accepted_offsets"]).mean() for i in range(n_prompts)]
         np.testing.assert_allclose(d[d["accuracy"] == acc]["accept_mean_golden"], means)
-    assert not m.has_real_divergence_or_failure
+    assert m.strict_problem is None
     assert (m.runs["exact_rate"] == 1).all()
 
 
@@ -134,7 +134,7 @@ def test_token_flip_at_step_k_is_a_real_divergence(tmp_path, goldens, gold):
     assert r["logit_steps"] == k + 1
     assert r["kl_max"] > 0
     assert row(m, "e", 0)["class"] == "exact"
-    assert m.has_real_divergence_or_failure
+    assert m.strict_problem is not None
     steps = m.steps[m.steps["row"] == r.name]
     assert steps["step"].tolist() == list(range(k + 1))
     assert (steps["abs_max"].iloc[:k] == 0).all() and steps["abs_max"].iloc[k] == pytest.approx(margin)
@@ -158,7 +158,7 @@ def test_near_tie_threshold_decides_near_tie_vs_real(tmp_path, goldens, gold):
     loose = metrics_for(tmp_path, goldens, {"e": ("greedy", res)}, near_tie=margins[p, k] * 0.99, router_near_tie=0)
     assert row(tight, "e", p)["class"] == "near-tie" and row(tight, "e", p)["first_step"] == k
     assert row(loose, "e", p)["class"] == "real"
-    assert not tight.has_real_divergence_or_failure and loose.has_real_divergence_or_failure
+    assert tight.strict_problem is None and loose.strict_problem is not None
     # a logit near-tie wins over a router near-tie at the same step; without it, the router one counts
     # (an engine that reports no routing: the golden's router margin at the divergent position is the evidence)
     for prompt in res["runs"][0]["prompts"]:
@@ -376,7 +376,7 @@ def test_failed_and_missing_results_are_failed_rows_with_reasons(tmp_path, golde
     gone = m.rows[m.rows["engine"] == "gone"]
     assert len(gone) == n and (gone["class"] == "failed").all()
     assert gone["reason"].str.startswith("result file missing").all()
-    assert m.has_real_divergence_or_failure
+    assert m.strict_problem is not None
     assert m.runs[m.runs["engine"] == "crash"]["stderr_tail"].iloc[0] == "Segmentation fault"
 
 
@@ -424,7 +424,7 @@ def test_format_effect_fp32_vs_int4(tmp_path, goldens):
     mm = m.format_models.iloc[0]
     assert mm["model"] == "tiny" and mm["diverged"] == n
     assert mm["same_top1_rate"] == pytest.approx(sum(matched) / sum(k + 1 for k in matched))
-    assert m.rows.empty and not m.has_real_divergence_or_failure
+    assert m.rows.empty and m.strict_problem is None
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -444,7 +444,7 @@ def test_csv_has_one_row_per_run_accuracy_prompt(tmp_path, goldens, gold):
         (mode, a, p) for mode, accs in (("greedy", [-1]), ("ddtree-b4", gold["md"]["ddtree"]["accuracies"]))
         for a in accs for p in range(n)}
     assert (res.paths["summary"].read_text() == res.summary) and "exact" in res.summary
-    assert not res.has_real_divergence_or_failure
+    assert res.strict_problem is None
 
 
 def test_result_missing_an_accuracy_run_gets_failed_rows(tmp_path, goldens, gold):

@@ -8,7 +8,7 @@
         "results/report")
     res.rows            # one row per run x accuracy x prompt (= divergence.csv)
     res.summary         # = summary.txt
-    res.has_real_divergence_or_failure   # for --strict
+    res.strict_problem  # why the strict verdict fails (report/gate.py), or None
     res.paths           # every file written
 
 Outputs in out_dir: divergence.html (self-contained), divergence.csv, format_effect.csv, summary.txt and
@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from k2vec.atomic import write_bytes_atomic, write_text_atomic
+from k2vec.report.gate import StrictFailure
 from k2vec.report.metrics import ROW_COLUMNS, Metrics, ReportError, compute_metrics
 
 __all__ = ["build_report", "ReportResult", "ReportError", "compute_metrics", "main", "snakemake_main", "OUTPUTS"]
@@ -51,7 +52,7 @@ class ReportResult:
     format_steps: pd.DataFrame    # ... per step
     format_models: pd.DataFrame   # ... per model
     summary: str
-    has_real_divergence_or_failure: bool
+    strict_problem: str | None    # report/gate.py: the one strict verdict
     paths: dict[str, Path] = field(default_factory=dict)
 
 
@@ -86,7 +87,7 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     write_text_atomic(paths["summary"], summary)
     write_text_atomic(paths["html"], render_html(m, pngs, summary))
     return ReportResult(m.rows, m.runs, m.steps, m.acceptance, m.score_runs, m.format_effect, m.format_steps, m.format_models,
-                        summary, m.has_real_divergence_or_failure, paths)
+                        summary, m.strict_problem, paths)
 
 
 # ------------------------------------------------------------------------------------ entry points
@@ -130,8 +131,8 @@ def snakemake_main(smk: Any) -> ReportResult:
                            fingerprint_rtol=float(get("fingerprint_rtol", 1e-3)), budgets=get("budgets"))
         import logging
         logging.getLogger("k2vec.report").info("%s", res.summary)
-        if get("strict", False) and res.has_real_divergence_or_failure:
-            raise SystemExit("strict: a real divergence or a failed run (see summary.txt)")
+        if get("strict", False) and res.strict_problem:
+            raise StrictFailure(res.strict_problem)
         return res
 
     if len(getattr(smk, "log", [])):
@@ -152,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--precision-class", nargs=2, action="append", default=[], metavar=("ENGINE", "PRECISION"),
                     help="an engine's declared compute precision (float32, bfloat16, float16, fp8; default float32)")
     ap.add_argument("--budgets", help="JSON file: per precision, budgets laid over the defaults (report.budgets)")
-    ap.add_argument("--strict", action="store_true", help="exit 1 on a real divergence, an over-budget row or a failed run")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when the strict verdict fails (report/gate.py): a real divergence, an over-budget row, a failed run or a DDTree tree that differs")
     a = ap.parse_args(argv)
     declared = dict(a.precision_class)
     runs = [{**dict(zip(("engine", "model", "precision", "mode", "result"), r)),
@@ -173,4 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     sys.stdout.write(res.summary)
     print(f"report: {res.paths['html']}")
-    return 1 if a.strict and res.has_real_divergence_or_failure else 0
+    if a.strict and res.strict_problem:
+        print(res.strict_problem, file=sys.stderr)
+        return 1
+    return 0

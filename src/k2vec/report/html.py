@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 
 from k2vec import __version__
+from k2vec.report.gate import FAILING_CLASSES, TREE_DIFFERS, failing
 from k2vec.report.metrics import CLASSES, SEVERITY, Metrics
 from k2vec.report.plots import COLORS, PLOTS, row_labels
 from k2vec.report.words import plural
@@ -92,6 +93,12 @@ def _rank(v: Any) -> str:
     return "absent" if _na(v) else f"#{fmt(v, 'rank')}"
 
 
+def _failing_counts(rows: pd.DataFrame) -> str:
+    """What fails the strict verdict (report/gate.py), e.g. 'real 2, tree differs 1'."""
+    counts = failing(rows)["verdict"].value_counts()
+    return ", ".join(f"{v} {int(counts[v])}" for v in (*FAILING_CLASSES, TREE_DIFFERS) if v in counts)
+
+
 def summary_text(m: Metrics) -> str:
     rows, lines = m.rows, []
     n_runs = rows["run"].nunique() if len(rows) else 0
@@ -99,7 +106,7 @@ def summary_text(m: Metrics) -> str:
     lines.append(f"k2vec divergence report: {plural(n_runs, 'run')}, "
                  f"{plural(rows['engine'].nunique() if len(rows) else 0, 'engine')}, {plural(len(rows), 'prompt row')}")
     lines.append("  " + " | ".join(f"{c} {int(counts.get(c, 0))}" for c in CLASSES))
-    verdict = "FAIL: real divergence, over-budget row or failed run" if m.has_real_divergence_or_failure else \
+    verdict = f"FAIL: {_failing_counts(m.rows)}" if m.strict_problem else \
         "OK: no real divergence, no over-budget row, no failed run"
     lines.append("  " + verdict)
     for cls in ("real", "over-budget", "router-near-tie", "precision-tie", "near-tie"):
@@ -432,7 +439,7 @@ def _figure(name: str, png: bytes) -> str:
 def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
     th = m.thresholds
     rows = m.rows
-    ok = not m.has_real_divergence_or_failure
+    ok = not m.strict_problem
     n_runs = rows["run"].nunique() if len(rows) else 0
     defs = {
         "exact": "every generated token equals the golden's, and the logit / fingerprint errors are within the "
@@ -466,7 +473,7 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         f'router_near_tie {th["router_near_tie"]:g}, fingerprint_rtol {th["fingerprint_rtol"]:g}. '
         f"k2vec {_e(__version__)}.</p>",
         f'<section id="verdict" class="card verdict {"ok" if ok else "fail"}">'
-        f'<h2>{"No real divergence or failure" if ok else "Real divergence or failed run"}</h2>'
+        f'<h2>{"No real divergence or failure" if ok else _e("Fails the strict verdict: " + _failing_counts(rows))}</h2>'
         f'<pre id="summary-text">{_e(summary)}</pre></section>',
         '<section id="summary"><h2>Runs</h2><div class="card">', _summary_table(m), "</div></section>",
         '<section id="divergences"><h2>Divergent prompts</h2><div class="card">', _divergence_table(m),

@@ -31,6 +31,7 @@ import pandas as pd
 from k2vec.engines.contract.modes import parse_mode
 from k2vec.engines.gpus import short_uuid
 from k2vec.report.classify import BudgetError, classify, resolve_budgets
+from k2vec.report import gate
 from k2vec.report.compare import compare_rows, finish_frame
 from k2vec.report.ddtree import acceptance_hist, compare_tree
 from k2vec.report.format_effect_table import format_effect
@@ -98,9 +99,9 @@ class Metrics:
     prompt_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden x prompt: margins, blind
 
     @property
-    def has_real_divergence_or_failure(self) -> bool:
-        from k2vec.report.gate import FAILING_CLASSES
-        return bool(self.rows["class"].isin(FAILING_CLASSES).any())
+    def strict_problem(self) -> str | None:
+        """Why these rows fail the strict verdict (report/gate.py), or None."""
+        return gate.strict_problem(self.rows)
 
 
 def _load_result(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
