@@ -14,7 +14,7 @@ DOC = " ".join((REPO / "docs/golden-format.md").read_text().split())
 
 
 def test_documented_tolerances_are_the_codes():
-    assert float(re.search(r"margin is below `([0-9e.-]+)` \(`k2vec\.golden\.DDTREE_TIE`\)", DOC).group(1)) \
+    assert float(re.search(r"margin is below `([0-9e.-]+)` \(`k2vec\.stages\.golden\.DDTREE_TIE`\)", DOC).group(1)) \
         == golden.DDTREE_TIE
     # the near-tie thresholds are the config's (report.near_tie), recorded in the summary, not constants
     assert "near-tie steps and fraction (margin < `near_tie_threshold` = `report.near_tie`)" in DOC

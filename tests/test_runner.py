@@ -80,7 +80,7 @@ def test_failures_become_failed_results(tmp_path, what, body, reason):
 
 def test_ddtree_needs_one_run_per_accuracy():
     check_result(good_result("ddtree"), "ddtree-b4", EXPECT)
-    from k2vec.engines.contract.checks import InvalidResult
+    from k2vec.engines.contract.errors import InvalidResult
     with pytest.raises(InvalidResult, match="drafters"):
         check_result(good_result("greedy"), "ddtree-b4", EXPECT)
 
@@ -141,7 +141,7 @@ def _broken(edit):
      "expected [max_new_tokens = 3][layers = 3][hidden]"),
 ])
 def test_score_mode_rules(what, edit, message):
-    from k2vec.engines.contract.checks import InvalidResult
+    from k2vec.engines.contract.errors import InvalidResult
     with pytest.raises(InvalidResult, match=re.escape(message)) as err:
         check_result(_broken(edit), "score", SCORE_EXPECT)
     assert "prompt 1" in str(err.value)
@@ -149,7 +149,7 @@ def test_score_mode_rules(what, edit, message):
 
 def test_greedy_routing_is_one_row_per_step():
     """Greedy reports the experts of the token fed at each step (N rows); score mode's prompt rows are refused."""
-    from k2vec.engines.contract.checks import InvalidResult
+    from k2vec.engines.contract.errors import InvalidResult
     r = score_result()
     for p in r["runs"][0]["prompts"]:
         p["router_experts"] = p["router_experts"][-3:]

@@ -6,7 +6,7 @@ from snakemake.utils import validate
 # k2vec imports come from this checkout's src/, which the Snakefile puts first on sys.path and PYTHONPATH.
 from k2vec.config.resources import check_config
 from k2vec.config.imports import source_files
-from k2vec.pipeline.code_digest import code_digest, module_sources
+from k2vec.pipeline.code_digest import code_digest, module_sources, script_modules
 from k2vec.errors import ConfigError
 from k2vec.engines.gpus import detect_devices
 from k2vec.engines.isolation import sandbox_problem
@@ -92,8 +92,10 @@ INT4_ONLY = ("k2vec.model.int4_checkpoint",)
 
 
 def stage_files(script, *modules, without=()):
-    """A stage's script and the package files it imports."""
-    return [os.path.join(workflow.basedir, "workflow", "scripts", script), *module_sources(*modules, without=without)]
+    """A stage's script and the package files it imports (k2vec.pipeline.code_digest.script_modules), and
+    those of `modules` besides."""
+    path = os.path.join(workflow.basedir, "workflow", "scripts", script)
+    return [path, *module_sources(*script_modules(path), *modules, without=without)]
 
 
 def stage_code(script, *modules, without=()):

@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 PACKAGE = "k2vec"
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/k2vec: this module is k2vec.pipeline.code_digest
 
 
 def _module_file(module: str) -> Path | None:
@@ -107,7 +107,7 @@ def module_sources(*modules: str, without: tuple[str, ...] = ()) -> tuple[str, .
     They must be imported only inside functions (deferred), never when a module loads; a module-level
     import of one is an error, since the stage would then execute it.
     """
-    todo = [PACKAGE, *modules]
+    todo = sorted(_package_modules({PACKAGE, *modules}))   # a module's packages run first
     seen: dict[str, Path] = {}
     while todo:
         name = todo.pop()
@@ -124,6 +124,13 @@ def module_sources(*modules: str, without: tuple[str, ...] = ()) -> tuple[str, .
                              f"{name} executes it: import it inside the function that needs it")
         todo.extend(m for m in (eager | deferred) - seen.keys() if not _excluded(m, without))
     return tuple(sorted(str(p) for p in seen.values()))
+
+
+def script_modules(path: str | Path) -> tuple[str, ...]:
+    """The package modules a workflow script imports (anywhere in it): what its rule's code digest starts
+    from, so a stage's declared code follows the script and cannot name a module the script left."""
+    eager, deferred = _imports(Path(path))
+    return tuple(sorted(eager | deferred))
 
 
 def _excluded(module: str, without: tuple[str, ...]) -> bool:

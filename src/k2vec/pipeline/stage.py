@@ -22,7 +22,7 @@ def stage_logging(log_path: str, stage: str) -> Iterator[logging.Logger]:
     logging.captureWarnings(True)
     start = time.perf_counter()
     # Which checkout's code this stage runs (the Snakefile puts its own src/ first on PYTHONPATH).
-    logger.info("stage %s: package k2vec from %s", stage, Path(__file__).resolve().parent)
+    logger.info("stage %s: package k2vec from %s", stage, Path(__file__).resolve().parents[1])
     try:
         yield logger
     except BaseException:
