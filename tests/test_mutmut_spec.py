@@ -1,4 +1,4 @@
-"""Config and engine checks of k2vec.config.expand: what mutation testing (bench/mutation.sh spec) found unchecked.
+"""Config and engine checks of k2vec.config (expand, engines): what mutmut (tools/mutmut.sh spec) found unchecked.
 
 Each rejected config must raise a ConfigError whose whole message names the key and says what to change;
 each value at the edge of a range must still be accepted; a resolved case must not share state with the

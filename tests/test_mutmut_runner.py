@@ -1,4 +1,4 @@
-"""The engine runner's checks: what mutation testing (bench/mutation.sh runner) found unchecked.
+"""The engine runner's checks: what mutmut (tools/mutmut.sh runner) found unchecked.
 
 An engine's result is refused with the whole reason a user reads in the FAILED row (where, what, the
 expected shape); results at the edge of what is allowed are accepted; the bundle's metadata is read
