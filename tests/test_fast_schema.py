@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from k2vec.engines import runner
 from k2vec.engines.contract import errors as contract_errors
 from k2vec.engines.contract import checks
 from k2vec.engines.contract.schema import conforms
@@ -92,7 +91,7 @@ def test_valid_results_are_not_sent_to_jsonschema(monkeypatch):
     small model's score run), and an invalid one still gets jsonschema's message."""
     def no_jsonschema():
         raise AssertionError("jsonschema was asked about a valid result")
-    monkeypatch.setattr(runner, "_validator", no_jsonschema)
+    monkeypatch.setattr(checks, "_validator", no_jsonschema)
     n = 500
     result = {"format": "k2vec-engine-result", "version": 1,
               "runs": [{"drafter": None, "prompts": [{"tokens": [1] * n, "topk_ids": [[1, 0] for _ in range(n)],

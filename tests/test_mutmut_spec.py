@@ -10,7 +10,8 @@ import pytest
 
 from conftest import REPO, default_config
 from k2vec.errors import ConfigError
-from k2vec.config.engines import engine_runs, engines_missing_modules, engines_short_of_gpus, resolve_engines
+from k2vec.config.engines import (check_sandboxes, engine_runs, engines_missing_modules, engines_short_of_gpus,
+                                  resolve_engines)
 from k2vec.config.expand import expand_config, schema_error
 from k2vec.config.presets import PRESETS
 
@@ -244,13 +245,17 @@ def test_engine_models_and_sources_are_checked(tmp_path):
         "engines.bad.sources", "pattern 'pkg' matches no file")
 
 
-def test_sandbox_problem_is_a_config_error(monkeypatch):
-    import k2vec.engines.isolation as isolation
-    monkeypatch.setattr(isolation, "sandbox_problem", lambda: "no user namespaces")
-    assert engine_error({"command": CMD, "sandbox": True}) == (
-        "engines.bad.sandbox", "no user namespaces; or set sandbox: false")
-    monkeypatch.setattr(isolation, "sandbox_problem", lambda: None)
-    assert resolve_engines(engines_config(e={"command": CMD, "sandbox": True}), str(REPO))["e"]["sandbox"] is True
+def test_sandbox_problem_is_a_config_error():
+    engines = resolve_engines(engines_config(bad={"command": CMD, "sandbox": True}), str(REPO))
+    with pytest.raises(ConfigError) as err:
+        check_sandboxes(engines, lambda: "no user namespaces")
+    assert (err.value.key, err.value.reason) == ("engines.bad.sandbox", "no user namespaces; or set sandbox: false")
+    check_sandboxes(engines, lambda: None)   # a host that can sandbox
+    assert engines["bad"]["sandbox"] is True
+
+    def never_asked():
+        raise AssertionError("the probe runs only when an engine wants the sandbox")
+    check_sandboxes(resolve_engines(engines_config(e={"command": CMD, "sandbox": False}), str(REPO)), never_asked)
 
 
 def test_engine_defaults_are_not_shared_between_engines():
