@@ -11,8 +11,8 @@ import pytest
 from test_report_metrics import make_goldens
 from test_runner import EXPECT, SCORE_EXPECT, fake_engine, good_result, tiny_bundle
 
-from k2vec.engines import runner
 from k2vec.engines.contract.expectations import expectations_from_bundle
+from k2vec.engines.contract import files
 from k2vec.engines.contract.files import MAX_RESULT_NESTING, json_nesting
 from k2vec.engines.runner import run_engine
 from k2vec.digests import write_record
@@ -226,7 +226,7 @@ def _depth_by_walk(v, d=0):
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1 << 20])
 def test_json_nesting_ignores_strings_and_escapes_across_chunks(monkeypatch, chunk):
-    monkeypatch.setattr(runner, "_SCAN_CHUNK", chunk)
+    monkeypatch.setattr(files, "_SCAN_CHUNK", chunk)
     rng = np.random.default_rng(chunk)
     pieces = ['[', ']', '{', '}', '"', '\\', '\\"', 'a', '[[[', '\\\\']
 

@@ -174,7 +174,7 @@ def k2slice_benchmarks(results) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_k2slice_end_to_end_every_stage_within_twice_the_largest_tensor_plus_1_gib(tmp_path):
-    """bench/k2slice.yaml through weights, quantize, both goldens, both bundles and the numpy engine's greedy
+    """tools/k2slice.yaml through weights, quantize, both goldens, both bundles and the numpy engine's greedy
     runs (~25 GB of disk at peak, the fp32 bundle deleted once its run is done; about an hour on 2 cores)."""
     import json
     import shutil
@@ -184,7 +184,7 @@ def test_k2slice_end_to_end_every_stage_within_twice_the_largest_tensor_plus_1_g
     if shutil.disk_usage(tmp_path).free < 30 * 10**9:
         pytest.skip("k2slice needs ~25 GB of free disk under the test's tmp_path (set --basetemp elsewhere)")
     root = copy_workflow(tmp_path)
-    overlay = ["--configfile", str(REPO / "bench" / "k2slice.yaml"), "--cores", "1"]
+    overlay = ["--configfile", str(REPO / "tools" / "k2slice.yaml"), "--cores", "1"]
     for precision in ("fp32", "int4"):
         run = f"results/runs/numpy/k2slice-{precision}-greedy.json"
         res = snakemake(*overlay, run, cwd=root, snakefile=root / "Snakefile", timeout=3 * 3600)

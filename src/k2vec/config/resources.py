@@ -19,11 +19,11 @@ streams (README "Scale"), so none holds a layer or the model:
 Every process also carries the interpreter, numpy and the package (PROCESS_BASE), and the sum of
 the terms is raised by SLACK for the allocator.
 
-Measured before the stages streamed (bench/RESULTS.md "budget", `python bench/budget.py`, peak RSS of
-each stage in a fresh process): on tiny, small and a 115 M-parameter model the estimate then was
-1.26-2.95x the measured peak of every stage. The streaming estimates above have not been re-measured
-on those models (rerun bench/budget.py); on k2slice every stage peaked at <= 543 MiB against estimates
-of 0.14-2.6 GiB (bench/RESULTS.md "k2slice").
+The estimate is meant as an upper bound of each stage's measured peak RSS, never below it, with room
+for the allocator and what the terms leave out. `python bench/budget.py` measures each stage in a fresh
+process against it; the figures are in bench/RESULTS.md: "budget" (tiny, small and a 115 M-parameter
+model, measured before the stages streamed: rerun it for the estimates above) and "k2slice end to end"
+with "k2slice stage estimates" (real K2 widths).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The KDTR reader and format rules: what mutation testing (bench/mutation.sh kdtr) found unchecked.
+"""The KDTR reader and format rules: what mutmut (tools/mutmut.sh kdtr) found unchecked.
 
 Every malformed bundle must be refused with the whole message a user reads (field, byte offset and the
 numbers that say what is wrong); every value at the edge of an accepted range must still be accepted.

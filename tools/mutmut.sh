@@ -1,40 +1,43 @@
 #!/usr/bin/env bash
-# Mutation testing (mutmut 3) over the modules where a silent error costs users most.
+# mutmut 3 over the modules where a silent error costs users most (not the engine-mutant feature,
+# k2vec.mutation: docs/mutmut.md says how the two differ).
 #
-#   bench/mutation.sh [MODULE ...]      MODULE: quant spec report kdtr runner fast_schema (default: all, in that order)
+#   tools/mutmut.sh [MODULE ...]          MODULE: quant spec report kdtr runner fast_schema (default: all, in that order)
 #
-# Each module is mutated in its own copy of this checkout under .mutation/MODULE (git-ignored), with only
+# Each module is mutated in its own copy of this checkout under .mutmut/MODULE (git-ignored), with only
 # the fast tests that exercise it; mutmut then runs, per mutant, only the tests that call the mutated
-# function. Nothing outside .mutation/ is written. Needs mutmut importable (`pip install -e .[mutation]`,
-# or MUTMUT_PATH=/dir/with/mutmut). Environment: PYTHON (default: python3), MUTATION_JOBS (default: cores).
-# Survivors: `cd .mutation/MODULE && python -m mutmut results` then `python -m mutmut show NAME`;
-# the equivalent ones are listed in docs/mutation-testing.md.
+# function. Nothing outside .mutmut/ is written. Needs mutmut importable (`pip install -e .[mutmut]`,
+# or MUTMUT_PATH=/dir/with/mutmut). Environment: PYTHON (default: python3), MUTMUT_JOBS (default: cores).
+# Survivors: `cd .mutmut/MODULE && python -m mutmut results` then `python -m mutmut show NAME`;
+# the equivalent ones are listed in docs/mutmut.md.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 PYTHON=${PYTHON:-python3}
-jobs=${MUTATION_JOBS:-$(nproc)}
-work="$repo/.mutation"
+jobs=${MUTMUT_JOBS:-$(nproc)}
+work="$repo/.mutmut"
 
 # module -> "files to mutate|test files" (tests: fast, in-process ones that call the module directly)
 declare -A SOURCES TESTS DESELECT
-SOURCES[runner]="src/k2vec/engines/runner.py"
-TESTS[runner]="tests/test_runner.py tests/test_runner_hardening.py tests/test_mutation_runner.py"
+# runner: the runner and the contract it holds a result to (modes, expectations, checks, result files)
+SOURCES[runner]="src/k2vec/engines/runner.py src/k2vec/engines/contract/modes.py src/k2vec/engines/contract/expectations.py src/k2vec/engines/contract/checks.py src/k2vec/engines/contract/files.py src/k2vec/engines/contract/errors.py"
+TESTS[runner]="tests/test_runner.py tests/test_runner_hardening.py tests/test_mutmut_runner.py"
 SOURCES[fast_schema]="src/k2vec/engines/contract/schema.py"   # the runner's quick pass of valid results
 TESTS[fast_schema]="tests/test_fast_schema.py"
 # the three tests of the hostile_run fixture run Snakemake (the runner in subprocesses): they cannot kill a mutant
 DESELECT[runner]="tests/test_runner_hardening.py::test_hostile_engines_are_failed_rows_in_the_report_and_the_rest_completes tests/test_runner_hardening.py::test_detached_process_is_gone_after_the_run tests/test_runner_hardening.py::test_sandboxed_engines_write_nothing_outside_and_a_real_engine_still_passes"
-SOURCES[spec]="src/k2vec/config/expand.py"
-TESTS[spec]="tests/test_spec.py tests/test_mutation_spec.py"
+# spec: the config expansion, the engines section and the model presets
+SOURCES[spec]="src/k2vec/config/expand.py src/k2vec/config/engines.py src/k2vec/config/presets.py"
+TESTS[spec]="tests/test_spec.py tests/test_mutmut_spec.py"
 SOURCES[report]="src/k2vec/report/classify.py src/k2vec/report/tokens.py src/k2vec/report/logits.py src/k2vec/report/score.py"
-TESTS[report]="tests/test_report_metrics.py tests/test_report_classify.py tests/test_report_gate.py tests/test_mutation_report.py"
+TESTS[report]="tests/test_report_metrics.py tests/test_report_classify.py tests/test_report_gate.py tests/test_mutmut_report.py"
 SOURCES[kdtr]="src/k2vec/kdtr/reader.py src/k2vec/kdtr/format.py"
-TESTS[kdtr]="tests/test_kdtr_roundtrip.py tests/test_kdtr_malformed.py tests/test_kdtr_cli.py tests/test_mutation_kdtr.py"
+TESTS[kdtr]="tests/test_kdtr_roundtrip.py tests/test_kdtr_malformed.py tests/test_kdtr_cli.py tests/test_mutmut_kdtr.py"
 # tests that run `python -m k2vec.kdtr` in a subprocess without mutmut on its path: they cannot kill a mutant
 DESELECT[kdtr]="tests/test_kdtr_cli.py::test_module_entry_point tests/test_kdtr_cli.py::test_list_into_a_closed_pipe_ends_quietly"
 SOURCES[quant]="src/k2vec/model/int4.py"
-TESTS[quant]="tests/test_quant.py tests/test_mutation_quant.py"
+TESTS[quant]="tests/test_quant.py tests/test_mutmut_quant.py"
 ALL=(quant spec report kdtr runner fast_schema)
 
 modules=("$@")
@@ -45,7 +48,7 @@ done
 
 mutmut_pythonpath=${MUTMUT_PATH:+$MUTMUT_PATH}
 PYTHONPATH="$mutmut_pythonpath" "$PYTHON" -c "import mutmut" 2>/dev/null || {
-    echo "mutmut is not importable: pip install -e '.[mutation]' (or set MUTMUT_PATH)" >&2; exit 2; }
+    echo "mutmut is not importable: pip install -e '.[mutmut]' (or set MUTMUT_PATH)" >&2; exit 2; }
 
 summary="$work/summary.tsv"
 mkdir -p "$work"
@@ -104,4 +107,4 @@ done
 
 echo
 column -t -s $'\t' "$summary"
-echo "survivors (not killed): .mutation/MODULE/survivors.txt; show one: cd .mutation/MODULE && $PYTHON -m mutmut show NAME"
+echo "survivors (not killed): .mutmut/MODULE/survivors.txt; show one: cd .mutmut/MODULE && $PYTHON -m mutmut show NAME"

@@ -1,6 +1,6 @@
 """C and Python KDTR readers on the same fuzzed files: same verdict, field and byte offset?
 
-  PYTHONPATH=src python bench/kdtr_agree.py --cases 20000 --seed 20261130
+  PYTHONPATH=src python tools/kdtr_agree.py --cases 20000 --seed 20261130
 
 Builds tools/kdtr_tool.c with ASan+UBSan (as tests/test_kdtr_c.py does), feeds it the corpus of
 k2vec.kdtr.fuzz.cases(seed, n) in one process, opens + verifies each case with the Python reader,

@@ -1,4 +1,4 @@
-"""Config and engine checks of k2vec.config.expand: what mutation testing (bench/mutation.sh spec) found unchecked.
+"""Config and engine checks of k2vec.config (expand, engines): what mutmut (tools/mutmut.sh spec) found unchecked.
 
 Each rejected config must raise a ConfigError whose whole message names the key and says what to change;
 each value at the edge of a range must still be accepted; a resolved case must not share state with the
@@ -250,8 +250,12 @@ def test_sandbox_problem_is_a_config_error():
     with pytest.raises(ConfigError) as err:
         check_sandboxes(engines, lambda: "no user namespaces")
     assert (err.value.key, err.value.reason) == ("engines.bad.sandbox", "no user namespaces; or set sandbox: false")
-    check_sandboxes(engines, lambda: None)
+    check_sandboxes(engines, lambda: None)   # a host that can sandbox
     assert engines["bad"]["sandbox"] is True
+
+    def never_asked():
+        raise AssertionError("the probe runs only when an engine wants the sandbox")
+    check_sandboxes(resolve_engines(engines_config(e={"command": CMD, "sandbox": False}), str(REPO)), never_asked)
 
 
 def test_engine_defaults_are_not_shared_between_engines():

@@ -1,4 +1,4 @@
-"""INT4 quantization and packing: behaviour that mutation testing (bench/mutation.sh quant) found unchecked."""
+"""INT4 quantization and packing: behaviour that mutmut (tools/mutmut.sh quant) found unchecked."""
 
 import numpy as np
 import pytest

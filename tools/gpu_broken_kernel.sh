@@ -3,7 +3,7 @@
 # divergences of gpu_fp32 (exact with the intact kernel), and the pipeline must not crash.
 # The edit is made on this copy of the tree only: the MoE launches pass twice the group size, so each
 # weight column is scaled by another group's scale. gpu_fp32 alone, int4 bundles, greedy (2 runs).
-# Usage, from the repository root: OUT=dir [WHEELS=.whl] bash bench/gpu_broken_kernel.sh
+# Usage, from the repository root: OUT=dir [WHEELS=.whl] bash tools/gpu_broken_kernel.sh
 set -u -o pipefail
 : "${OUT:?set OUT to a folder for the outputs}"
 WHEELS=${WHEELS:-.whl}

@@ -1,4 +1,4 @@
-"""Report budgets, score verdicts and the top-k KL: what mutation testing (bench/mutation.sh report) found
+"""Report budgets, score verdicts and the top-k KL: what mutmut (tools/mutmut.sh report) found
 unchecked. Expected values are computed here by hand, not by the report code."""
 import math
 import warnings

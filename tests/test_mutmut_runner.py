@@ -1,4 +1,4 @@
-"""The engine runner's checks: what mutation testing (bench/mutation.sh runner) found unchecked.
+"""The engine runner's checks: what mutmut (tools/mutmut.sh runner) found unchecked.
 
 An engine's result is refused with the whole reason a user reads in the FAILED row (where, what, the
 expected shape); results at the edge of what is allowed are accepted; the bundle's metadata is read
@@ -17,7 +17,7 @@ from k2vec.engines.contract.modes import parse_mode
 from k2vec.engines.contract.checks import check_result
 from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.expectations import expectations_from_bundle
-from k2vec.engines.contract import files as contract_files
+from k2vec.engines.contract import files
 from k2vec.engines.contract.files import json_nesting
 from k2vec.kdtr import write_bundle
 
@@ -124,7 +124,7 @@ def test_the_engine_sees_its_gpus_in_pci_order():
 
 def test_json_nesting_without_brackets_and_its_early_stop(monkeypatch):
     assert json_nesting(b"") == (0, -1) and json_nesting(b'"[{"') == (0, -1)
-    monkeypatch.setattr(contract_files, "_SCAN_CHUNK", 1)
+    monkeypatch.setattr(files, "_SCAN_CHUNK", 1)
     text = b" " * 40 + b"[" * 34 + b"]" * 34
     # stops at the first chunk deeper than the limit: 33 deep at byte 72, not before
     assert json_nesting(text, stop_above=32) == (33, 72)
@@ -261,7 +261,7 @@ def test_run_engine_argument_checks_and_new_directories(tmp_path):
 def test_json_nesting_escape_run_after_a_chunk_that_ended_in_a_backslash(monkeypatch):
     # chunks of 4 bytes: '["a\' | 'n\"[' | '" ]': the first chunk's backslash escapes 'n'; the next
     # backslash starts a run of its own, so the quote after it is escaped and '[' is inside the string
-    monkeypatch.setattr(contract_files, "_SCAN_CHUNK", 4)
+    monkeypatch.setattr(files, "_SCAN_CHUNK", 4)
     assert json_nesting(b'["a\\n\\"[" ]') == (1, 0)
 
 

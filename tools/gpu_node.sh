@@ -3,9 +3,9 @@
 #   (a) the default config with plain `snakemake --cores 16` (default profile): every run, the report;
 #   (b) dispatch: gpu_fp32's 20 runs again on one GPU (gpus.devices: [0]), then on every GPU, timed;
 #   (c) the kernel-edit loop: an edit to the MoE kernel file (dry run: which jobs rerun), then a broken
-#       edit (scales read for the wrong group) run for real (bench/gpu_broken_kernel.sh): the report shows
+#       edit (scales read for the wrong group) run for real (tools/gpu_broken_kernel.sh): the report shows
 #       divergences, not a crash.
-# Usage, from the repository root: OUT=dir [WHEELS=.whl] [BUDGET_S=560] bash bench/gpu_node.sh
+# Usage, from the repository root: OUT=dir [WHEELS=.whl] [BUDGET_S=560] bash tools/gpu_node.sh
 # Works without GPUs too (GPU engines are then left out), which is how it is tested before a GPU call.
 set -u -o pipefail
 : "${OUT:?set OUT to a folder for the outputs}"
@@ -80,9 +80,9 @@ smk c-edit-dry-run -n
 awk '/^Job stats/ {f = 1} f {print} f && /^total/ {exit}' /tmp/k2vec-logs/c-edit-dry-run.log | tee -a "$LOG"
 grep -o "output: results/runs/[a-z0-9_]*/" /tmp/k2vec-logs/c-edit-dry-run.log | sort | uniq -c | tee -a "$LOG"
 cp -p /tmp/fused_moe.py.orig "$MOE"
-# Broken: the MoE launches pass twice the group size (bench/gpu_broken_kernel.sh: gpu_fp32, int4, greedy).
+# Broken: the MoE launches pass twice the group size (tools/gpu_broken_kernel.sh: gpu_fp32, int4, greedy).
 if [ "$(left)" -gt 45 ]; then
-    OUT=$OUT bash bench/gpu_broken_kernel.sh 2>&1 | tee -a "$LOG"
+    OUT=$OUT bash tools/gpu_broken_kernel.sh 2>&1 | tee -a "$LOG"
 fi
 cp -p /tmp/fused_moe.py.orig "$MOE"
 tar czf "$OUT/snakemake-logs.tar.gz" -C /tmp k2vec-logs
