@@ -7,10 +7,10 @@
 rule prompts:
     input:
         unpack(prompts_inputs),
-        model="results/cases/{model}/model.json",
-        settings="results/cases/{model}/prompts.json",
+        model=case_section_json("model"),
+        settings=case_section_json("prompts"),
     output:
-        "results/prompts/{model}-{precision}.json",
+        prompts_json(),
     log:
         "results/logs/prompts/{model}-{precision}.log",
     benchmark:
