@@ -20,7 +20,9 @@ rule import_checkpoint:
     conda:
         "../envs/pipeline.yaml"
     params:
-        code=stage_code("import_checkpoint.py", "k2vec.stages.import_checkpoint", "k2vec.config.cases", "k2vec.pipeline.stage"),
+        code=stage_code(
+            "import_checkpoint.py", "k2vec.stages.import_checkpoint", "k2vec.config.cases", "k2vec.pipeline.stage"
+        ),
     script:
         "../scripts/import_checkpoint.py"
 

@@ -20,6 +20,12 @@ rule prompts:
     threads: 1
     params:
         # per precision: the fp32 prompts do not run the quantizer
-        code=precision_code("draw_prompts.py", "k2vec.stages.prompts", "k2vec.stages.golden", "k2vec.config.cases", "k2vec.pipeline.stage"),
+        code=precision_code(
+            "draw_prompts.py",
+            "k2vec.stages.prompts",
+            "k2vec.stages.golden",
+            "k2vec.config.cases",
+            "k2vec.pipeline.stage",
+        ),
     script:
         "../scripts/draw_prompts.py"
