@@ -104,7 +104,7 @@ def case_json(model="{model}"):
 
 
 def weights_dir(precision="{precision}", model="{model}"):
-    """fp32: rule weights; int4: rule quantize (both: rule import_checkpoint for an imported model)."""
+    """Rules weights (fp32) and quantize (int4), or import_checkpoint (both) for an imported model."""
     return f"results/models/{model}/{precision}"
 
 
