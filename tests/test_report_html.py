@@ -166,9 +166,9 @@ def test_chromium_renders_every_plot_and_a_nonblank_page(report, tmp_path):
 
 
 def test_cli_and_snakemake_entry_points(report, goldens, tmp_path):
-    from types import SimpleNamespace
-
-    from k2vec.report import main, snakemake_main
+    from k2vec.pipeline.stage import stage_logging
+    from k2vec.report import main, write_report
+    from k2vec.report.gate import StrictFailure
 
     good = [r for r in report.rows.drop_duplicates("run").itertuples() if r.engine == "good greedy"][0]
     args = ["--out", str(tmp_path / "cli"), "--run", "good", "tiny", "fp32", "greedy", good.result]
@@ -180,19 +180,19 @@ def test_cli_and_snakemake_entry_points(report, goldens, tmp_path):
     assert main(args + ["--strict", "--run", "crash", "tiny", "fp32", "ddtree-b1", crash.result]) == 1
     assert main(["--out", str(tmp_path / "x"), "--run", "good", "tiny", "int4", "greedy", good.result]) == 2
 
+    # rule report's script: the rule's params as plain arguments, inside the stage's log
     out = tmp_path / "smk" / "divergence.html"
-    smk = SimpleNamespace(
-        params=SimpleNamespace(runs=[{"engine": "good", "model": "tiny", "precision": "fp32", "mode": "greedy",
-                                      "result": good.result}],
-                               goldens={f"{m}/{p}": str(v) for (m, p), v in goldens.items()}, strict=True),
-        output=SimpleNamespace(html=str(out)), log=[str(tmp_path / "report.log")])
-    res = snakemake_main(smk)
+    runs = [{"engine": "good", "model": "tiny", "precision": "fp32", "mode": "greedy", "result": good.result}]
+    golden_params = {f"{m}/{p}": str(v) for (m, p), v in goldens.items()}
+    with stage_logging(str(tmp_path / "report.log"), "report"):
+        res = write_report(runs, golden_params, out.parent, strict=True)
     assert res.paths["html"] == out and all(p.exists() for p in res.paths.values())
-    assert "stage report done" in (tmp_path / "report.log").read_text()
-    smk.params.runs.append({"engine": "crash", "model": "tiny", "precision": "fp32", "mode": "ddtree-b1",
-                            "result": crash.result})
-    with pytest.raises(SystemExit, match="strict"):
-        snakemake_main(smk)
+    log = (tmp_path / "report.log").read_text()
+    assert "stage report done" in log and res.summary.splitlines()[0] in log
+    runs.append({"engine": "crash", "model": "tiny", "precision": "fp32", "mode": "ddtree-b1", "result": crash.result})
+    assert write_report(runs, golden_params, tmp_path / "lax").strict_problem  # strict=False: no raise
+    with pytest.raises(StrictFailure, match="strict"):
+        write_report(runs, golden_params, out.parent, strict=True)
 
 
 @pytest.fixture(scope="module")

@@ -139,8 +139,8 @@ CODE_EDITS = [
     # The reference model: golden data and what follows, and the numpy engine (it shares the math).
     ("k2vec/reference/model.py", {"prompts": 2, "golden": 2, "format_effect": 1, **AFTER_GOLDEN}),
     ("k2vec/stages/bundle.py", AFTER_GOLDEN),
-    # The numpy engine: its runs, and the format-effect run, which writes its results the same way.
-    ("k2vec/engines/numpy_engine.py", {"engine_run": 12, "format_effect": 1, "report": 1, "all": 1}),
+    # The numpy engine: its runs and the report (test_numpy_engine_code_change_reruns_only_its_runs).
+    ("k2vec/engines/numpy_engine.py", {"engine_run": 12, "report": 1, "all": 1}),
     # The report alone.
     ("k2vec/report/metrics.py", {"report": 1, "all": 1}),
     # A stage script: that stage and what follows.
@@ -189,6 +189,30 @@ def test_quantizer_code_change_schedules_nothing_on_the_fp32_side(built_workflow
     for rule in ("prompts", "golden", "bundle", "engine_run"):
         assert by_rule[rule] and all(w["precision"] == "int4" for w in by_rule[rule]), (rule, by_rule[rule])
     assert "weights" not in by_rule
+
+
+def test_numpy_engine_code_change_reruns_only_its_runs(built_workflow):
+    """A code edit in the numpy engine schedules its engine runs, every one of them, and the report:
+    no stage that makes data (the format-effect run writes its result through the contract's
+    serializer, k2vec.engines.contract.serialize, not the engine's) and no other engine's run."""
+    root, env = built_workflow
+    path = root / "src/k2vec/engines/numpy_engine.py"
+    original = path.read_text()
+    try:
+        # a real code change: a new function in the engine's module
+        path.write_text(original + "\n\ndef _new_helper(x):\n    return x + 1\n")
+        res = snakemake("-n", snakefile=root / "Snakefile", cwd=root, env=env)
+    finally:
+        path.write_text(original)
+    assert res.returncode == 0, res.stderr[-3000:]
+    jobs = scheduled_job_wildcards(res.stdout)
+    assert len(jobs) == sum(scheduled_jobs(res.stdout).values())  # every job parsed
+    assert sorted({rule for rule, _ in jobs}) == ["all", "engine_run", "report"], scheduled_jobs(res.stdout)
+    assert [rule for rule, _ in jobs].count("report") == 1
+    runs = sorted((w["engine"], w["model"], w["precision"], w["mode"]) for rule, w in jobs if rule == "engine_run")
+    # exactly the numpy engine's finished runs: both precisions, every mode
+    finished = sorted(("numpy", *p.stem.split("-", 2)) for p in (root / "results/runs/numpy").glob("*.json"))
+    assert len(finished) == 12 and runs == finished, runs
 
 
 def test_comment_edit_upstream_reruns_nothing(built_workflow):

@@ -5,13 +5,13 @@
 rule bundle:
     input:
         unpack(bundle_inputs),
-        model="results/cases/{model}/model.json",
-        decoding="results/cases/{model}/decoding.json",
-        golden_sha256="results/golden/{model}/{precision}.kdtr.sha256",
+        model=case_section_json("model"),
+        decoding=case_section_json("decoding"),
+        golden_sha256=sha256_of(golden_kdtr()),
     output:
-        "results/bundles/{model}-{precision}.kdtr",
+        bundle_kdtr(),
         # its sha256, checked by the engine runner and the report
-        "results/bundles/{model}-{precision}.kdtr.sha256",
+        sha256_of(bundle_kdtr()),
     log:
         "results/logs/bundle/{model}-{precision}.log",
     benchmark:

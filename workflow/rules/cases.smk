@@ -5,7 +5,7 @@
 
 rule case_section:
     output:
-        "results/cases/{model}/{section}.json",
+        case_section_json(),
     log:
         "results/logs/cases/{model}/{section}.log",
     benchmark:
@@ -21,12 +21,9 @@ rule case_section:
 
 rule case:
     input:
-        sections=expand(
-            "results/cases/{{model}}/{section}.json",
-            section=["model", "quantization", "prompts", "decoding"],
-        ),
+        sections=[case_section_json(s) for s in ("model", "quantization", "prompts", "decoding")],
     output:
-        "results/cases/{model}.json",
+        case_json(),
     log:
         "results/logs/cases/{model}.log",
     benchmark:

@@ -87,6 +87,72 @@ wildcard_constraints:
     mode=r"greedy|score|ddtree-b\d+",
 
 
+# Where each stage writes what other stages read, defined once: the rules' output: and input: take
+# these paths from here, and so do the input functions below. (The report's own files, the mutation
+# report's, the logs and the benchmarks are written where their rules say.) A wildcard not given stays a wildcard: weights_dir("fp32") is
+# "results/models/{model}/fp32", golden_kdtr() "results/golden/{model}/{precision}.kdtr".
+
+
+def case_section_json(section="{section}", model="{model}"):
+    """Rule case_section: one section of a case."""
+    return f"results/cases/{model}/{section}.json"
+
+
+def case_json(model="{model}"):
+    """Rule case: the fully resolved case."""
+    return f"results/cases/{model}.json"
+
+
+def weights_dir(precision="{precision}", model="{model}"):
+    """Rules weights (fp32) and quantize (int4), or import_checkpoint (both) for an imported model."""
+    return f"results/models/{model}/{precision}"
+
+
+def compressed_tensors_dir(model="{model}"):
+    """Rule export_compressed_tensors."""
+    return f"results/models/{model}/compressed-tensors"
+
+
+def prompts_json(precision="{precision}", model="{model}"):
+    """Rule prompts."""
+    return f"results/prompts/{model}-{precision}.json"
+
+
+def golden_kdtr(precision="{precision}", model="{model}"):
+    """Rule golden."""
+    return f"results/golden/{model}/{precision}.kdtr"
+
+
+def bundle_kdtr(precision="{precision}", model="{model}"):
+    """Rule bundle."""
+    return f"results/bundles/{model}-{precision}.kdtr"
+
+
+def engine_stamp(engine="{engine}"):
+    """Rule engine_build."""
+    return f"results/engines/{engine}/build.stamp"
+
+
+def run_result(engine="{engine}", model="{model}", precision="{precision}", mode="{mode}"):
+    """Rule engine_run."""
+    return f"results/runs/{engine}/{model}-{precision}-{mode}.json"
+
+
+def format_effect_json(model="{model}"):
+    """Rule format_effect."""
+    return f"results/format-effect/{model}.json"
+
+
+def mutant_runs_dir(mutant="{mutant}", model="{model}", precision="{precision}"):
+    """Rule mutant_runs: one result file per mode inside."""
+    return f"results/mutation/runs/{mutant}/{model}-{precision}"
+
+
+def sha256_of(path):
+    """The sha256 record written beside a golden, a bundle or a format-effect result."""
+    return f"{path}.sha256"
+
+
 # Imported by the int4 side only, inside functions: the fp32 golden and bundle never run the quantizer.
 INT4_ONLY = ("k2vec.model.int4_checkpoint",)
 
@@ -148,7 +214,7 @@ def engine_run_inputs(wildcards):
     """The engine's sources, and its build stamp when it has a build step."""
     inputs = {"sources": engine_sources(wildcards.engine)}
     if ENGINES[wildcards.engine]["build"]:
-        inputs["stamp"] = f"results/engines/{wildcards.engine}/build.stamp"
+        inputs["stamp"] = engine_stamp(wildcards.engine)
     return inputs
 
 
@@ -159,33 +225,29 @@ def import_sources(wildcards):
 
 def prompts_inputs(wildcards):
     """The prompts stage reads the weights of its precision; int4 starts from the fp32 prompts."""
-    inputs = {"weights": f"results/models/{wildcards.model}/{wildcards.precision}"}
+    inputs = {"weights": weights_dir(wildcards.precision, wildcards.model)}
     if wildcards.precision == "int4":
-        inputs["fp32_weights"] = f"results/models/{wildcards.model}/fp32"
-        inputs["fp32_prompts"] = f"results/prompts/{wildcards.model}-fp32.json"
+        inputs["fp32_weights"] = weights_dir("fp32", wildcards.model)
+        inputs["fp32_prompts"] = prompts_json("fp32", wildcards.model)
     return inputs
 
 
 def golden_weights(wildcards):
     """The weights a golden reads: fp32, plus the INT4 files for the int4 precision."""
-    weights = {"fp32": f"results/models/{wildcards.model}/fp32"}
+    weights = {"fp32": weights_dir("fp32", wildcards.model)}
     if wildcards.precision == "int4":
-        weights["int4"] = f"results/models/{wildcards.model}/int4"
+        weights["int4"] = weights_dir("int4", wildcards.model)
     return weights
 
 
 def bundle_inputs(wildcards):
     inputs = {
-        "fp32": f"results/models/{wildcards.model}/fp32",
-        "golden": f"results/golden/{wildcards.model}/{wildcards.precision}.kdtr",
+        "fp32": weights_dir("fp32", wildcards.model),
+        "golden": golden_kdtr(wildcards.precision, wildcards.model),
     }
     if wildcards.precision == "int4":
-        inputs["int4"] = f"results/models/{wildcards.model}/int4"
+        inputs["int4"] = weights_dir("int4", wildcards.model)
     return inputs
-
-
-def run_result(engine, model, precision, mode):
-    return f"results/runs/{engine}/{model}-{precision}-{mode}.json"
 
 
 def format_effect_record(model):
@@ -195,7 +257,7 @@ def format_effect_record(model):
         "model": model,
         "precision": "fp32",
         "mode": "score",
-        "result": f"results/format-effect/{model}.json",
+        "result": format_effect_json(model),
         "reference": True,
     }
 

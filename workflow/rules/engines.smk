@@ -9,7 +9,7 @@ rule engine_build:
     input:
         sources=lambda wc: engine_sources(wc.engine),
     output:
-        "results/engines/{engine}/build.stamp",
+        engine_stamp(),
     log:
         "results/logs/engines/{engine}/build.log",
     benchmark:
@@ -29,9 +29,9 @@ rule engine_build:
 rule engine_run:
     input:
         unpack(engine_run_inputs),
-        bundle="results/bundles/{model}-{precision}.kdtr",
+        bundle=bundle_kdtr(),
     output:
-        "results/runs/{engine}/{model}-{precision}-{mode}.json",
+        run_result(),
     log:
         engine="results/logs/runs/{engine}/{model}-{precision}-{mode}.engine.log",
         runner="results/logs/runs/{engine}/{model}-{precision}-{mode}.log",

@@ -5,15 +5,15 @@
 
 rule format_effect:
     input:
-        fp32="results/models/{model}/fp32",
-        int4="results/models/{model}/int4",
-        model="results/cases/{model}/model.json",
-        golden="results/golden/{model}/fp32.kdtr",
-        golden_sha256="results/golden/{model}/fp32.kdtr.sha256",
+        fp32=weights_dir("fp32"),
+        int4=weights_dir("int4"),
+        model=case_section_json("model"),
+        golden=golden_kdtr("fp32"),
+        golden_sha256=sha256_of(golden_kdtr("fp32")),
     output:
-        "results/format-effect/{model}.json",
+        format_effect_json(),
         # its sha256, checked by the report as a run result's
-        "results/format-effect/{model}.json.sha256",
+        sha256_of(format_effect_json()),
     log:
         "results/logs/format-effect/{model}.log",
     benchmark:

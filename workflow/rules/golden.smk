@@ -6,13 +6,13 @@
 rule golden:
     input:
         unpack(golden_weights),
-        model="results/cases/{model}/model.json",
-        prompts="results/prompts/{model}-{precision}.json",
-        decoding="results/cases/{model}/decoding.json",
+        model=case_section_json("model"),
+        prompts=prompts_json(),
+        decoding=case_section_json("decoding"),
     output:
-        "results/golden/{model}/{precision}.kdtr",
+        golden_kdtr(),
         # its sha256, checked by the bundle stage and the report
-        "results/golden/{model}/{precision}.kdtr.sha256",
+        sha256_of(golden_kdtr()),
     log:
         "results/logs/golden/{model}/{precision}.log",
     benchmark:

@@ -5,12 +5,12 @@
 
 rule import_checkpoint:
     input:
-        model="results/cases/{model}/model.json",
-        quantization="results/cases/{model}/quantization.json",
+        model=case_section_json("model"),
+        quantization=case_section_json("quantization"),
         source=import_sources,
     output:
-        fp32=directory("results/models/{model}/fp32"),
-        int4=directory("results/models/{model}/int4"),
+        fp32=directory(weights_dir("fp32")),
+        int4=directory(weights_dir("int4")),
     log:
         "results/logs/import_checkpoint/{model}.log",
     benchmark:
@@ -20,7 +20,9 @@ rule import_checkpoint:
     conda:
         "../envs/pipeline.yaml"
     params:
-        code=stage_code("import_checkpoint.py", "k2vec.stages.import_checkpoint", "k2vec.config.cases", "k2vec.pipeline.stage"),
+        code=stage_code(
+            "import_checkpoint.py", "k2vec.stages.import_checkpoint", "k2vec.config.cases", "k2vec.pipeline.stage"
+        ),
     script:
         "../scripts/import_checkpoint.py"
 

@@ -9,9 +9,9 @@ rule mutant_runs:
     input:
         mutation_ready,
         sources=lambda wc: engine_sources("numpy"),
-        bundle="results/bundles/{model}-{precision}.kdtr",
+        bundle=bundle_kdtr(),
     output:
-        directory("results/mutation/runs/{mutant}/{model}-{precision}"),
+        directory(mutant_runs_dir()),
     log:
         runner="results/logs/mutation/{mutant}/{model}-{precision}.log",
         engine="results/logs/mutation/{mutant}/{model}-{precision}.engine.log",  # every mode's stderr, in turn
@@ -40,9 +40,9 @@ rule mutation_report:
     input:
         mutation_ready,
         control=[run_result(*run) for run in RUNS if run[0] == "numpy"],
-        mutants=[f"results/mutation/runs/{mu}/{m}-{p}" for mu, m, p in MUTATION_PLAN],
-        goldens=expand("results/golden/{model}/{precision}.kdtr", model=MODELS, precision=PRECISIONS),
-        golden_sha256=expand("results/golden/{model}/{precision}.kdtr.sha256", model=MODELS, precision=PRECISIONS),
+        mutants=[mutant_runs_dir(mu, m, p) for mu, m, p in MUTATION_PLAN],
+        goldens=expand(golden_kdtr(), model=MODELS, precision=PRECISIONS),
+        golden_sha256=expand(sha256_of(golden_kdtr()), model=MODELS, precision=PRECISIONS),
     output:
         html="results/mutation/mutation.html",
         csv="results/mutation/mutation.csv",
@@ -67,7 +67,7 @@ rule mutation_report:
             if any(k[0] == mu.name for k in MUTATION_PLAN)
         },
         control="numpy",
-        goldens={f"{m}/{p}": f"results/golden/{m}/{p}.kdtr" for m in MODELS for p in PRECISIONS},
+        goldens={f"{m}/{p}": golden_kdtr(p, m) for m in MODELS for p in PRECISIONS},
         near_tie=config["report"]["near_tie"],
         router_near_tie=config["report"]["router_near_tie"],
         fingerprint_rtol=config["report"]["fingerprint_rtol"],

@@ -28,7 +28,7 @@ def mutant_records():
             "model": m,
             "precision": p,
             "mode": mode,
-            "result": f"results/mutation/runs/{mu}/{m}-{p}/{mode}.json",
+            "result": f"{mutant_runs_dir(mu, m, p)}/{mode}.json",
             "precision_class": "float32",
         }
         for (mu, m, p), modes in MUTATION_PLAN.items()

@@ -7,10 +7,10 @@
 rule prompts:
     input:
         unpack(prompts_inputs),
-        model="results/cases/{model}/model.json",
-        settings="results/cases/{model}/prompts.json",
+        model=case_section_json("model"),
+        settings=case_section_json("prompts"),
     output:
-        "results/prompts/{model}-{precision}.json",
+        prompts_json(),
     log:
         "results/logs/prompts/{model}-{precision}.log",
     benchmark:
@@ -20,6 +20,12 @@ rule prompts:
     threads: 1
     params:
         # per precision: the fp32 prompts do not run the quantizer
-        code=precision_code("draw_prompts.py", "k2vec.stages.prompts", "k2vec.stages.golden", "k2vec.config.cases", "k2vec.pipeline.stage"),
+        code=precision_code(
+            "draw_prompts.py",
+            "k2vec.stages.prompts",
+            "k2vec.stages.golden",
+            "k2vec.config.cases",
+            "k2vec.pipeline.stage",
+        ),
     script:
         "../scripts/draw_prompts.py"

@@ -4,10 +4,10 @@
 
 rule quantize:
     input:
-        fp32="results/models/{model}/fp32",
-        quantization="results/cases/{model}/quantization.json",
+        fp32=weights_dir("fp32"),
+        quantization=case_section_json("quantization"),
     output:
-        directory("results/models/{model}/int4"),
+        directory(weights_dir("int4")),
     log:
         "results/logs/quantize/{model}.log",
     benchmark:
@@ -22,10 +22,10 @@ rule quantize:
 
 rule export_compressed_tensors:
     input:
-        fp32="results/models/{model}/fp32",
-        int4="results/models/{model}/int4",
+        fp32=weights_dir("fp32"),
+        int4=weights_dir("int4"),
     output:
-        directory("results/models/{model}/compressed-tensors"),
+        directory(compressed_tensors_dir()),
     log:
         "results/logs/export_compressed_tensors/{model}.log",
     benchmark:

@@ -7,10 +7,10 @@
 rule report:
     input:
         results=[run_result(*run) for run in RUNS],
-        format_effect=expand("results/format-effect/{model}.json", model=MODELS),
-        goldens=expand("results/golden/{model}/{precision}.kdtr", model=MODELS, precision=PRECISIONS),
+        format_effect=expand(format_effect_json(), model=MODELS),
+        goldens=expand(golden_kdtr(), model=MODELS, precision=PRECISIONS),
         # checked by the report, with each result's own record and the bundle it used (report/integrity.py)
-        golden_sha256=expand("results/golden/{model}/{precision}.kdtr.sha256", model=MODELS, precision=PRECISIONS),
+        golden_sha256=expand(sha256_of(golden_kdtr()), model=MODELS, precision=PRECISIONS),
     output:
         html=report("results/report/divergence.html", caption="../report/divergence.rst", category="Divergence"),
         csv=report("results/report/divergence.csv", caption="../report/divergence_csv.rst", category="Divergence"),
@@ -31,7 +31,7 @@ rule report:
     params:
         code=stage_code("report.py", "k2vec.report", "k2vec.pipeline.stage"),
         runs=[run_record(*run) for run in RUNS] + [format_effect_record(m) for m in MODELS],
-        goldens={f"{m}/{p}": f"results/golden/{m}/{p}.kdtr" for m in MODELS for p in PRECISIONS},
+        goldens={f"{m}/{p}": golden_kdtr(p, m) for m in MODELS for p in PRECISIONS},
         near_tie=config["report"]["near_tie"],
         router_near_tie=config["report"]["router_near_tie"],
         fingerprint_rtol=config["report"]["fingerprint_rtol"],
@@ -42,7 +42,7 @@ rule report:
 
 rule strict_gate:
     input:
-        csv="results/report/divergence.csv",
+        csv=rules.report.output.csv,
     output:
         "results/report/strict.ok",
     log:

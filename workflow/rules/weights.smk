@@ -3,9 +3,9 @@
 
 rule weights:
     input:
-        model="results/cases/{model}/model.json",
+        model=case_section_json("model"),
     output:
-        directory("results/models/{model}/fp32"),
+        directory(weights_dir("fp32")),
     log:
         "results/logs/weights/{model}.log",
     benchmark:

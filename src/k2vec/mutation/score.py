@@ -155,20 +155,20 @@ def render_mutation_html(res: MutationResult, control: str, control_rows: pd.Dat
     return "\n".join(parts)
 
 
-def snakemake_main(smk: Any) -> MutationResult:
-    """Entry for rule mutation_report's script: params.runs (the control's and every mutant's run records),
-    params.mutants, params.control, params.goldens ({"model/precision": path}) and the report thresholds."""
+def write_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str | Path,
+                          mutants: Mapping[str, Mapping[str, str]], control: str, *, near_tie: float = 1e-3,
+                          router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
+                          budgets: Mapping[str, Mapping[str, Any]] | None = None) -> MutationResult:
+    """Rule `mutation_report`: build_mutation_report, its summary line logged (run it inside the stage's
+    stage_logging) and printed. runs: the control's and every mutant's run records; goldens: as the
+    divergence report's (k2vec.report.write_report: the rule passes {"model/precision": path})."""
     import logging
 
-    from k2vec.pipeline.stage import stage_logging
     from k2vec.report import _goldens_from
 
-    p = smk.params
-    with stage_logging(smk.log[0], "mutation_report"):
-        res = build_mutation_report(list(p.runs), _goldens_from(p.goldens), Path(str(smk.output.html)).parent,
-                                    dict(p.mutants), p.control, near_tie=float(p.near_tie),
-                                    router_near_tie=float(p.router_near_tie),
-                                    fingerprint_rtol=float(p.fingerprint_rtol), budgets=p.budgets)
-        logging.getLogger("k2vec.mutation_report").info("%s", summary_line(res))
+    res = build_mutation_report(list(runs), _goldens_from(goldens), out_dir, dict(mutants), control,
+                                near_tie=float(near_tie), router_near_tie=float(router_near_tie),
+                                fingerprint_rtol=float(fingerprint_rtol), budgets=budgets)
+    logging.getLogger("k2vec.mutation_report").info("%s", summary_line(res))
     print(summary_line(res))
     return res

@@ -12,8 +12,8 @@
     res.paths           # every file written
 
 Outputs in out_dir: divergence.html (self-contained), divergence.csv, format_effect.csv, summary.txt and
-each plot as PNG (plots.PLOTS). From Snakemake: `script: ".../report.py"` calling
-`k2vec.report.snakemake_main(snakemake)`; from a shell: `python -m k2vec.report --help`.
+each plot as PNG (plots.PLOTS). From Snakemake: rule `report`'s script (`workflow/scripts/report.py`)
+unpacks `snakemake` and calls `write_report`; from a shell: `python -m k2vec.report --help`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from k2vec.atomic import write_bytes_atomic, write_text_atomic
 from k2vec.report.gate import StrictFailure
 from k2vec.report.metrics import ROW_COLUMNS, Metrics, ReportError, compute_metrics
 
-__all__ = ["build_report", "ReportResult", "ReportError", "compute_metrics", "main", "snakemake_main", "OUTPUTS"]
+__all__ = ["build_report", "ReportResult", "ReportError", "compute_metrics", "main", "write_report", "OUTPUTS"]
 
 # Fixed output names (relative to out_dir), so a Snakemake rule can declare them.
 OUTPUTS = {
@@ -107,38 +107,25 @@ def _goldens_from(value: Any) -> dict[tuple[str, str], str]:
     return {(str(g["model"]), str(g["precision"])): str(g["path"]) for g in value}
 
 
-def snakemake_main(smk: Any) -> ReportResult:
-    """Entry for a Snakemake `script:` (the `snakemake` object).
+def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str | Path, *, near_tie: float = 1e-3,
+                 router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
+                 budgets: Mapping[str, Mapping[str, Any]] | None = None, strict: bool = False) -> ReportResult:
+    """Rule `report`: build_report, with its summary logged (run it inside the stage's stage_logging).
 
-    params.runs: list of {"engine","model","precision","mode","result"} dicts (result = the JSON path,
-      normally also listed in input); params.goldens: {(model, precision): path} (or
-      [{"model","precision","path"}], or {"model/precision": path}); optional params.near_tie,
-      params.router_near_tie, params.fingerprint_rtol, params.budgets (report.budgets), params.strict
-      (fail the job on a real divergence, an over-budget row or a failed run, after writing the outputs).
-    output.html: .../divergence.html; every other output is written next to it (OUTPUTS).
-    log[0] (optional): the stage log.
+    runs: {"engine","model","precision","mode","result"} dicts (result = the JSON path); goldens:
+    {(model, precision): path}, [{"model","precision","path"}] or {"model/precision": path} (the rule's
+    params.goldens); budgets: report.budgets. strict: raise StrictFailure (report/gate.py) on a real
+    divergence, an over-budget row or a failed run, after writing the outputs.
     """
-    from k2vec.pipeline.stage import stage_logging
+    import logging
 
-    def get(key: str, default: Any = None) -> Any:
-        return getattr(smk.params, key, default)
-
-    out_dir = Path(str(getattr(smk.output, "html", None) or smk.output[0])).parent
-
-    def run() -> ReportResult:
-        res = build_report(list(get("runs", [])), _goldens_from(get("goldens", {})), out_dir,
-                           near_tie=float(get("near_tie", 1e-3)), router_near_tie=float(get("router_near_tie", 1e-3)),
-                           fingerprint_rtol=float(get("fingerprint_rtol", 1e-3)), budgets=get("budgets"))
-        import logging
-        logging.getLogger("k2vec.report").info("%s", res.summary)
-        if get("strict", False) and res.strict_problem:
-            raise StrictFailure(res.strict_problem)
-        return res
-
-    if len(getattr(smk, "log", [])):
-        with stage_logging(smk.log[0], "report"):
-            return run()
-    return run()
+    res = build_report(list(runs), _goldens_from(goldens), out_dir, near_tie=float(near_tie),
+                       router_near_tie=float(router_near_tie), fingerprint_rtol=float(fingerprint_rtol),
+                       budgets=budgets)
+    logging.getLogger("k2vec.report").info("%s", res.summary)
+    if strict and res.strict_problem:
+        raise StrictFailure(res.strict_problem)
+    return res
 
 
 def main(argv: Sequence[str] | None = None) -> int:
