@@ -43,13 +43,13 @@ include: "workflow/rules/mutation.smk"  # off by default: `snakemake mutation_re
 rule all:
     default_target: True
     input:
-        expand("results/cases/{model}.json", model=MODELS),
-        expand("results/models/{model}/int4", model=MODELS),
-        expand("results/models/{model}/compressed-tensors", model=MODELS),
-        expand("results/bundles/{model}-{precision}.kdtr", model=MODELS, precision=PRECISIONS),
-        expand("results/format-effect/{model}.json", model=MODELS),
-        "results/report/divergence.html",
-        "results/report/strict.ok" if config["report"]["strict"] else [],
+        expand(case_json(), model=MODELS),
+        expand(weights_dir("int4"), model=MODELS),
+        expand(compressed_tensors_dir(), model=MODELS),
+        expand(bundle_kdtr(), model=MODELS, precision=PRECISIONS),
+        expand(format_effect_json(), model=MODELS),
+        rules.report.output.html,
+        rules.strict_gate.output if config["report"]["strict"] else [],
 
 
 include: "workflow/rules/slurm.smk"  # last: partitions for every rule declared above
