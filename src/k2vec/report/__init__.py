@@ -19,6 +19,7 @@ unpacks `snakemake` and calls `write_report`; from a shell: `python -m k2vec.rep
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,8 +118,6 @@ def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str |
     params.goldens); budgets: report.budgets. strict: raise StrictFailure (report/gate.py) on a real
     divergence, an over-budget row or a failed run, after writing the outputs.
     """
-    import logging
-
     res = build_report(list(runs), _goldens_from(goldens), out_dir, near_tie=float(near_tie),
                        router_near_tie=float(router_near_tie), fingerprint_rtol=float(fingerprint_rtol),
                        budgets=budgets)

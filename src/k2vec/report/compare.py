@@ -22,11 +22,6 @@ INT_COLUMNS = [
 ]
 
 
-
-
-# ------------------------------------------------------------------------------------ per-golden metrics
-
-
 def compare_rows(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.ndarray, ref_tokens: np.ndarray,
                  *, score: np.ndarray | None = None, fingerprint_rtol: float
                  ) -> tuple[dict[str, np.ndarray], pd.DataFrame, dict[int, tuple[np.ndarray, np.ndarray]]]:

@@ -67,11 +67,6 @@ ROW_COLUMNS = [
 OBJECT_COLUMNS = ("class", "tree_diff_what", "tree_match", "router_evidence")
 
 
-def run_kind(mode: str) -> tuple[str, int]:
-    """(greedy | ddtree | score, budget)."""
-    return ("score", 0) if mode == "score" else parse_mode(mode)
-
-
 # ------------------------------------------------------------------------------------------ engine rows
 
 
@@ -138,7 +133,7 @@ def gpu_identity(res: Mapping[str, Any] | None) -> tuple[str | None, str | None]
 
 def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) -> tuple[list[_Item], dict[str, Any]]:
     """The rows of one run entry and its run-level facts (status, throughput)."""
-    kind, budget = run_kind(spec["mode"])
+    kind, budget = parse_mode(spec["mode"])
     res, reason = _load_result(spec["result"])
     status = "failed" if res is None else str(res.get("status", "ok"))
     if res is not None and status != "ok":
@@ -207,7 +202,6 @@ def _check_golden(goldens: Mapping[tuple[str, str], Any], key: tuple[str, str], 
                           f"goldens given: {have}")
 
 
-
 def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, str], str | Path], *,
                     near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
                     budgets: Mapping[str, Mapping[str, Any]] | None = None) -> Metrics:
@@ -228,7 +222,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
             if missing:
                 raise ReportError(f"run entry {i} lacks {', '.join(missing)}: {dict(spec)}")
             try:
-                run_kind(spec["mode"])
+                parse_mode(spec["mode"])
             except ValueError as err:
                 raise ReportError(f"run entry {i} ({spec['engine']}): {err}") from None
             pc = spec.get("precision_class", "float32")
@@ -272,8 +266,6 @@ def _no_gc():
 def _engine_metrics(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], budgets, checks: RunChecks):
     with _no_gc():
         return _engine_metrics_inner(runs, opened, th, budgets, checks)
-
-
 
 
 def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], budgets,

@@ -3,9 +3,9 @@
 jsonschema descends into every element of a result (one validator object per token id, top-k logit and
 fingerprint value): about 10 µs each, a third of a second for a small greedy run, which made checking a
 result cost as much as computing it. `conforms` reads the same schema file and applies its keywords to whole
-lists at once. It answers exactly where it answers (the result types of `runner._validator`: integers are
+lists at once. It answers exactly where it answers (the result types of `checks._validator`: integers are
 ints, not bools or 5.0; numbers are finite), and gives up (False) on any keyword it does not know, so the
-runner then asks jsonschema, whose first error stays the one users read.
+check then asks jsonschema, whose first error stays the one users read.
 """
 
 from __future__ import annotations
