@@ -170,17 +170,23 @@ def scheduled_job_wildcards(stdout: str) -> list[tuple[str, dict[str, str]]]:
     return jobs
 
 
-def test_quantizer_code_change_schedules_nothing_on_the_fp32_side(built_workflow):
+def dry_run_after_code_edit(built_workflow, module: str):
+    """A dry run of the built workflow after a real code change (a new function) in `module`, which is
+    restored afterwards."""
     root, env = built_workflow
-    path = root / "src/k2vec/model/int4.py"
+    path = root / module
     original = path.read_text()
     try:
-        # a real code change: a new function in the quantizer module
         path.write_text(original + "\n\ndef _new_helper(x):\n    return x + 1\n")
         res = snakemake("-n", snakefile=root / "Snakefile", cwd=root, env=env)
     finally:
         path.write_text(original)
     assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def test_quantizer_code_change_schedules_nothing_on_the_fp32_side(built_workflow):
+    res = dry_run_after_code_edit(built_workflow, "src/k2vec/model/int4.py")
     jobs = scheduled_job_wildcards(res.stdout)
     by_rule = {}
     for rule, wildcards in jobs:
@@ -195,16 +201,8 @@ def test_numpy_engine_code_change_reruns_only_its_runs(built_workflow):
     """A code edit in the numpy engine schedules its engine runs, every one of them, and the report:
     no stage that makes data (the format-effect run writes its result through the contract's
     serializer, k2vec.engines.contract.serialize, not the engine's) and no other engine's run."""
-    root, env = built_workflow
-    path = root / "src/k2vec/engines/numpy_engine.py"
-    original = path.read_text()
-    try:
-        # a real code change: a new function in the engine's module
-        path.write_text(original + "\n\ndef _new_helper(x):\n    return x + 1\n")
-        res = snakemake("-n", snakefile=root / "Snakefile", cwd=root, env=env)
-    finally:
-        path.write_text(original)
-    assert res.returncode == 0, res.stderr[-3000:]
+    root, _ = built_workflow
+    res = dry_run_after_code_edit(built_workflow, "src/k2vec/engines/numpy_engine.py")
     jobs = scheduled_job_wildcards(res.stdout)
     assert len(jobs) == sum(scheduled_jobs(res.stdout).values())  # every job parsed
     assert sorted({rule for rule, _ in jobs}) == ["all", "engine_run", "report"], scheduled_jobs(res.stdout)
