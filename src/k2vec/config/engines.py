@@ -89,8 +89,9 @@ def check_sandboxes(engines: dict[str, dict[str, Any]], sandbox_problem: Callabl
     """Refuse `sandbox: true` where this host cannot sandbox (`sandbox_problem`: the engines' own probe,
     k2vec.engines.isolation, asked only when an engine wants the sandbox)."""
     wanted = [name for name, e in engines.items() if e["sandbox"]]
-    problem = sandbox_problem() if wanted else None
-    require(problem is None, f"engines.{wanted[0] if wanted else ''}.sandbox", f"{problem}; or set sandbox: false")
+    if wanted:
+        problem = sandbox_problem()
+        require(problem is None, f"engines.{wanted[0]}.sandbox", f"{problem}; or set sandbox: false")
 
 
 def engines_short_of_gpus(engines: dict[str, dict[str, Any]], n_devices: int) -> list[str]:
