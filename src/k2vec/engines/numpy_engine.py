@@ -29,13 +29,11 @@ from k2vec.engines.contract.modes import CONTRACT_MODES
 from k2vec.engines.contract.serialize import ddtree_round, greedy_prompt, score_prompt
 from k2vec.errors import K2VecError
 from k2vec.kdtr import bf16_to_f32, open_bundle
+from k2vec.model.limits import WEIGHT_CACHE_BYTES
 from k2vec.reference.generate import greedy_generate
 from k2vec.reference.model import ReferenceModel
 from k2vec.reference.speculative import DDTreeJob, ddtree_generate
 
-# float64 weights kept between forward calls (as the golden stage: k2vec.stages.golden.WEIGHT_CACHE_BYTES);
-# weights over reference.model.STREAM_BYTES are streamed from the bundle's mapping instead.
-WEIGHT_CACHE_BYTES = 512 << 20
 
 
 def unpack_int4(packed: np.ndarray) -> np.ndarray:
@@ -106,7 +104,7 @@ def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceMo
     prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"]) for i in range(n_prompts)]
     model = ReferenceModel(meta["hf_config"], BundleWeights(bundle, meta["quantization"]), dtype=np.float64,
                            latent_norm_eps=meta["golden"]["reference"]["latent_norm_eps"],
-                           weight_cache_bytes=WEIGHT_CACHE_BYTES)
+                           weight_cache_bytes=WEIGHT_CACHE_BYTES)  # the golden stage's cache
     if install is not None:
         install(model)
     t_load = time.perf_counter()
