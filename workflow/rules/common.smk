@@ -12,6 +12,7 @@ from k2vec.engines.gpus import detect_devices
 from k2vec.engines.isolation import sandbox_problem
 from k2vec.config.engines import (
     check_sandboxes,
+    noise_models,
     engine_runs,
     engines_missing_modules,
     engines_short_of_gpus,
@@ -77,6 +78,8 @@ if MODULES_LEFT_OUT and workflow.is_main_process:
         file=sys.stderr,
     )
 RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], GPU_LEFT_OUT + list(MODULES_LEFT_OUT))
+# (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
+NOISE_MODELS = noise_models(ENGINES, RUNS)
 
 
 wildcard_constraints:
@@ -85,6 +88,7 @@ wildcard_constraints:
     precision="|".join(PRECISIONS),
     engine="|".join(ENGINES) or "^$",
     mode=r"greedy|score|ddtree-b\d+",
+    precision_class="|".join(sorted({c for _, _, c in NOISE_MODELS})) or "^$",
 
 
 # Where each stage writes what other stages read, defined once: the rules' output: and input: take
@@ -121,6 +125,11 @@ def prompts_json(precision="{precision}", model="{model}"):
 def golden_kdtr(precision="{precision}", model="{model}"):
     """Rule golden."""
     return f"results/golden/{model}/{precision}.kdtr"
+
+
+def noise_kdtr(precision_class="{precision_class}", precision="{precision}", model="{model}"):
+    """Rule noise."""
+    return f"results/noise/{model}/{precision}-{precision_class}.kdtr"
 
 
 def bundle_kdtr(precision="{precision}", model="{model}"):

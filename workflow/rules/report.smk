@@ -11,6 +11,8 @@ rule report:
         goldens=expand(golden_kdtr(), model=MODELS, precision=PRECISIONS),
         # checked by the report, with each result's own record and the bundle it used (report/integrity.py)
         golden_sha256=expand(sha256_of(golden_kdtr()), model=MODELS, precision=PRECISIONS),
+        noise=[noise_kdtr(c, p, m) for m, p, c in NOISE_MODELS],
+        noise_sha256=[sha256_of(noise_kdtr(c, p, m)) for m, p, c in NOISE_MODELS],
     output:
         html=report("results/report/divergence.html", caption="../report/divergence.rst", category="Divergence"),
         csv=report("results/report/divergence.csv", caption="../report/divergence_csv.rst", category="Divergence"),
@@ -32,6 +34,7 @@ rule report:
         code=stage_code("report.py", "k2vec.report", "k2vec.pipeline.stage"),
         runs=[run_record(*run) for run in RUNS] + [format_effect_record(m) for m in MODELS],
         goldens={f"{m}/{p}": golden_kdtr(p, m) for m in MODELS for p in PRECISIONS},
+        noise={f"{m}/{p}/{c}": noise_kdtr(c, p, m) for m, p, c in NOISE_MODELS},
         near_tie=config["report"]["near_tie"],
         router_near_tie=config["report"]["router_near_tie"],
         fingerprint_rtol=config["report"]["fingerprint_rtol"],

@@ -112,6 +112,12 @@ def engines_missing_modules(engines: dict[str, dict[str, Any]]) -> dict[str, lis
     return missing
 
 
+def noise_models(engines: dict[str, dict[str, Any]], runs) -> list[tuple[str, str, str]]:
+    """The (model, precision, precision class) noise models the report needs: one per bundle that an
+    engine of a reduced precision (anything but float32) runs on, among `runs` (engine_runs)."""
+    return sorted({(m, p, engines[e]["precision"]) for e, m, p, _ in runs if engines[e]["precision"] != "float32"})
+
+
 def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int],
                 left_out: list[str] = ()) -> list[tuple[str, str, str, str]]:
     """Every (engine, model, precision, mode) run: greedy, ddtree-b<budget> per DDTree budget of

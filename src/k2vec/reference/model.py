@@ -8,6 +8,8 @@ building blocks (RMSNorm, MLA attention, SwiGLU MLP, the MoE router and experts)
 It follows transformers' DeepseekV3 op for op (tests/test_reference_vs_hf.py); docs/reference-model.md
 lists each convention where implementations differ and which one this follows. It computes in float64
 by default: the golden data is an oracle, so an engine should differ from it by its own rounding only.
+With a `Rounder` (k2vec.model.precision) it emulates a reduced-precision engine instead: values are
+rounded to the format at the op boundaries the rounder's schedule names (the noise model's runs).
 The KV cache holds the expanded per-head keys and values, not the latent (docs/reference-model.md).
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 
 from k2vec.errors import ConfigError, K2VecError
 from k2vec.model.limits import STREAM_BYTES
+from k2vec.model.precision import EXACT, Rounder
 
 HF_LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm default, used by HF for q_a_layernorm and kv_a_layernorm
 
@@ -187,11 +190,16 @@ class WeightStore:
     `release(name)` (drop the pages of a tensor that has been used, e.g. of a whole-file mmap)."""
 
     def __init__(self, weights: Mapping[str, np.ndarray], dtype, cache_bytes: int | None = None,
-                 stream_bytes: int = STREAM_BYTES):
+                 stream_bytes: int = STREAM_BYTES, round_weights=None):
         self.source, self.dtype, self.cache_bytes = weights, np.dtype(dtype), cache_bytes
         self.stream_bytes = stream_bytes
+        self._round = round_weights   # a reduced-precision engine's weights in its format (None: as stored)
         self._cache: dict[str, np.ndarray] = {}
         self._bytes = 0
+
+    def _convert(self, arr: np.ndarray) -> np.ndarray:
+        out = to_float(arr, self.dtype)
+        return out if self._round is None else self._round(out).astype(self.dtype, copy=False)
 
     def _get(self, name: str) -> np.ndarray:
         try:
@@ -207,7 +215,7 @@ class WeightStore:
     def __call__(self, name: str) -> np.ndarray:
         hit = self._cache.pop(name, None)
         if hit is None:
-            hit = to_float(self._get(name), self.dtype)
+            hit = self._convert(self._get(name))
             self._release(name)
             self._bytes += hit.nbytes
             while self.cache_bytes is not None and self._cache and self._bytes > self.cache_bytes:
@@ -234,14 +242,14 @@ class WeightStore:
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             w = block(name, r0, r1) if block is not None else np.asarray(self._get(name))[r0:r1]
-            out[:, r0:r1] = x @ to_float(w, self.dtype).T
+            out[:, r0:r1] = x @ self._convert(w).T
             del w
         self._release(name)
         return out
 
     def rows(self, name: str, index: np.ndarray) -> np.ndarray:
         """Selected rows of a tensor without converting all of it (embedding lookup)."""
-        out = to_float(np.asarray(self._get(name))[index], self.dtype)
+        out = self._convert(np.asarray(self._get(name))[index])
         self._release(name)
         return out
 
@@ -422,12 +430,15 @@ class ReferenceModel:
     (an mmap `Checkpoint`, a dict, a dequantizing loader); tensors are read on first use."""
 
     def __init__(self, config: Mapping, weights: Mapping[str, np.ndarray], dtype=np.float64,
-                 latent_norm_eps: float | None = HF_LATENT_NORM_EPS, weight_cache_bytes: int | None = None):
+                 latent_norm_eps: float | None = HF_LATENT_NORM_EPS, weight_cache_bytes: int | None = None,
+                 rounding: Rounder = EXACT):
         self.config = dict(config)
         self.dims = d = Dims.from_config(self.config)
         self.dtype = np.dtype(dtype)
         self.latent_norm_eps = d.eps if latent_norm_eps is None else float(latent_norm_eps)
-        self.w = WeightStore(weights, self.dtype, weight_cache_bytes)
+        self.r = rounding
+        self.w = WeightStore(weights, self.dtype, weight_cache_bytes,
+                             round_weights=None if rounding.exact else rounding.weights)
         self.inv_freq, self.attention_factor, softmax_mult = rope_tables(self.config, d.rope)
         self.softmax_scale = (d.nope + d.rope) ** -0.5 * softmax_mult
         self.moe_layers = [i for i in range(d.layers) if i >= d.first_dense]
@@ -439,21 +450,22 @@ class ReferenceModel:
     def _attention(self, i: int, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, segs: list[tuple]) -> np.ndarray:
         """MLA over rows x [R, hidden] that belong to the sequences `segs` = [(row slice, cache, additive mask)]:
         projections run on all rows at once, the softmax attention per sequence against its own cache."""
-        d, w, p = self.dims, self.w, f"model.layers.{i}.self_attn."
+        d, w, mm, rnd, p = self.dims, self.w, self._mm, self.r, f"model.layers.{i}.self_attn."
         r = x.shape[0]
         if d.q_lora_rank is None:
-            q = w.mm(x, p + "q_proj.weight")
+            q = mm(x, p + "q_proj.weight")
         else:
-            q_latent = rms_norm(w.mm(x, p + "q_a_proj.weight"), w(p + "q_a_layernorm.weight"), self.latent_norm_eps)
-            q = w.mm(q_latent, p + "q_b_proj.weight")
+            q_latent = rnd.norm(rms_norm(mm(x, p + "q_a_proj.weight"), w(p + "q_a_layernorm.weight"),
+                                         self.latent_norm_eps))
+            q = mm(q_latent, p + "q_b_proj.weight")
         q = q.reshape(r, d.heads, d.nope + d.rope)
-        q_nope, q_pe = q[..., : d.nope], apply_rope(q[..., d.nope :], cos, sin)
+        q_nope, q_pe = q[..., : d.nope], rnd.elementwise(apply_rope(q[..., d.nope :], cos, sin))
 
         # One shared projection gives the kv latent and the single-head rope key.
-        kv_a = w.mm(x, p + "kv_a_proj_with_mqa.weight")
-        latent = rms_norm(kv_a[:, : d.kv_lora_rank], w(p + "kv_a_layernorm.weight"), self.latent_norm_eps)
-        k_pe = apply_rope(kv_a[:, d.kv_lora_rank :], cos, sin)
-        kv = w.mm(latent, p + "kv_b_proj.weight").reshape(r, d.heads, d.nope + d.v)
+        kv_a = mm(x, p + "kv_a_proj_with_mqa.weight")
+        latent = rnd.norm(rms_norm(kv_a[:, : d.kv_lora_rank], w(p + "kv_a_layernorm.weight"), self.latent_norm_eps))
+        k_pe = rnd.cache(apply_rope(kv_a[:, d.kv_lora_rank :], cos, sin))
+        kv = rnd.cache(mm(latent, p + "kv_b_proj.weight")).reshape(r, d.heads, d.nope + d.v)
         k_nope, v = kv[..., : d.nope].transpose(1, 0, 2), kv[..., d.nope :].transpose(1, 0, 2)  # [H, R, .]
 
         out = np.empty((d.heads, r, d.v), self.dtype)
@@ -464,13 +476,17 @@ class ReferenceModel:
             # score[h, t, s] = q·k over [nope | rope]; the rope key is shared by all heads.
             scores = np.matmul(q_nope[rows].transpose(1, 0, 2), k_nope_all.transpose(0, 2, 1))
             scores += (q_pe[rows].reshape(t * d.heads, d.rope) @ k_pe_all.T).reshape(t, d.heads, -1).transpose(1, 0, 2)
-            scores *= self.softmax_scale
+            scores = rnd.scores(scores) * self.softmax_scale
             scores += mask  # additive, [t, S], broadcast over heads
             scores -= scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
-            out[:, rows] = np.matmul(probs, v_all)
-        return w.mm(out.transpose(1, 0, 2).reshape(r, d.heads * d.v), p + "o_proj.weight")
+            out[:, rows] = np.matmul(rnd.softmax(probs), v_all)
+        return mm(rnd.linear(out.transpose(1, 0, 2).reshape(r, d.heads * d.v)), p + "o_proj.weight")
+
+    def _mm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """A projection: `WeightStore.mm`, its output in the engine's format where the schedule rounds there."""
+        return self.r.linear(self.w.mm(x, name))
 
     # --- feed-forward ------------------------------------------------------------------------
     def _dense_mlp(self, i: int, x: np.ndarray) -> np.ndarray:
@@ -478,21 +494,22 @@ class ReferenceModel:
 
     def _swiglu(self, x: np.ndarray, prefix: str) -> np.ndarray:
         """`swiglu` with the weights under `prefix`, each multiplied through `WeightStore.mm`."""
-        w = self.w
-        return w.mm(silu(w.mm(x, prefix + "gate_proj.weight")) * w.mm(x, prefix + "up_proj.weight"),
-                    prefix + "down_proj.weight")
+        mm, act = self._mm, self.r.elementwise
+        return mm(act(act(silu(mm(x, prefix + "gate_proj.weight"))) * mm(x, prefix + "up_proj.weight")),
+                  prefix + "down_proj.weight")
 
     def _moe(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(output, router ids, router margins) for rows x."""
-        d, w, p = self.dims, self.w, f"model.layers.{i}.mlp."
-        ids, weights, margin = route(w.mm(x, p + "gate.weight"), w(p + "gate.e_score_correction_bias"), d)
+        d, w, rnd, p = self.dims, self.w, self.r, f"model.layers.{i}.mlp."
+        # the router's logits skip the projection rounding: engines route from float32 logits unless told
+        ids, weights, margin = route(rnd.router(w.mm(x, p + "gate.weight")), w(p + "gate.e_score_correction_bias"), d)
         y = np.zeros_like(x)
         for e in np.unique(ids):  # each expert once, over all tokens routed to it
             rows, slot = np.nonzero(ids == e)  # a token picks an expert at most once: rows are unique
             h = self._swiglu(x[rows], f"{p}experts.{e}.")  # read (dequantized) only now: a token routed here
-            y[rows] += weights[rows, slot, None] * h
+            y[rows] = rnd.combine(y[rows] + rnd.combine(weights[rows, slot, None] * h))
         if d.n_shared:  # shared experts: one SwiGLU of width n_shared * moe_intermediate, unweighted
-            y += self._swiglu(x, p + "shared_experts.")
+            y = rnd.combine(y + self._swiglu(x, p + "shared_experts."))
         return y, ids, margin
 
     # --- whole forward -----------------------------------------------------------------------
@@ -549,21 +566,23 @@ class ReferenceModel:
         segs = [(sl, s.cache, mask) for sl, s, (_, _, mask) in zip(slices, segments, prepared)]
         positions = np.concatenate([pos for _, pos, _ in prepared])
         angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]
-        cos = (np.cos(angles) * self.attention_factor).astype(self.dtype)
-        sin = (np.sin(angles) * self.attention_factor).astype(self.dtype)
+        cos = self.r.elementwise((np.cos(angles) * self.attention_factor).astype(self.dtype))
+        sin = self.r.elementwise((np.sin(angles) * self.attention_factor).astype(self.dtype))
 
         hidden = np.empty((d.layers, int(ends[-1]), d.hidden), self.dtype) if record else None
         routed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        rnd = self.r
         x = self.w.rows("model.embed_tokens.weight", np.concatenate([tok for tok, _, _ in prepared]))
         for i in range(d.layers):
             p = f"model.layers.{i}."
-            x = x + self._attention(i, rms_norm(x, self.w(p + "input_layernorm.weight"), d.eps), cos, sin, segs)
-            h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), d.eps)
+            h = rnd.norm(rms_norm(x, self.w(p + "input_layernorm.weight"), d.eps))
+            x = rnd.residual(x + self._attention(i, h, cos, sin, segs))
+            h = rnd.norm(rms_norm(x, self.w(p + "post_attention_layernorm.weight"), d.eps))
             if i < d.first_dense:
-                x = x + self._dense_mlp(i, h)
+                x = rnd.residual(x + self._dense_mlp(i, h))
             else:
                 y, ids, margin = self._moe(i, h)
-                x = x + y
+                x = rnd.residual(x + y)
                 routed[i] = (ids, margin)
             if record:
                 hidden[i] = x
@@ -571,7 +590,7 @@ class ReferenceModel:
             s.cache.commit(pos)
 
         rows = x[ends - 1] if last_only else x
-        logits = self.w.mm(rms_norm(rows, self.w("model.norm.weight"), d.eps), "lm_head.weight")
+        logits = rnd.logits(self.w.mm(rnd.norm(rms_norm(rows, self.w("model.norm.weight"), d.eps)), "lm_head.weight"))
         outs = []
         for j, sl in enumerate(slices):
             out = ForwardOutput(logits=logits[j : j + 1] if last_only else logits[sl])
