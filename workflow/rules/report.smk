@@ -39,6 +39,7 @@ rule report:
         router_near_tie=config["report"]["router_near_tie"],
         fingerprint_rtol=config["report"]["fingerprint_rtol"],
         budgets=config["report"].get("budgets", {}),
+        noise_rule=config["report"].get("noise", {}),
     script:
         "../scripts/report.py"
 

@@ -6,6 +6,11 @@ packed nibbles with this module's own decoder (docs/int4-format.md §2), not the
 transformer math is the reference model's (k2vec.reference), as the engine contract allows.
 
     python -m k2vec.engines.numpy_engine --bundle B.kdtr --mode greedy|ddtree|score --budget N --output R.json
+        [--precision bfloat16|float16|fp8]
+
+--precision emulates an engine of that precision (k2vec.model.precision: its values rounded to the format
+at the op boundaries of ENGINE_SCHEDULE, a schedule the noise model does not use); the default computes
+in float64.
 
 `run(..., install=hook)` calls `hook(model)` on the freshly built reference model before decoding: the
 mutation run's engine (k2vec.mutation.engine) injects one catalogue fault that way; this module knows
@@ -30,6 +35,7 @@ from k2vec.engines.contract.serialize import ddtree_round, greedy_prompt, score_
 from k2vec.errors import K2VecError
 from k2vec.kdtr import bf16_to_f32, open_bundle
 from k2vec.model.limits import WEIGHT_CACHE_BYTES
+from k2vec.model.precision import ENGINE_SCHEDULE, EXACT, FORMATS, get_format
 from k2vec.reference.generate import greedy_generate
 from k2vec.reference.model import ReferenceModel
 from k2vec.reference.speculative import DDTreeJob, ddtree_generate
@@ -94,8 +100,11 @@ class BundleWeights(Mapping[str, np.ndarray]):
         return sum(1 for _ in self)
 
 
-def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceModel], None] | None = None) -> dict:
-    """The result object of one contract run; `install(model)`, when given, changes the model before it decodes."""
+def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceModel], None] | None = None,
+        precision: str | None = None) -> dict:
+    """The result object of one contract run; `install(model)`, when given, changes the model before it decodes;
+    `precision` (a k2vec.model.precision format) emulates an engine of it."""
+    rounding = EXACT if precision is None else ENGINE_SCHEDULE.rounder(get_format(precision))
     t0 = time.perf_counter()
     bundle = open_bundle(bundle_path)
     meta = bundle.metadata
@@ -104,7 +113,7 @@ def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceMo
     prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"]) for i in range(n_prompts)]
     model = ReferenceModel(meta["hf_config"], BundleWeights(bundle, meta["quantization"]), dtype=np.float64,
                            latent_norm_eps=meta["golden"]["reference"]["latent_norm_eps"],
-                           weight_cache_bytes=WEIGHT_CACHE_BYTES)  # the golden stage's cache
+                           weight_cache_bytes=WEIGHT_CACHE_BYTES, rounding=rounding)  # the golden stage's cache
     if install is not None:
         install(model)
     t_load = time.perf_counter()
@@ -134,15 +143,17 @@ def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceMo
         raise K2VecError(f"unknown mode {mode!r}; the contract's modes: {', '.join(CONTRACT_MODES)}")
     t_end = time.perf_counter()
     return {"format": "k2vec-engine-result", "version": 1,
-            "device": f"cpu ({platform.machine()}, numpy {np.__version__}, float64)",
+            "device": f"cpu ({platform.machine()}, numpy {np.__version__}, "
+                      f"{'float64' if precision is None else precision + ' emulated in float64'})",
             "timing": {"load_s": t_load - t0, "decode_s": t_end - t_load},
             "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = contract_parser(__doc__.splitlines()[0])
+    ap.add_argument("--precision", choices=list(FORMATS), help="emulate an engine of this precision (default: float64)")
     args = ap.parse_args(argv)
-    result = run(args.bundle, args.mode, args.budget)
+    result = run(args.bundle, args.mode, args.budget, precision=args.precision)
     write_output(args.output, result)
     return 0
 

@@ -97,6 +97,11 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
 )}
 
 
+# The numpy engine's own schedule in its emulated-precision mode: not one of SCHEDULES, so its verdict
+# against the noise model tests the envelope on an engine it was not built from.
+ENGINE_SCHEDULE = Schedule("numpy-engine", norm=True, softmax=True, combine=True)
+
+
 class Rounder:
     """The rounding functions of one (schedule, format); the identity where the schedule keeps full
     precision, and everywhere for `EXACT` (no format: the golden's float64)."""

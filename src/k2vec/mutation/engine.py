@@ -1,6 +1,6 @@
 """The mutation run's engine: the numpy engine with one fault of the catalogue injected through its hook.
 
-    python -m k2vec.mutation.engine --mutant NAME --bundle B.kdtr --mode M --budget N --output R.json
+    python -m k2vec.mutation.engine --mutant NAME --bundle B.kdtr --mode M --budget N --output R.json [--precision P]
 
 The same contract as the numpy engine (k2vec.engines.numpy_engine), which never imports the catalogue.
 """
@@ -11,6 +11,7 @@ import sys
 
 from k2vec.engines import numpy_engine
 from k2vec.engines.cli import contract_parser, write_output
+from k2vec.model.precision import FORMATS
 from k2vec.mutation.catalogue import injected
 
 
@@ -18,9 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = contract_parser(__doc__.splitlines()[0])
     ap.add_argument("--mutant", metavar="NAME", required=True,
                     help="the fault of the mutant catalogue to inject (docs/mutants.md)")
+    ap.add_argument("--precision", choices=list(FORMATS), help="the numpy engine's emulated precision (default: float64)")
     args = ap.parse_args(argv)
     with injected(args.mutant) as install:
-        result = numpy_engine.run(args.bundle, args.mode, args.budget, install)
+        result = numpy_engine.run(args.bundle, args.mode, args.budget, install, precision=args.precision)
     write_output(args.output, result)
     return 0
 

@@ -59,14 +59,17 @@ class ReportResult:
 
 def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, str], str | Path],
                  out_dir: str | Path, *, near_tie: float = 1e-3, router_near_tie: float = 1e-3,
-                 fingerprint_rtol: float = 1e-3, budgets: Mapping[str, Mapping[str, Any]] | None = None) -> ReportResult:
+                 fingerprint_rtol: float = 1e-3, budgets: Mapping[str, Mapping[str, Any]] | None = None,
+                 noise: Mapping[tuple[str, str, str], str | Path] | None = None,
+                 noise_rule: Mapping[str, Any] | None = None) -> ReportResult:
     """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
-    budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml)."""
+    budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml); noise:
+    {(model, precision, precision class): noise-model path}; noise_rule: report.noise (report/noise.py)."""
     from k2vec.report import plots
     from k2vec.report.html import render_html, summary_text
 
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
-                                 fingerprint_rtol=fingerprint_rtol, budgets=budgets)
+                                 fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, noise_rule=noise_rule)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_steps = dict(zip(m.format_models.get("model", []), m.format_models.get("max_new_tokens", [])))
@@ -108,19 +111,32 @@ def _goldens_from(value: Any) -> dict[tuple[str, str], str]:
     return {(str(g["model"]), str(g["precision"])): str(g["path"]) for g in value}
 
 
+def _noise_from(value: Mapping[str, Any] | None) -> dict[tuple[str, str, str], str]:
+    """{(model, precision, precision class): path} from the rule's {"model/precision/class": path}."""
+    out = {}
+    for k, v in (value or {}).items():
+        parts = tuple(k.split("/")) if isinstance(k, str) else tuple(k)
+        if len(parts) != 3:
+            raise ReportError(f"noise-model key {k!r}: expected 'model/precision/precision_class'")
+        out[tuple(str(x) for x in parts)] = str(v)
+    return out
+
+
 def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str | Path, *, near_tie: float = 1e-3,
                  router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
-                 budgets: Mapping[str, Mapping[str, Any]] | None = None, strict: bool = False) -> ReportResult:
+                 budgets: Mapping[str, Mapping[str, Any]] | None = None, strict: bool = False,
+                 noise: Mapping[str, Any] | None = None, noise_rule: Mapping[str, Any] | None = None) -> ReportResult:
     """Rule `report`: build_report, with its summary logged (run it inside the stage's stage_logging).
 
     runs: {"engine","model","precision","mode","result"} dicts (result = the JSON path); goldens:
     {(model, precision): path}, [{"model","precision","path"}] or {"model/precision": path} (the rule's
-    params.goldens); budgets: report.budgets. strict: raise StrictFailure (report/gate.py) on a real
+    params.goldens); budgets: report.budgets; noise: {"model/precision/class": noise-model path} (params.noise);
+    noise_rule: report.noise. strict: raise StrictFailure (report/gate.py) on a real
     divergence, an over-budget row or a failed run, after writing the outputs.
     """
     res = build_report(list(runs), _goldens_from(goldens), out_dir, near_tie=float(near_tie),
                        router_near_tie=float(router_near_tie), fingerprint_rtol=float(fingerprint_rtol),
-                       budgets=budgets)
+                       budgets=budgets, noise=_noise_from(noise), noise_rule=noise_rule)
     logging.getLogger("k2vec.report").info("%s", res.summary)
     if strict and res.strict_problem:
         raise StrictFailure(res.strict_problem)
@@ -138,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fingerprint-rtol", type=float, default=1e-3)
     ap.add_argument("--precision-class", nargs=2, action="append", default=[], metavar=("ENGINE", "PRECISION"),
                     help="an engine's declared compute precision (float32, bfloat16, float16, fp8; default float32)")
+    ap.add_argument("--noise", nargs=4, action="append", default=[], metavar=("MODEL", "PRECISION", "CLASS", "PATH"),
+                    help="a noise model (results/noise/MODEL/PRECISION-CLASS.kdtr) for the engines of that class")
     ap.add_argument("--budgets", help="JSON file: per precision, budgets laid over the defaults (report.budgets)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the strict verdict fails (report/gate.py): a real divergence, an over-budget row, a failed run or a DDTree tree that differs")
     a = ap.parse_args(argv)
@@ -154,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (OSError, ValueError) as err:
                 raise ReportError(f"--budgets {a.budgets}: {err}") from None
         res = build_report(runs, goldens, a.out, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
-                           fingerprint_rtol=a.fingerprint_rtol, budgets=budgets)
+                           fingerprint_rtol=a.fingerprint_rtol, budgets=budgets,
+                           noise={(m, p, c): path for m, p, c, path in a.noise})
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

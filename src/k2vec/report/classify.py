@@ -14,13 +14,20 @@ A row (see docs/engine-contract.md "Report"):
   logits is flagged although its tokens happened not to flip;
 - within-budget: a score row whose top-1 differs at some step while the run is within its budget;
 - near-tie: the golden's own top-1/top-2 margin at the divergent step is below `near_tie`;
-- router-near-tie: a routing near-tie at the divergence (routing.py says where the evidence comes from);
+- router-near-tie: a routing near-tie at the divergence (routing.py says where the evidence comes from):
+  the golden margin of a decision the engine took otherwise is below `router_near_tie`, or within twice
+  what the noise model moves that margin by (a correct engine of the precision may flip it);
 - precision-tie: the golden's gap between its token and the engine's at the divergent step is within
-  twice the engine's own logit noise (before the divergence, or the largest of its score run on the model):
-  both logits may move by the noise, so the order can flip;
-- real: anything else, and every divergence of a row whose noise is beyond its budget (or whose
-  engine's score run is over budget): a tie is only granted to an engine whose noise is that of its
-  precision, so a real bug cannot hide behind its own errors.
+  twice the noise of a correct engine of its precision there: both logits may move by it, so the order
+  can flip. That noise is never the engine's own errors (a bug inflates them): for a reduced precision
+  it is the noise model's envelope at that step (report/noise.py); without a noise model, the
+  precision's `logit_abs` budget;
+- real: anything else, and every divergence of a row whose errors are beyond its budget, or whose
+  engine on that bundle is over the noise model or has a score run over budget: a tie is only granted
+  to an engine whose noise is that of its precision, so a real bug cannot hide behind its own errors.
+
+Over-budget and real rows of an engine over the noise model say so in `over_budget`; the fixed budgets
+of a reduced precision are then only an outer bound.
 """
 
 from __future__ import annotations
@@ -78,11 +85,14 @@ def classify(rows: pd.DataFrame, budgets, *, near_tie: float, router_near_tie: f
     is_score = kind == "score"
     has_div = rows["first_step"].notna().to_numpy()
     # A divergent step always shows an error of half the gap, and everything after it differs: a
-    # greedy / DDTree divergence is judged by the errors before it, the engine's own noise there (or
-    # anywhere in its score run on the same weights). Rows without a divergence, and score rows, by all steps.
+    # greedy / DDTree divergence is checked against the budget by the errors before it (and anywhere in
+    # the engine's score run on the same weights). Rows without a divergence, and score rows, by all steps.
     before = has_div & ~is_score
-    noise = np.fmax(rows["noise_before"].to_numpy(float), rows["score_noise"].to_numpy(float))
-    logit_err = np.where(before, noise, rows["logit_abs_max"].to_numpy(float))
+    # the tie credit: the noise model's at the divergent step, else the budget (never the engine's own errors)
+    credit = rows["noise_credit"].to_numpy(float) if "noise_credit" in rows else np.full(len(rows), np.nan)
+    noise = np.where(np.isfinite(credit), credit, np.where(np.isfinite(logit_lim), logit_lim, np.nan))
+    own = np.fmax(rows["noise_before"].to_numpy(float), rows["score_noise"].to_numpy(float))
+    logit_err = np.where(before, own, rows["logit_abs_max"].to_numpy(float))
     hidden_err = np.where(before, rows["fingerprint_rel_before"], rows["fingerprint_rel_max"]).astype(float)
     logit_over = logit_err > logit_lim          # NaN (not reported) compares False
     hidden_over = hidden_err > hidden_lim
@@ -95,11 +105,17 @@ def classify(rows: pd.DataFrame, budgets, *, near_tie: float, router_near_tie: f
     run_over = rows["run_over_budget"].to_numpy(object)
     has_run_over = pd.notna(run_over)
     why = np.where(pd.isna(why) & has_run_over, "score run over budget: " + run_over.astype(str), why)
-    untrusted = logit_over | hidden_over | has_run_over
+    noise_over = rows["noise_over"].to_numpy(object) if "noise_over" in rows else np.full(len(rows), None, object)
+    has_noise_over = pd.notna(noise_over)
+    why = np.where(pd.isna(why) & has_noise_over, "over the noise model: " + noise_over.astype(str), why)
+    untrusted = logit_over | hidden_over | has_run_over | has_noise_over
     margin, gap = rows["margin"].to_numpy(float), rows["golden_gap"].to_numpy(float)
     router = rows["router_margin"].to_numpy(float)
     near = ~untrusted & (margin < near_tie)
-    router_tie = ~untrusted & ~near & (router < router_near_tie)
+    # a flipped expert choice is a tie where the golden margin is below the threshold, or within what the
+    # noise model moves that decision's margin by (report/noise.py router_credit)
+    r_credit = rows["noise_router_credit"].to_numpy(float) if "noise_router_credit" in rows else np.nan
+    router_tie = ~untrusted & ~near & ((router < router_near_tie) | (router <= r_credit))
     precision_tie = ~untrusted & ~near & ~router_tie & (gap <= 2 * noise)
     cls = np.select(
         [is_score & untrusted, is_score & ~has_div, is_score, ~has_div & untrusted, ~has_div, near, router_tie,

@@ -23,7 +23,7 @@ INT_COLUMNS = [
 
 
 def compare_rows(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.ndarray, ref_tokens: np.ndarray,
-                 *, score: np.ndarray | None = None, fingerprint_rtol: float
+                 *, score: np.ndarray | None = None, fingerprint_rtol: float, cells: dict | None = None
                  ) -> tuple[dict[str, np.ndarray], pd.DataFrame, dict[int, tuple[np.ndarray, np.ndarray]]]:
     """Token, logit, fingerprint and router comparison of R engine rows against golden `g` (unclassified).
 
@@ -31,13 +31,15 @@ def compare_rows(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.ndarr
     "fingerprints", "router_experts"}); prompt[r]: golden prompt index; ref_tokens: [R, N] the golden
     tokens to match (greedy, or the DDTree trace); score[r]: row r is a score-mode row. Returns column
     arrays, the per-step frame (logits.STEP_COLUMNS) and the score rows' routing evidence by position
-    (routing.compare_routing)."""
+    (routing.compare_routing). `cells`, when given, receives what the noise-model verdict needs per row:
+    "hidden_rel" (fingerprints.compare_fingerprints) and "route_differs" (routing.compare_routing)."""
     score = np.zeros(len(datas), bool) if score is None else score
     cols, t = compare_tokens(g, datas, prompt, ref_tokens, score)
     logit_cols, steps = compare_logits(g, datas, prompt, t["upto"], t["fs"], t["fs_c"], t["has_div"], t["g_tok"])
     cols.update(logit_cols)
-    cols.update(compare_fingerprints(g, datas, prompt, t["upto"], t["fs"], fingerprint_rtol))
-    routing, by_pos = compare_routing(g, datas, prompt, t["fs"], score)
+    cols.update(compare_fingerprints(g, datas, prompt, t["upto"], t["fs"], fingerprint_rtol,
+                                     None if cells is None else cells.setdefault("hidden_rel", [])))
+    routing, by_pos = compare_routing(g, datas, prompt, t["fs"], score, cells)
     cols.update(routing)
     return cols, steps, by_pos
 

@@ -38,6 +38,7 @@ from k2vec.report.format_effect_table import format_effect
 from k2vec.report.golden_data import Golden, ReportError, golden_strength
 from k2vec.report.integrity import CHANGED, RunChecks
 from k2vec.report.logits import STEP_COLUMNS
+from k2vec.report.noise import NoiseModel, Rule, noise_cells, noise_verdicts, router_credit
 from k2vec.report.routing import score_evidence
 from k2vec.report.score import SCORE_COLUMNS, score_stats
 from k2vec.report.words import plural
@@ -92,6 +93,7 @@ class Metrics:
     thresholds: dict[str, float] = field(default_factory=dict)
     golden_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden (report/golden_data.py)
     prompt_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden x prompt: margins, blind
+    noise_calibration: pd.DataFrame = field(default_factory=pd.DataFrame)  # per noise model x held-out schedule
 
     @property
     def strict_problem(self) -> str | None:
@@ -204,11 +206,14 @@ def _check_golden(goldens: Mapping[tuple[str, str], Any], key: tuple[str, str], 
 
 def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, str], str | Path], *,
                     near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
-                    budgets: Mapping[str, Mapping[str, Any]] | None = None) -> Metrics:
+                    budgets: Mapping[str, Mapping[str, Any]] | None = None,
+                    noise: Mapping[tuple[str, str, str], str | Path] | None = None,
+                    noise_rule: Mapping[str, Any] | None = None) -> Metrics:
     """All report data for `runs` ({"engine","model","precision","mode","result"}, optional
     "precision_class" (default float32) and "reference" (the int4-format row: scored, not judged)
     each) against `goldens` ({(model, precision): golden KDTR path}). `budgets`: per precision class,
-    laid over classify.DEFAULT_BUDGETS."""
+    laid over classify.DEFAULT_BUDGETS. `noise`: {(model, precision, precision class): noise-model
+    path} (k2vec.stages.noise), judged by `noise_rule` (report/noise.py, laid over NOISE_RULE)."""
 
     try:
         budgets = resolve_budgets(budgets)
@@ -238,13 +243,20 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                 needed |= {(m, "fp32"), (m, "int4")}
         for key in sorted(needed):
             opened[key] = Golden(key[0], key[1], goldens[key])
+        rule = Rule.from_config(noise_rule)
+        models = {}
+        for (m, p, c), path in sorted((noise or {}).items()):
+            if (m, p) in opened:
+                models[(m, p, c)] = NoiseModel(path, opened[(m, p)], c)
         th = {"near_tie": near_tie, "router_near_tie": router_near_tie, "fingerprint_rtol": fingerprint_rtol}
         rows, runs_df, steps, acceptance, score_runs, ref_steps = _engine_metrics(
-            runs, opened, th, budgets, RunChecks({k: g.sha256 for k, g in opened.items()}))
+            runs, opened, th, budgets, RunChecks({k: g.sha256 for k, g in opened.items()}), models, rule)
         fe, fe_steps, fe_models = format_effect(opened, th, budgets)
         strength, prompt_strength = golden_strength(opened, near_tie, router_near_tie)
+        calibration = pd.DataFrame([{"model": m, "precision": p, "precision_class": c, **rec}
+                                    for (m, p, c), nm in models.items() for rec in nm.calibration(rule)])
         return Metrics(rows, runs_df, steps, acceptance, score_runs, fe, fe_steps, fe_models, ref_steps,
-                       {**th, "budgets": budgets}, strength, prompt_strength)
+                       {**th, "budgets": budgets, "noise_rule": vars(rule)}, strength, prompt_strength, calibration)
     finally:
         for g in opened.values():
             g.close()
@@ -263,13 +275,14 @@ def _no_gc():
             gc.enable()
 
 
-def _engine_metrics(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], budgets, checks: RunChecks):
+def _engine_metrics(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], budgets, checks: RunChecks,
+                    noise: dict[tuple[str, str, str], NoiseModel], rule: Rule):
     with _no_gc():
-        return _engine_metrics_inner(runs, opened, th, budgets, checks)
+        return _engine_metrics_inner(runs, opened, th, budgets, checks, noise, rule)
 
 
 def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], budgets,
-                          checks: RunChecks):
+                          checks: RunChecks, noise_models: dict[tuple[str, str, str], NoiseModel], rule: Rule):
     items: list[_Item] = []
     stderr: dict[int, str | None] = {}
     for r_i, spec in enumerate(runs):
@@ -303,9 +316,13 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
             if items[i].rounds_ref is not None:
                 traces[j] = g.trace(*items[i].rounds_ref, int(prompt[j]))
                 ref[j] = traces[j]["tokens"][:g.N]
+        cells: dict = {}
         cols, steps, by_pos = compare_rows(g, [items[i].data for i in idx], prompt, ref,
                                            score=(grp["kind"] == "score").to_numpy(),
-                                           fingerprint_rtol=th["fingerprint_rtol"])
+                                           fingerprint_rtol=th["fingerprint_rtol"], cells=cells)
+        for name, values in noise_cells(noise_models, key, grp["precision_class"].to_numpy(), prompt, cols, steps,
+                                        cells, (grp["kind"] == "score").to_numpy(), rule).items():
+            put(idx, name, values)
         for j, ev in by_pos.items():
             b = items[idx[j]].base
             score_routing[(b["engine"], b["model"], b["precision"], b["prompt"])] = ev
@@ -363,6 +380,8 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     keys = pd.MultiIndex.from_frame(base[["engine", "model", "precision", "prompt"]])
     base["score_noise"] = noise.reindex(keys.droplevel("prompt")).to_numpy(float) if len(noise) else np.nan
     base["run_over_budget"] = [over.get(k[:3]) for k in keys]
+    base["noise_over"] = noise_verdicts(base, rule)
+    base["noise_router_credit"] = router_credit(noise_models, opened, base, rule)
     classified = classify(base, budgets, near_tie=th["near_tie"], router_near_tie=th["router_near_tie"])
     classified["class"] = _not_judged_class(base["status"], classified["class"])
     # the int4-format reference rows are scored (score table), not judged as an engine

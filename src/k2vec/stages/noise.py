@@ -11,6 +11,7 @@ schedule and prompt it keeps what an engine result carries, reduced to what the 
     noise.{schedule}.p{i}.hidden_rel   float32 [N, L]     relative L2 error of its residual stream after
                                                           each layer against the golden's fingerprint
     noise.{schedule}.p{i}.router_ids   int32 [M, P+N-1, k] its routed experts per fed position
+    noise.{schedule}.p{i}.router_margins float64 [M, P+N-1] its k-th minus (k+1)-th biased router score
 
 The report (k2vec.report.noise) turns these into envelopes and judges engines of that precision
 against them, the same comparison code as for engines (docs/report.md "Noise model").
@@ -76,6 +77,7 @@ def make_noise(model_spec: Mapping[str, Any], weights: Mapping[str, np.ndarray],
             tensors[p + "topk_logits"] = r.topk_logits.astype(np.float64)
             tensors[p + "hidden_rel"] = rel.astype(np.float32)
             tensors[p + "router_ids"] = r.router_ids.astype(np.int32)
+            tensors[p + "router_margins"] = r.router_margins.astype(np.float64)
             same.append(r.tokens == g_tok)
             rel_all.append(rel)
         per_schedule[name] = {"same_top1": float(np.concatenate(same).mean()),

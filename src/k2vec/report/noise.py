@@ -1,0 +1,241 @@
+"""Verdicts of reduced-precision engines against the noise model (k2vec.stages.noise).
+
+The noise model of a golden and a precision holds S emulated correct engines (rounding schedules), fed the
+golden tokens. From them, per prompt and step (and layer): the envelope, the largest error any schedule
+shows there, of the residual stream after each layer (relative L2 against the golden fingerprint) and of
+the logits (largest |error| over the golden's top-K ids). A step is judged only where every schedule routes
+as the golden at the fed position: where a correct engine may flip an expert, the error is a routing
+effect, not rounding.
+
+The rule (docs/report.md "Noise model"). An engine's cell is one (step, layer) of its residual stream, or
+one step of its logits, on a judged step before its first divergence, where its own routing (if it reports
+it) equals the golden's. A cell is *beyond* the noise model when its error exceeds `margin` times the
+envelope there. The engine on one bundle (all its rows there, every mode pooled: its rounding is a property
+of the engine, not of one prompt or mode) is *over the noise model* when more than `fraction` of at least
+`min_cells` cells, of its hidden states or of its logits, are beyond. A correct engine of the precision is
+one more draw of the same rounding: each of its cells exceeds the largest of S draws with probability
+1/(S+1) at most, and `margin` on top of that, so a fifth of cells beyond is far out of its reach;
+`calibration` measures exactly this for each schedule held out against the envelope of the others, and the
+report prints it next to the verdicts.
+
+The tie credit of a divergence is the envelope's logit error at the divergent step, times `margin`: both
+logits of the swapped pair may move by it, so a golden gap up to twice that is a precision-tie. It never
+depends on the engine's own errors, which a bug inflates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import pandas as pd
+
+from k2vec.digests import IntegrityError, verify_kdtr
+from k2vec.kdtr import open_bundle
+from k2vec.report.golden_data import Golden, ReportError
+
+# The rule's defaults (config.yaml report.noise, docs/report.md "Noise model").
+NOISE_RULE = {"margin": 1.5, "fraction": 0.2, "min_cells": 12}
+ENVELOPE_FLOOR = 1e-12   # an envelope of exactly 0 (a layer no schedule rounds): any error is beyond it
+
+
+@dataclass(frozen=True)
+class Rule:
+    margin: float
+    fraction: float
+    min_cells: int
+
+    @classmethod
+    def from_config(cls, cfg: Mapping | None) -> "Rule":
+        merged = {**NOISE_RULE, **(cfg or {})}
+        unknown = set(merged) - set(NOISE_RULE)
+        if unknown:
+            raise ReportError(f"report.noise.{sorted(unknown)[0]}: unknown setting; known: {', '.join(NOISE_RULE)}")
+        try:
+            rule = cls(float(merged["margin"]), float(merged["fraction"]), int(merged["min_cells"]))
+        except (TypeError, ValueError) as err:
+            raise ReportError(f"report.noise: {err}") from None
+        if rule.margin < 1 or not 0 < rule.fraction < 1 or rule.min_cells < 1:
+            raise ReportError("report.noise: margin must be >= 1, fraction in (0, 1), min_cells >= 1")
+        return rule
+
+
+def lookup_logits(ids: np.ndarray, logits: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(logit of each `want` id in (ids, logits) or NaN, found) over the last axis, batched."""
+    match = want[..., :, None] == ids[..., None, :]
+    found = match.any(-1)
+    at = np.take_along_axis(logits, match.argmax(-1), axis=-1)
+    return np.where(found, at, np.nan), found
+
+
+class NoiseModel:
+    """One noise-model file, verified and checked against the golden it was made from, as envelopes."""
+
+    def __init__(self, path: str | Path, g: Golden, precision_class: str):
+        path = Path(path)
+        who = f"noise model of {g.model}/{g.precision} at {precision_class}"
+        try:
+            verify_kdtr(path)
+        except IntegrityError as err:
+            raise ReportError(f"{who} is not readable as the noise stage wrote it: {err}. Rebuild it: delete "
+                              f"{path} and rerun Snakemake") from None
+        with open_bundle(path) as b:
+            md = b.metadata
+            if md.get("kind") != "k2vec-noise" or (md.get("model"), md.get("precision"), md.get("precision_class")) \
+                    != (g.model, g.precision, precision_class):
+                raise ReportError(f"{path} is not the {who} (metadata: kind {md.get('kind')!r}, model "
+                                  f"{md.get('model')!r}, precision {md.get('precision')!r}, class "
+                                  f"{md.get('precision_class')!r})")
+            if md.get("golden_sha256") != g.sha256:
+                raise ReportError(f"{path}: made from another golden than {g.path} (sha256 "
+                                  f"{md.get('golden_sha256')} vs {g.sha256}); rerun Snakemake to rebuild it")
+            self.path, self.precision_class = path, precision_class
+            self.schedules = list(md["schedules"])
+            P, S = g.n_prompts, len(self.schedules)
+
+            def stack(name: str) -> np.ndarray:
+                return np.stack([np.stack([np.asarray(b[f"noise.{s}.p{i}.{name}"]) for i in range(P)])
+                                 for s in self.schedules])
+            self.hidden_rel = stack("hidden_rel").astype(np.float64)                # [S, P, N, L]
+            self.tokens = stack("tokens").astype(np.int64)                          # [S, P, N]
+            ids, logits = stack("topk_ids").astype(np.int64), stack("topk_logits")  # [S, P, N, K]
+            router = [[np.asarray(b[f"noise.{s}.p{i}.router_ids"]) for i in range(P)] for s in self.schedules]
+            margins = [[np.asarray(b[f"noise.{s}.p{i}.router_margins"]) for i in range(P)] for s in self.schedules]
+        at, found = lookup_logits(ids, logits, np.broadcast_to(g.topk_ids, ids.shape[:1] + g.topk_ids.shape))
+        with np.errstate(invalid="ignore"):
+            err = np.where(found, np.abs(at - g.topk_logits[None]), np.nan)
+        # a golden id the schedule did not list is at most its K-th logit away
+        err = np.where(found, err, np.abs(logits[..., -1:] - g.topk_logits[None]))
+        self.logit_abs = err.max(-1)                                                # [S, P, N]
+        # every schedule routes as the golden at the fed position of step j (sets, every MoE layer)
+        fed = g.fed_positions(np.arange(P))                                         # [P, N]
+        same = np.ones((S, P, g.N), bool)
+        # per router decision (prompt, position, MoE layer): how far a correct engine's router margin moves
+        # from the golden's, inf where one of them chooses other experts there (a correct engine flips it)
+        self.env_router = np.zeros(g.router_margins.shape)
+        if g.moe_layers.size:
+            for s in range(S):
+                for i in range(P):
+                    r = np.sort(router[s][i], axis=-1).transpose(1, 0, 2)           # [positions, M, k]
+                    n_pos = r.shape[0]
+                    flip = (r != g.router_ids[i, :n_pos]).any(-1)                   # [positions, M]
+                    same[s, i] = ~flip[fed[i]].any(-1)
+                    moved = np.abs(margins[s][i].T - g.router_margins[i, :n_pos])
+                    self.env_router[i, :n_pos] = np.fmax(self.env_router[i, :n_pos], np.where(flip, np.inf, moved))
+        self.routes_as_golden = same
+        self.judged = same.all(0)                                                   # [P, N]
+        self.env_hidden = np.maximum(self.hidden_rel.max(0), ENVELOPE_FLOOR)        # [P, N, L]
+        self.env_logit = np.maximum(self.logit_abs.max(0), ENVELOPE_FLOOR)          # [P, N]
+        self.same_top1 = (self.tokens == g.tokens[None]).mean(axis=(1, 2))          # [S]
+
+    def calibration(self, rule: Rule) -> list[dict]:
+        """Each schedule held out and judged by the rule against the envelope of the others: the fraction
+        of its cells beyond (hidden states, logits). A correct engine's fractions look like these."""
+        out = []
+        for s, name in enumerate(self.schedules):
+            rest = [t for t in range(len(self.schedules)) if t != s]
+            judged = self.routes_as_golden[rest].all(0) & self.routes_as_golden[s]
+            env_h = np.maximum(self.hidden_rel[rest].max(0), ENVELOPE_FLOOR)
+            env_l = np.maximum(self.logit_abs[rest].max(0), ENVELOPE_FLOOR)
+            h = (self.hidden_rel[s] > rule.margin * env_h)[judged]
+            lg = (self.logit_abs[s] > rule.margin * env_l)[judged]
+            out.append({"schedule": name, "hidden_cells": int(h.size), "hidden_beyond": float(h.mean()) if h.size else np.nan,
+                        "logit_cells": int(lg.size), "logit_beyond": float(lg.mean()) if lg.size else np.nan})
+        return out
+
+
+NOISE_COLUMNS = ("noise_hidden_cells", "noise_hidden_beyond", "noise_logit_cells", "noise_logit_beyond",
+                 "noise_credit", "noise_envelope")
+
+
+def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[str, str], precision_class: np.ndarray,
+                prompt: np.ndarray, cols: Mapping[str, np.ndarray], steps, cells: Mapping, score: np.ndarray,
+                rule: Rule) -> dict[str, np.ndarray]:
+    """Per row of one golden (compare_rows' output): its cells and how many are beyond the noise model,
+    of hidden states and of logits; the tie credit at its divergent step; NaN for rows without a model."""
+    R = len(prompt)
+    out = {c: np.full(R, np.nan) for c in NOISE_COLUMNS}
+    have = np.array([(key[0], key[1], c) in models for c in precision_class], bool)
+    if not have.any():
+        return out
+    N = next(iter(m for k, m in models.items() if k[:2] == key)).env_logit.shape[1]
+    fs = cols["first_step"]
+    has_div = np.isfinite(fs) & ~score
+    # cells: steps before the first divergence (all compared steps without one), where the engine routed as the golden
+    limit = np.where(has_div, np.nan_to_num(fs), N)
+    before = np.arange(N)[None, :] < limit[:, None]
+    own_route = ~np.asarray(cells.get("route_differs", np.zeros((R, N), bool)))
+    step_abs = np.full((R, N), np.nan)
+    if len(steps):
+        step_abs[steps["i"].to_numpy(int), steps["step"].to_numpy(int)] = steps["abs_max"].to_numpy(float)
+    hidden = cells.get("hidden_rel") or [None] * R
+    for c in np.unique(precision_class[have]):
+        nm = models[(key[0], key[1], c)]
+        rows = np.flatnonzero(have & (precision_class == c))
+        p = prompt[rows]
+        ok = before[rows] & own_route[rows] & nm.judged[p]                        # [r, N]
+        lg = ok & np.isfinite(step_abs[rows])
+        beyond = lg & (step_abs[rows] > rule.margin * nm.env_logit[p])
+        out["noise_logit_cells"][rows], out["noise_logit_beyond"][rows] = lg.sum(1), beyond.sum(1)
+        fs_c = np.clip(np.nan_to_num(fs[rows]).astype(int), 0, N - 1)
+        env_at = nm.env_logit[p, fs_c]
+        out["noise_envelope"][rows] = np.nanmax(np.where(ok, nm.env_logit[p], np.nan), axis=1, initial=0.0)
+        out["noise_credit"][rows] = np.where(has_div[rows], rule.margin * env_at, np.nan)
+        # hidden cells: each row's [n, L] errors against its prompt's envelope (rows differ in length)
+        for r, i in zip(rows, range(len(rows))):
+            rel = hidden[r]
+            if rel is None:
+                out["noise_hidden_cells"][r] = out["noise_hidden_beyond"][r] = 0
+                continue
+            n = rel.shape[0]
+            m = ok[i, :n, None] & np.ones(rel.shape, bool)
+            out["noise_hidden_cells"][r] = m.sum()
+            out["noise_hidden_beyond"][r] = (m & (rel > rule.margin * nm.env_hidden[p[i], :n])).sum()
+    return out
+
+
+def noise_verdicts(rows, rule: Rule) -> np.ndarray:
+    """Per row: why its engine, on its bundle (every mode pooled), is over the noise model, or None."""
+    why = np.full(len(rows), None, object)
+    if "noise_hidden_cells" not in rows or not rows["noise_hidden_cells"].notna().any():
+        return why
+    keyed = rows[rows["noise_hidden_cells"].notna()]
+    sums = keyed.groupby(["engine", "model", "precision"])[list(NOISE_COLUMNS[:4])].sum()
+    reasons = {}
+    for k, s in sums.iterrows():
+        parts = []
+        for what, cells, beyond in (("hidden-state", s.noise_hidden_cells, s.noise_hidden_beyond),
+                                    ("logit", s.noise_logit_cells, s.noise_logit_beyond)):
+            if cells >= rule.min_cells and beyond > rule.fraction * cells:
+                parts.append(f"{what} error beyond {rule.margin:g}x the noise model at {int(beyond)} of "
+                             f"{int(cells)} cells ({beyond / cells:.0%} > {rule.fraction:.0%})")
+        if parts:
+            reasons[k] = "; ".join(parts)
+    for j, k in enumerate(zip(rows["engine"], rows["model"], rows["precision"])):
+        if pd.notna(rows["noise_hidden_cells"].iloc[j]):
+            why[j] = reasons.get(k)
+    return why
+
+
+def router_credit(models: Mapping[tuple[str, str, str], NoiseModel], goldens: Mapping[tuple[str, str], Golden],
+                  rows, rule: Rule) -> np.ndarray:
+    """Per row with router evidence (routing.py) and a noise model: the golden router margin up to which a
+    flip of that decision is a correct engine's rounding, twice `margin` times the noise model's movement
+    of that margin (inf where a schedule flips it too); NaN elsewhere."""
+    out = np.full(len(rows), np.nan)
+    pos = rows["router_position"].to_numpy(float)
+    for (m, p, c), nm in models.items():
+        sel = np.flatnonzero((rows["model"] == m).to_numpy() & (rows["precision"] == p).to_numpy()
+                             & (rows["precision_class"] == c).to_numpy() & np.isfinite(pos))
+        if not sel.size:
+            continue
+        layer_index = {int(layer): j for j, layer in enumerate(goldens[(m, p)].moe_layers)}
+        li = np.array([layer_index.get(int(x), -1) for x in rows["router_layer"].to_numpy(float)[sel]])
+        ok = li >= 0
+        sel, li = sel[ok], li[ok]
+        pr, ps = rows["prompt"].to_numpy(int)[sel], pos[sel].astype(int)
+        inside = ps < nm.env_router.shape[1]
+        out[sel[inside]] = 2 * rule.margin * nm.env_router[pr[inside], ps[inside], li[inside]]
+    return out
