@@ -209,55 +209,60 @@ BUDGETS = {"float32": {"logit_abs": 1e-3, "hidden_rel": 1e-3, "same_top1": 0.98,
            "bfloat16": {"logit_abs": 8.0, "hidden_rel": None, "same_top1": 0.8, "kl_mean": 0.2, "kl_p99": 4.0}}
 NEAR, ROUTER = 0.01, 0.02
 # kind, precision, first_step, noise_before, score_noise, logit_abs_max, fp_before, fp_max, run_over_budget,
-# margin, golden_gap, router_margin -> class, noise, over_budget
+# margin, golden_gap, router_margin, noise_credit (the noise model's, report/noise.py) -> class, noise, over_budget
 CASES = [
-    ("greedy", "float32", None, None, None, 5e-4, None, 5e-4, None, None, None, None, "exact", None, None),
-    ("greedy", "float32", None, None, None, 1e-3, None, 1e-3, None, None, None, None, "exact", None, None),  # at the budget
-    ("greedy", "float32", None, None, None, 2e-3, None, 0, None, None, None, None, "over-budget", None,
+    ("greedy", "float32", None, None, None, 5e-4, None, 5e-4, None, None, None, None, None, "exact", None, None),
+    ("greedy", "float32", None, None, None, 1e-3, None, 1e-3, None, None, None, None, None, "exact", None, None),  # at the budget
+    ("greedy", "float32", None, None, None, 2e-3, None, 0, None, None, None, None, None, "over-budget", None,
      "logit error 0.002 > logit_abs 0.001"),
-    ("greedy", "float32", None, None, None, 0, None, 3e-3, None, None, None, None, "over-budget", None,
+    ("greedy", "float32", None, None, None, 0, None, 3e-3, None, None, None, None, None, "over-budget", None,
      "fingerprint rel. error 0.003 > hidden_rel 0.001"),
-    ("greedy", "float32", None, None, None, 2e-3, None, 3e-3, None, None, None, None, "over-budget", None,
+    ("greedy", "float32", None, None, None, 2e-3, None, 3e-3, None, None, None, None, None, "over-budget", None,
      "logit error 0.002 > logit_abs 0.001"),                                      # the logit reason first
-    ("greedy", "bfloat16", None, None, None, 7.0, None, 50.0, None, None, None, None, "exact", None, None),  # hidden_rel null
-    ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.005, 5.0, 0.001, "near-tie", 0.1, None),
-    ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.01, 5.0, 0.001, "router-near-tie", 0.1, None),
-    ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.5, 0.2, 0.02, "precision-tie", 0.1, None),
-    ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.5, 0.21, 0.02, "real", 0.1, None),
-    ("greedy", "bfloat16", 3, 0.05, 0.1, 20.0, None, None, None, 0.5, 0.2, 0.5, "precision-tie", 0.1, None),
-    ("greedy", "bfloat16", 3, 9.0, None, 20.0, None, None, None, 0.001, 0.2, 0.001, "real", 9.0,
+    ("greedy", "bfloat16", None, None, None, 7.0, None, 50.0, None, None, None, None, None, "exact", None, None),  # hidden_rel null
+    ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.005, 5.0, 0.001, 0.1, "near-tie", 0.1, None),
+    ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.01, 5.0, 0.001, 0.1, "router-near-tie", 0.1, None),
+    ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.5, 0.2, 0.02, 0.1, "precision-tie", 0.1, None),
+    ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.5, 0.21, 0.02, 0.1, "real", 0.1, None),
+    # the engine's own noise (5, within the budget) buys no credit: the noise model's 0.05 does not cover 0.2
+    ("greedy", "bfloat16", 3, 5.0, 5.0, 20.0, None, None, None, 0.5, 0.2, 0.5, 0.05, "real", 0.05, None),
+    ("greedy", "bfloat16", 3, 0.05, 0.1, 20.0, None, None, None, 0.5, 0.2, 0.5, 0.1, "precision-tie", 0.1, None),
+    # no noise model: the budget's logit_abs is the credit
+    ("greedy", "bfloat16", 3, 0.05, None, 20.0, None, None, None, 0.5, 15.0, 0.5, None, "precision-tie", 8.0, None),
+    ("greedy", "bfloat16", 3, 9.0, None, 20.0, None, None, None, 0.001, 0.2, 0.001, 0.1, "real", 0.1,
      "logit error before the divergence 9 > logit_abs 8"),
-    ("greedy", "float32", 3, 1e-4, None, 9.0, 2e-3, 9.0, None, 0.5, 0.2, 0.5, "real", 1e-4,
+    ("greedy", "float32", 3, 1e-4, None, 9.0, 2e-3, 9.0, None, 0.5, 0.2, 0.5, None, "real", 1e-3,
      "fingerprint rel. error before the divergence 0.002 > hidden_rel 0.001"),
-    ("ddtree", "bfloat16", 3, 0.1, None, 20.0, None, None, "kl_mean 0.3 > 0.2", 0.001, 0.1, 0.001, "real", 0.1,
+    ("ddtree", "bfloat16", 3, 0.1, None, 20.0, None, None, "kl_mean 0.3 > 0.2", 0.001, 0.1, 0.001, 0.1, "real", 0.1,
      "score run over budget: kl_mean 0.3 > 0.2"),
-    ("greedy", "bfloat16", None, None, None, 1.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, "over-budget",
+    ("greedy", "bfloat16", None, None, None, 1.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, None, "over-budget",
      None, "score run over budget: kl_mean 0.3 > 0.2"),
-    ("greedy", "bfloat16", None, None, None, 9.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, "over-budget",
+    ("greedy", "bfloat16", None, None, None, 9.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, None, "over-budget",
      None, "logit error 9 > logit_abs 8"),                       # its own reason before the score run's
-    ("score", "bfloat16", None, None, None, 7.5, None, None, None, None, None, None, "exact", None, None),
-    ("score", "bfloat16", 2, 0.5, 7.5, 7.5, None, None, None, 0.001, 0.1, 0.001, "within-budget", 7.5, None),
-    ("score", "bfloat16", 2, 0.5, 9.0, 9.0, None, None, None, 0.001, 0.1, 0.001, "over-budget", 9.0,
+    ("score", "bfloat16", None, None, None, 7.5, None, None, None, None, None, None, None, "exact", None, None),
+    ("score", "bfloat16", 2, 0.5, 7.5, 7.5, None, None, None, 0.001, 0.1, 0.001, None, "within-budget", None, None),
+    ("score", "bfloat16", 2, 0.5, 9.0, 9.0, None, None, None, 0.001, 0.1, 0.001, None, "over-budget", None,
      "logit error 9 > logit_abs 8"),
-    ("score", "bfloat16", None, None, None, 1.0, None, None, "same top-1 0.5 < 0.8", None, None, None, "over-budget",
+    ("score", "bfloat16", None, None, None, 1.0, None, None, "same top-1 0.5 < 0.8", None, None, None, None, "over-budget",
      None, "score run over budget: same top-1 0.5 < 0.8"),
-    ("greedy", None, 3, None, None, 100.0, None, None, None, 0.5, 0.01, 0.5, "real", None, None),  # no precision
+    ("greedy", None, 3, None, None, 100.0, None, None, None, 0.5, 0.01, 0.5, None, "real", None, None),  # no precision
 ]
 
 
 def test_classify_each_class_and_reason_by_hand():
     cols = ["kind", "precision_class", "first_step", "noise_before", "score_noise", "logit_abs_max",
-            "fingerprint_rel_before", "fingerprint_rel_max", "run_over_budget", "margin", "golden_gap", "router_margin"]
-    rows = pd.DataFrame([c[:12] for c in CASES], columns=cols)
+            "fingerprint_rel_before", "fingerprint_rel_max", "run_over_budget", "margin", "golden_gap", "router_margin",
+            "noise_credit"]
+    rows = pd.DataFrame([c[:13] for c in CASES], columns=cols)
     for c in cols[2:]:
         if c != "run_over_budget":
             rows[c] = rows[c].astype(float)
     rows["router_layer"], rows["router_position"], rows["router_evidence"] = 2.0, 7.0, "engine routing differs"
     before = rows.copy()
     out = classify(rows, BUDGETS, near_tie=NEAR, router_near_tie=ROUTER)
-    assert out["class"].tolist() == [c[12] for c in CASES]
-    np.testing.assert_array_equal(out["noise"].to_numpy(float), np.array([c[13] for c in CASES], float))
-    assert [None if pd.isna(v) else v for v in out["over_budget"]] == [c[14] for c in CASES]
+    assert out["class"].tolist() == [c[13] for c in CASES]
+    np.testing.assert_array_equal(out["noise"].to_numpy(float), np.array([c[14] for c in CASES], float))
+    assert [None if pd.isna(v) else v for v in out["over_budget"]] == [c[15] for c in CASES]
     # router evidence is kept only where it is the reason for the class
     tie = out["class"] == "router-near-tie"
     assert out.loc[tie, ["router_margin", "router_layer", "router_position"]].values.tolist() == [[0.001, 2.0, 7.0]]

@@ -90,7 +90,8 @@ def classify(rows: pd.DataFrame, budgets, *, near_tie: float, router_near_tie: f
     before = has_div & ~is_score
     # the tie credit: the noise model's at the divergent step, else the budget (never the engine's own errors)
     credit = rows["noise_credit"].to_numpy(float) if "noise_credit" in rows else np.full(len(rows), np.nan)
-    noise = np.where(np.isfinite(credit), credit, np.where(np.isfinite(logit_lim), logit_lim, np.nan))
+    noise = np.where(before, np.where(np.isfinite(credit), credit, np.where(np.isfinite(logit_lim), logit_lim, np.nan)),
+                     np.nan)
     own = np.fmax(rows["noise_before"].to_numpy(float), rows["score_noise"].to_numpy(float))
     logit_err = np.where(before, own, rows["logit_abs_max"].to_numpy(float))
     hidden_err = np.where(before, rows["fingerprint_rel_before"], rows["fingerprint_rel_max"]).astype(float)

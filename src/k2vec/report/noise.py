@@ -8,7 +8,8 @@ as the golden at the fed position: where a correct engine may flip an expert, th
 effect, not rounding.
 
 The rule (docs/report.md "Noise model"). An engine's cell is one (step, layer) of its residual stream, or
-one step of its logits, on a judged step before its first divergence, where its own routing (if it reports
+one step of its logits, on a judged step up to its first divergence (inclusive: that step was fed the
+golden's tokens too), where its own routing (if it reports
 it) equals the golden's. A cell is *beyond* the noise model when its error exceeds `margin` times the
 envelope there. The engine on one bundle (all its rows there, every mode pooled: its rounding is a property
 of the engine, not of one prompt or mode) is *over the noise model* when more than `fraction` of at least
@@ -37,7 +38,7 @@ from k2vec.kdtr import open_bundle
 from k2vec.report.golden_data import Golden, ReportError
 
 # The rule's defaults (config.yaml report.noise, docs/report.md "Noise model").
-NOISE_RULE = {"margin": 1.5, "fraction": 0.2, "min_cells": 12}
+NOISE_RULE = {"margin": 1.5, "fraction": 0.2, "min_cells": 6}
 ENVELOPE_FLOOR = 1e-12   # an envelope of exactly 0 (a layer no schedule rounds): any error is beyond it
 
 
@@ -125,6 +126,8 @@ class NoiseModel:
                     moved = np.abs(margins[s][i].T - g.router_margins[i, :n_pos])
                     self.env_router[i, :n_pos] = np.fmax(self.env_router[i, :n_pos], np.where(flip, np.inf, moved))
         self.routes_as_golden = same
+        self.fed = fed
+        self.golden_router_margins = g.router_margins                               # [P, positions, M]
         self.judged = same.all(0)                                                   # [P, N]
         self.env_hidden = np.maximum(self.hidden_rel.max(0), ENVELOPE_FLOOR)        # [P, N, L]
         self.env_logit = np.maximum(self.logit_abs.max(0), ENVELOPE_FLOOR)          # [P, N]
@@ -147,7 +150,8 @@ class NoiseModel:
 
 
 NOISE_COLUMNS = ("noise_hidden_cells", "noise_hidden_beyond", "noise_logit_cells", "noise_logit_beyond",
-                 "noise_credit", "noise_envelope")
+                 "noise_router_cells", "noise_router_beyond", "noise_credit", "noise_envelope")
+_COUNTS = NOISE_COLUMNS[:6]
 
 
 def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[str, str], precision_class: np.ndarray,
@@ -163,10 +167,13 @@ def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[st
     N = next(iter(m for k, m in models.items() if k[:2] == key)).env_logit.shape[1]
     fs = cols["first_step"]
     has_div = np.isfinite(fs) & ~score
-    # cells: steps before the first divergence (all compared steps without one), where the engine routed as the golden
-    limit = np.where(has_div, np.nan_to_num(fs), N)
+    # cells: steps up to the first divergence (all compared steps without one), where the engine routed as the
+    # golden. The divergent step is one: both sides fed the same tokens, so its residual stream and its logits
+    # are a correct engine's up to rounding (its flipped token is what the credit then judges).
+    limit = np.where(has_div, np.nan_to_num(fs) + 1, N)
     before = np.arange(N)[None, :] < limit[:, None]
-    own_route = ~np.asarray(cells.get("route_differs", np.zeros((R, N), bool)))
+    differs = np.asarray(cells.get("route_differs", np.zeros((R, N, 0), bool)))         # [R, N, M]
+    own_route = ~differs.any(-1)
     step_abs = np.full((R, N), np.nan)
     if len(steps):
         step_abs[steps["i"].to_numpy(int), steps["step"].to_numpy(int)] = steps["abs_max"].to_numpy(float)
@@ -179,6 +186,17 @@ def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[st
         lg = ok & np.isfinite(step_abs[rows])
         beyond = lg & (step_abs[rows] > rule.margin * nm.env_logit[p])
         out["noise_logit_cells"][rows], out["noise_logit_beyond"][rows] = lg.sum(1), beyond.sum(1)
+        # router cells: each decision up to the divergence; beyond where the engine flips one that no
+        # schedule flips and whose golden margin is over twice margin x the noise model's movement of it
+        if differs.shape[-1]:
+            g_pos = np.clip(nm.fed[p], 0, nm.env_router.shape[1] - 1)                 # [r, N]
+            g_margin = np.take_along_axis(nm.golden_router_margins[p], g_pos[:, :, None], axis=1)
+            env = np.take_along_axis(nm.env_router[p], g_pos[:, :, None], axis=1)
+            decided = before[rows][:, :, None] & np.isfinite(g_margin)
+            flips = decided & differs[rows] & (g_margin > 2 * rule.margin * env)
+            out["noise_router_cells"][rows], out["noise_router_beyond"][rows] = decided.sum((1, 2)), flips.sum((1, 2))
+        else:
+            out["noise_router_cells"][rows] = out["noise_router_beyond"][rows] = 0
         fs_c = np.clip(np.nan_to_num(fs[rows]).astype(int), 0, N - 1)
         env_at = nm.env_logit[p, fs_c]
         out["noise_envelope"][rows] = np.nanmax(np.where(ok, nm.env_logit[p], np.nan), axis=1, initial=0.0)
@@ -202,12 +220,13 @@ def noise_verdicts(rows, rule: Rule) -> np.ndarray:
     if "noise_hidden_cells" not in rows or not rows["noise_hidden_cells"].notna().any():
         return why
     keyed = rows[rows["noise_hidden_cells"].notna()]
-    sums = keyed.groupby(["engine", "model", "precision"])[list(NOISE_COLUMNS[:4])].sum()
+    sums = keyed.groupby(["engine", "model", "precision"])[list(_COUNTS)].sum()
     reasons = {}
     for k, s in sums.iterrows():
         parts = []
         for what, cells, beyond in (("hidden-state", s.noise_hidden_cells, s.noise_hidden_beyond),
-                                    ("logit", s.noise_logit_cells, s.noise_logit_beyond)):
+                                    ("logit", s.noise_logit_cells, s.noise_logit_beyond),
+                                    ("routing", s.noise_router_cells, s.noise_router_beyond)):
             if cells >= rule.min_cells and beyond > rule.fraction * cells:
                 parts.append(f"{what} error beyond {rule.margin:g}x the noise model at {int(beyond)} of "
                              f"{int(cells)} cells ({beyond / cells:.0%} > {rule.fraction:.0%})")

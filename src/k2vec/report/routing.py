@@ -32,14 +32,14 @@ def compare_routing(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.nd
     score row), and the router evidence at the divergence (margin, layer, position, evidence kind);
     and per score row that reports routing, ([positions] smallest golden margin among the decisions
     where the engine chose otherwise (inf: none), [positions] its MoE layer), for score_evidence.
-    `cells`, when given, gets "route_differs" [R, N]: the engine's experts differ from the golden's at the
-    position step j fed, in some MoE layer (False where it reports no routing or the step is not compared)."""
+    `cells`, when given, gets "route_differs" [R, N, M]: the engine's experts differ from the golden's at the
+    position step j fed, in MoE layer m (False where it reports no routing or the step is not compared)."""
     R, N = len(datas), g.N
     cols = {c: np.full(R, np.nan) for c in ROUTER_COLUMNS}
     cols["router_evidence"] = np.full(R, None, object)
     by_pos: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     M = g.moe_layers.size
-    route_differs = np.zeros((R, N), bool)
+    route_differs = np.zeros((R, N, M), bool)
     if cells is not None:
         cells["route_differs"] = route_differs   # filled in place below
     if not M or not R:
@@ -64,7 +64,7 @@ def compare_routing(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.nd
         Gr = g.router_ids[prompt[r_idx]]
         compared = inside & (pos >= first[:, None]) & (pos <= last_pos[r_idx, None])
         differ = (Er != Gr).any(-1) & compared[:, :, None]                         # [T, pos, M]
-        at_step = np.take_along_axis(differ.any(-1), np.clip(g.fed_positions(prompt[r_idx]), 0, n_pos - 1), axis=1)
+        at_step = np.take_along_axis(differ, np.clip(g.fed_positions(prompt[r_idx]), 0, n_pos - 1)[:, :, None], axis=1)
         route_differs[r_idx] = at_step
         anyd, p_at, m_at = first_2d(differ)
         cols["router_diff_step"][r_idx] = np.where(anyd, p_at - (P[r_idx] - 1), np.nan)
