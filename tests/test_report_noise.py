@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from test_report_classify import _tiny_spec, gold, get, noisy  # noqa: F401 (gold: a fixture)
+from test_report_classify import _tiny_spec, get, noisy
 from test_report_metrics import flip, make_goldens
 
 from k2vec.engines.contract.serialize import greedy_prompt, score_prompt
@@ -28,6 +28,13 @@ BF16 = ENGINE_SCHEDULE.rounder(get_format("bfloat16"))
 @pytest.fixture(scope="module")
 def goldens(tmp_path_factory):
     return make_goldens(tmp_path_factory.mktemp("noise-goldens"))
+
+
+@pytest.fixture(scope="module")
+def gold(goldens):
+    from k2vec.kdtr import open_bundle
+    with open_bundle(goldens[("tiny", "fp32")]) as b:
+        return {"md": b.metadata, **{k: np.array(b[k]) for k in b.keys()}}
 
 
 @pytest.fixture(scope="module")
