@@ -4,7 +4,8 @@ greedy and score on the default bundles, judged by the report with the noise mod
 
     .venv/bin/snakemake --cores 2 && .venv/bin/python bench/noise_mutants.py [NAME ...]
 
-Prints, per mutant, the fraction of its rows that are real or over-budget and its class counts.
+Prints, per mutant, the fraction of its rows that are real or over-budget, the fraction of its cells beyond
+the noise model (hidden states, logits, routing; report/noise.py), and its class counts.
 """
 import dataclasses
 import json
@@ -55,11 +56,13 @@ def main(names):
                     write_record(path, sha256_bytes(text.encode()))
                     runs.append({"engine": name, "model": m, "precision": p, "mode": mode, "result": str(path),
                                  "precision_class": "bfloat16"})
-        rows = compute_metrics(runs, goldens, noise=noise).rows
+        m = compute_metrics(runs, goldens, noise=noise)
+        rows, t = m.rows, m.noise_table
         caught = rows["class"].isin(["real", "over-budget"]).mean()
-        why = rows["over_budget"].dropna()
-        print(f"{name:34s} caught {caught:4.2f} {rows['class'].value_counts().to_dict()} "
-              f"{why.iloc[0][:120] if len(why) else ''}", flush=True)
+        beyond = {k: t[f"{k}_beyond"].sum() / max(t[f"{k}_cells"].sum(), 1) for k in ("hidden", "logit", "router")}
+        print(f"{name:32s} caught {caught:4.2f}  beyond: hidden {beyond['hidden']:4.0%} logits {beyond['logit']:4.0%} "
+              f"routing {beyond['router']:4.0%}  over the noise model on {int(t['verdict'].ne('within').sum())}/{len(t)} "
+              f"bundles  {rows['class'].value_counts().to_dict()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -240,13 +240,23 @@ def test_route_group_limited_topk():
     np.testing.assert_array_equal(ids, [[2, 7, 6]])
     np.testing.assert_allclose(weights, np.array([[0.5, 0.58, 0.56]]) / 1.64 * 2.0)  # unbiased, normalised, scaled
     np.testing.assert_allclose(margin, [0.56 - 0.55])  # 3rd vs 4th among the kept groups
-    # Only k experts survive the group mask -> no runner-up: margin +inf. Without normalisation: raw * scale.
+    # Only k experts survive the group mask -> no runner-up among experts; the margin is the kept group's
+    # lead over the next (g1 1.15 vs g3 1.14): a near-tie of groups. Without normalisation: raw * scale.
     d2 = Dims.from_config({**CFG, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 1,
                            "routed_scaling_factor": 2.0, "norm_topk_prob": False})
     ids, weights, margin = route(logits, bias, d2)
     np.testing.assert_array_equal(ids, [[2, 3]])
     np.testing.assert_allclose(weights, [[1.0, 1.1]])
-    assert np.isinf(margin).all()
+    np.testing.assert_allclose(margin, [1.15 - 1.14])
+    # The group lead is the margin wherever it is the smaller: experts 2 and 3 far ahead inside g1.
+    d3 = Dims.from_config({**CFG, "n_routed_experts": 8, "num_experts_per_tok": 1, "n_group": 4, "topk_group": 1})
+    ids, _, margin = route(logits, bias, d3)
+    np.testing.assert_array_equal(ids, [[2]])
+    np.testing.assert_allclose(margin, [1.15 - 1.14])
+    # One group: no group margin, the expert margin alone.
+    d4 = Dims.from_config({**CFG, "n_routed_experts": 8, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1})
+    _, _, margin = route(logits, bias, d4)
+    np.testing.assert_allclose(margin, [0.9 - 0.7])
 
 
 def test_only_used_weights_are_read_and_cache_budget(model):

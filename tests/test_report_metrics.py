@@ -481,13 +481,13 @@ def test_router_near_tie_at_a_prompt_position_from_the_engines_score_run(tmp_pat
     give it): a decision it took otherwise there, at a golden near-tie, explains a later divergence."""
     def setting(p):
         """(step, layer index, prompt position, threshold) for prompt p: its smallest router margin at a
-        prompt position, below every margin fed up to the step, and a step with no logit near-tie."""
+        prompt position, and a step with no logit near-tie. The engines route as the golden at every fed
+        position, so nearer golden ties there are no evidence (a tie needs a decision taken otherwise)."""
         rm, P = gold[f"golden.p{p}.router_margins"], len(gold[f"prompt.p{p}.tokens"])
         layer_i, pos = np.unravel_index(np.argmin(rm[:, :P - 1]), rm[:, :P - 1].shape)   # a prompt position
         thr = rm[layer_i, pos] * 1.01
         steps = [k for k in range(1, len(gold[f"golden.p{p}.margins"])) if gold[f"golden.p{p}.margins"][k] > 1e-3]
-        # the positions fed up to the divergent step must not be nearer ties than the prompt position
-        return (steps[0], layer_i, pos, thr) if steps and rm[:, P - 1:P + steps[0]].min() > thr else None
+        return (steps[0], layer_i, pos, thr) if steps else None
 
     p = next(p for p in range(gold["md"]["prompts"]) if setting(p))
     k, layer_i, pos, thr = setting(p)

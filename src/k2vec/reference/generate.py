@@ -29,7 +29,7 @@ class GreedyResult:
     hidden: np.ndarray          # float [N, L, H] residual stream after each layer, for the token fed at step j
     moe_layers: np.ndarray      # int64 [M] layer index of each MoE layer
     router_ids: np.ndarray      # int64 [M, P+N-1, k] experts per fed token (by position), selection order
-    router_margins: np.ndarray  # float [M, P+N-1] k-th minus (k+1)-th biased router score after group masking
+    router_margins: np.ndarray  # float [M, P+N-1] router margin (k2vec.reference.model.route)
 
     @property
     def min_margin(self) -> float:

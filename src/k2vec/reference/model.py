@@ -377,11 +377,14 @@ def route(logits: np.ndarray, bias: np.ndarray, d: Dims) -> tuple[np.ndarray, np
     """DeepSeek-V3 noaux_tc routing for router logits [T, E].
 
     Returns (ids [T, k] in selection order: descending biased score, ties to the lower id;
-    weights [T, k]; margin [T] = k-th minus (k+1)-th biased score after group masking, +inf when
-    fewer than k+1 experts survive the group mask)."""
+    weights [T, k]; margin [T] = how near the selection is to changing: the k-th minus the (k+1)-th
+    biased score after group masking (+inf when fewer than k+1 experts survive the group mask), or, where
+    smaller, the last kept group's score minus the first dropped group's: a near-tie of groups swaps
+    whole groups of experts while the experts inside the kept groups are far apart)."""
     t, e = logits.shape
     scores = sigmoid(logits)
     choice = scores + bias  # the bias steers selection only
+    group_margin = np.full(t, np.inf)
     if d.n_group > 1:
         grouped = choice.reshape(t, d.n_group, e // d.n_group)
         group_score = np.sum(np.sort(grouped, axis=-1)[..., -2:], axis=-1)  # sum of the top-2
@@ -389,14 +392,17 @@ def route(logits: np.ndarray, bias: np.ndarray, d: Dims) -> tuple[np.ndarray, np
         keep = np.zeros((t, d.n_group), bool)
         np.put_along_axis(keep, ranked[:, : d.topk_group], True, axis=-1)
         choice = np.where(np.repeat(keep, e // d.n_group, axis=-1), choice, -np.inf)
+        if d.topk_group < d.n_group:
+            at = np.take_along_axis(group_score, ranked[:, d.topk_group - 1: d.topk_group + 1], axis=-1)
+            group_margin = at[:, 0] - at[:, 1]
     order = np.argsort(-choice, axis=-1, kind="stable")
     ids = order[:, : d.top_k]
     kth = np.take_along_axis(choice, ids[:, -1:], axis=-1)[:, 0]
     if d.top_k < e:
         nxt = np.take_along_axis(choice, order[:, d.top_k : d.top_k + 1], axis=-1)[:, 0]
-        margin = kth - nxt  # = +inf when the (k+1)-th is group-masked
+        margin = np.minimum(kth - nxt, group_margin)  # kth - nxt = +inf when the (k+1)-th is group-masked
     else:
-        margin = np.full(t, np.inf)
+        margin = group_margin
     weights = np.take_along_axis(scores, ids, axis=-1)  # unbiased scores mix the outputs
     if d.norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)

@@ -82,7 +82,9 @@ def divergence_line(r: pd.Series) -> str:
         s += (f", router margin {fmt(r['router_margin'], 'e')} at layer {int(r['router_layer'])} "
               f"position {int(r['router_position'])} ({r['router_evidence']})")
     if r["class"] == "precision-tie" or (r["class"] == "real" and not _na(r["noise"])):
-        s += f", golden gap {fmt(r['golden_gap'], 'e')} vs engine noise {fmt(r['noise'], 'e')} ({r['precision_class']})"
+        source = "noise model" if not _na(r.get("noise_credit")) else "budget"
+        s += (f", golden gap {fmt(r['golden_gap'], 'e')} vs tie credit {fmt(r['noise'], 'e')} "
+              f"({r['precision_class']} {source})")
     if not _na(r["over_budget"]):
         s += f"; over budget: {r['over_budget']}"
     return s
@@ -129,6 +131,9 @@ def summary_text(m: Metrics) -> str:
                      f"same top-1 {r['same_top1']:.1%}, KL mean {fmt(r['kl_mean'], 'e')} p99 {fmt(r['kl_p99'], 'e')} "
                      f"max {fmt(r['kl_max'], 'e')}, NMSE {fmt(r['logit_nmse'], 'e')}: {r['verdict']}"
                      + (f" ({r['over_budget']})" if r["over_budget"] else ""))
+    for _, r in m.noise_table.iterrows():
+        lines.append(f"  noise model {r['engine']} {r['model']}/{r['precision']} ({r['precision_class']}): "
+                     f"{_beyond(r)}; {r['verdict']}")
     fp = rows.dropna(subset=["first_bad_step"])
     if len(fp):
         r = fp.sort_values(["first_bad_step", "first_bad_layer"]).iloc[0]
@@ -218,6 +223,31 @@ details summary { cursor: pointer; color: #1565c0; }
 dl.defs dt { font-weight: 600; margin-top: 6px; }
 dl.defs dd { margin: 0 0 0 16px; color: #3e4c59; }
 """
+
+
+def _beyond(r: pd.Series) -> str:
+    """'hidden 3/270, logits 0/90, routing 1/180 beyond' of a noise_table row."""
+    parts = [f"{what} {int(r[k + '_beyond'])}/{int(r[k + '_cells'])}"
+             for what, k in (("hidden", "hidden"), ("logits", "logit"), ("routing", "router"))]
+    return ", ".join(parts) + " cells beyond"
+
+
+def _noise_section(m: Metrics) -> str:
+    t = m.noise_table
+    if t.empty:
+        return ""
+    rule = m.thresholds.get("noise_rule", {})
+    header = [("engine", ""), ("model/precision", ""), ("precision", ""), ("cells beyond", "wrap"),
+              ("held-out correct schedule, worst", "num"), ("verdict", "wrap")]
+    body = [[_e(r["engine"]), _e(f"{r['model']}/{r['precision']}"), _e(r["precision_class"]), _e(_beyond(r)),
+             fmt(r["held_out_worst"], "pct"), _e(r["verdict"])] for _, r in t.iterrows()]
+    return ('<section id="noise"><h2>Noise model</h2><div class="card"><p class="note">Each reduced-precision '
+            'engine against what correct engines of its precision show on the same case (emulated rounding '
+            f'schedules, docs/report.md "Noise model"): a cell is beyond at over {rule.get("margin", 0):g}x their '
+            f'largest error; over the noise model at more than {rule.get("fraction", 0):.0%} of at least '
+            f'{rule.get("min_cells", 0)} cells of a kind. The held-out column is the worst fraction a correct '
+            'schedule shows when judged against the others: the rule\'s false-alarm margin on this case.</p>'
+            + _table("noise-table", header, body) + "</div></section>")
 
 
 def _e(v: Any) -> str:
@@ -448,17 +478,19 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         "near-tie": f"first divergent step's golden top-1 minus top-2 logit &lt; near_tie = {th['near_tie']:g}.",
         "router-near-tie": f"otherwise, a routing near-tie at the divergence: where the engine reports its routing, "
                            f"it chose other experts than the golden, up to the divergent step, at a decision whose "
-                           f"golden router margin (k-th minus (k+1)-th expert score) is &lt; router_near_tie = "
-                           f"{th['router_near_tie']:g}; where it does not, the golden router margin at the position "
-                           f"fed at the divergent step is.",
+                           f"golden router margin (k-th minus (k+1)-th expert score, or the kept groups' lead) is "
+                           f"&lt; router_near_tie = {th['router_near_tie']:g}, or within twice the margin by which "
+                           f"the noise model moves that decision; where it does not, the golden router margin at "
+                           f"the position fed at the divergent step is.",
         "precision-tie": "otherwise, the golden's gap between its token and the engine's at the divergent step is "
-                         "within twice the engine's own logit noise (largest logit error before the divergence, or "
-                         "the largest of its score run on the same model and weights), and that noise is within its precision's "
-                         "budget.",
+                         "within twice a correct engine's logit noise there: for a reduced precision the noise "
+                         "model's envelope at that step (report.noise margin times it), else its precision's "
+                         "logit_abs budget. Never the engine's own errors, which a bug inflates.",
         "over-budget": "tokens equal (or a score run), but the logit or fingerprint errors, or the score run's "
-                       "same-top-1 / KL, exceed the budget of the engine's declared precision.",
-        "real": "a divergence with nothing above to explain it, or any divergence of an engine whose noise is "
-                "beyond its precision's budget (no tie credit then).",
+                       "same-top-1 / KL, exceed the budget of the engine's declared precision, or the engine on "
+                       "that bundle is over the noise model of its precision (docs/report.md \"Noise model\").",
+        "real": "a divergence with nothing above to explain it, or any divergence of an engine whose errors are "
+                "beyond its precision's budget or over the noise model (no tie credit then).",
         "failed": "the engine run failed (time limit, crash, invalid output); the reason is shown.",
         "changed": "not judged: the result, or the bundle or golden it used, changed after the run (its sha256 "
                    "no longer matches the one recorded when it was written); the reason names the file.",
@@ -488,6 +520,7 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         '<section id="failures"><h2>Failed runs</h2><div class="card">', _failure_table(m), "</div></section>",
         _format_section(m), _figure("format_effect.png", pngs["format_effect.png"]), "</section>",
         _strength_section(m),
+        _noise_section(m),
         '<section id="definitions"><h2>Definitions</h2><div class="card"><dl class="defs">', defs_html,
         "<dt>compared steps</dt><dd>steps 0..k for a prompt first diverging at step k (all steps if exact): "
         "up to k both sides fed the same tokens.</dd>"

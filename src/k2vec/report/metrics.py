@@ -38,7 +38,7 @@ from k2vec.report.format_effect_table import format_effect
 from k2vec.report.golden_data import Golden, ReportError, golden_strength
 from k2vec.report.integrity import CHANGED, RunChecks
 from k2vec.report.logits import STEP_COLUMNS
-from k2vec.report.noise import NoiseModel, Rule, noise_cells, noise_verdicts, router_credit
+from k2vec.report.noise import NoiseModel, Rule, noise_cells, noise_table, noise_verdicts, router_credit
 from k2vec.report.routing import score_evidence
 from k2vec.report.score import SCORE_COLUMNS, score_stats
 from k2vec.report.words import plural
@@ -94,6 +94,7 @@ class Metrics:
     golden_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden (report/golden_data.py)
     prompt_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden x prompt: margins, blind
     noise_calibration: pd.DataFrame = field(default_factory=pd.DataFrame)  # per noise model x held-out schedule
+    noise_table: pd.DataFrame = field(default_factory=pd.DataFrame)  # per reduced-precision engine x bundle
 
     @property
     def strict_problem(self) -> str | None:
@@ -256,7 +257,8 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
         calibration = pd.DataFrame([{"model": m, "precision": p, "precision_class": c, **rec}
                                     for (m, p, c), nm in models.items() for rec in nm.calibration(rule)])
         return Metrics(rows, runs_df, steps, acceptance, score_runs, fe, fe_steps, fe_models, ref_steps,
-                       {**th, "budgets": budgets, "noise_rule": vars(rule)}, strength, prompt_strength, calibration)
+                       {**th, "budgets": budgets, "noise_rule": vars(rule)}, strength, prompt_strength, calibration,
+                       noise_table(rows, calibration))
     finally:
         for g in opened.values():
             g.close()

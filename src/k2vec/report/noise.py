@@ -38,7 +38,7 @@ from k2vec.kdtr import open_bundle
 from k2vec.report.golden_data import Golden, ReportError
 
 # The rule's defaults (config.yaml report.noise, docs/report.md "Noise model").
-NOISE_RULE = {"margin": 1.5, "fraction": 0.2, "min_cells": 6}
+NOISE_RULE = {"margin": 2.0, "fraction": 0.2, "min_cells": 6}
 ENVELOPE_FLOOR = 1e-12   # an envelope of exactly 0 (a layer no schedule rounds): any error is beyond it
 
 
@@ -173,7 +173,11 @@ def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[st
     limit = np.where(has_div, np.nan_to_num(fs) + 1, N)
     before = np.arange(N)[None, :] < limit[:, None]
     differs = np.asarray(cells.get("route_differs", np.zeros((R, N, 0), bool)))         # [R, N, M]
-    own_route = ~differs.any(-1)
+    first_flip = np.asarray(cells.get("first_flip_position", np.full(R, np.inf)))
+    # hidden and logit cells stop at the engine's first flipped expert: from there its state follows another
+    # routing (through the flipped layer and the KV cache), which its router cells judge instead
+    g_fed = next(iter(m for k, m in models.items() if k[:2] == key)).fed[prompt]            # [R, N]
+    own_route = g_fed < first_flip[:, None]
     step_abs = np.full((R, N), np.nan)
     if len(steps):
         step_abs[steps["i"].to_numpy(int), steps["step"].to_numpy(int)] = steps["abs_max"].to_numpy(float)
@@ -258,3 +262,27 @@ def router_credit(models: Mapping[tuple[str, str, str], NoiseModel], goldens: Ma
         inside = ps < nm.env_router.shape[1]
         out[sel[inside]] = 2 * rule.margin * nm.env_router[pr[inside], ps[inside], li[inside]]
     return out
+
+
+NOISE_TABLE_COLUMNS = ["engine", "model", "precision", "precision_class", "hidden_cells", "hidden_beyond",
+                       "logit_cells", "logit_beyond", "router_cells", "router_beyond", "held_out_worst", "verdict"]
+
+
+def noise_table(rows, calibration) -> pd.DataFrame:
+    """One row per reduced-precision engine and bundle judged against a noise model: its cells and how many
+    are beyond (every mode pooled), the worst fraction a held-out correct schedule shows on the same noise
+    model (`calibration`, NoiseModel.calibration), and the verdict (`over the noise model: ...` or `within`)."""
+    if "noise_hidden_cells" not in rows or not rows["noise_hidden_cells"].notna().any():
+        return pd.DataFrame(columns=NOISE_TABLE_COLUMNS)
+    keyed = rows[rows["noise_hidden_cells"].notna()]
+    keys = ["engine", "model", "precision", "precision_class"]
+    t = keyed.groupby(keys, sort=True)[list(_COUNTS)].sum().reset_index()
+    t.columns = keys + [c.removeprefix("noise_") for c in _COUNTS]
+    worst = (calibration.assign(worst=calibration[["hidden_beyond", "logit_beyond"]].max(axis=1))
+             .groupby(["model", "precision", "precision_class"])["worst"].max()) if len(calibration) else None
+    t["held_out_worst"] = [np.nan if worst is None else worst.get((m, p, c), np.nan)
+                           for m, p, c in zip(t["model"], t["precision"], t["precision_class"])]
+    why = keyed.groupby(["engine", "model", "precision"])["noise_over"].first()
+    t["verdict"] = [("over the noise model: " + why[(e, m, p)]) if pd.notna(why.get((e, m, p))) else "within"
+                    for e, m, p in zip(t["engine"], t["model"], t["precision"])]
+    return t[NOISE_TABLE_COLUMNS]

@@ -33,15 +33,17 @@ def compare_routing(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.nd
     and per score row that reports routing, ([positions] smallest golden margin among the decisions
     where the engine chose otherwise (inf: none), [positions] its MoE layer), for score_evidence.
     `cells`, when given, gets "route_differs" [R, N, M]: the engine's experts differ from the golden's at the
-    position step j fed, in MoE layer m (False where it reports no routing or the step is not compared)."""
+    position step j fed, in MoE layer m (False where it reports no routing or the step is not compared), and
+    "first_flip_position" [R]: the first compared position where they differ (inf: none)."""
     R, N = len(datas), g.N
     cols = {c: np.full(R, np.nan) for c in ROUTER_COLUMNS}
     cols["router_evidence"] = np.full(R, None, object)
     by_pos: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     M = g.moe_layers.size
     route_differs = np.zeros((R, N, M), bool)
-    if cells is not None:
-        cells["route_differs"] = route_differs   # filled in place below
+    first_flip = np.full(R, np.inf)
+    if cells is not None:   # filled in place below
+        cells["route_differs"], cells["first_flip_position"] = route_differs, first_flip
     if not M or not R:
         return cols, by_pos
     n_pos, k = g.router_ids.shape[1], g.router_ids.shape[3]
@@ -66,6 +68,8 @@ def compare_routing(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.nd
         differ = (Er != Gr).any(-1) & compared[:, :, None]                         # [T, pos, M]
         at_step = np.take_along_axis(differ, np.clip(g.fed_positions(prompt[r_idx]), 0, n_pos - 1)[:, :, None], axis=1)
         route_differs[r_idx] = at_step
+        flipped = differ.any(-1)
+        first_flip[r_idx] = np.where(flipped.any(1), flipped.argmax(1), np.inf)
         anyd, p_at, m_at = first_2d(differ)
         cols["router_diff_step"][r_idx] = np.where(anyd, p_at - (P[r_idx] - 1), np.nan)
         cols["router_diff_layer"][r_idx] = np.where(anyd, g.moe_layers[m_at], np.nan)

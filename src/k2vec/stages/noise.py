@@ -11,7 +11,7 @@ schedule and prompt it keeps what an engine result carries, reduced to what the 
     noise.{schedule}.p{i}.hidden_rel   float32 [N, L]     relative L2 error of its residual stream after
                                                           each layer against the golden's fingerprint
     noise.{schedule}.p{i}.router_ids   int32 [M, P+N-1, k] its routed experts per fed position
-    noise.{schedule}.p{i}.router_margins float64 [M, P+N-1] its k-th minus (k+1)-th biased router score
+    noise.{schedule}.p{i}.router_margins float64 [M, P+N-1] its router margins (k2vec.reference.model.route)
 
 The report (k2vec.report.noise) turns these into envelopes and judges engines of that precision
 against them, the same comparison code as for engines (docs/report.md "Noise model").
