@@ -15,6 +15,7 @@ from test_report_metrics import flip, make_goldens
 from k2vec.report.classify import DEFAULT_BUDGETS
 from k2vec.report.gate import FAILING_CLASSES
 from k2vec.report.logits import topk_kl
+from k2vec.report.html import summary_text
 from k2vec.report.metrics import compute_metrics
 from support.synthetic import perfect_result, write_result
 
@@ -231,6 +232,9 @@ def test_reference_model_without_routed_scaling_fails_a_bfloat16_budget(tmp_path
     assert set(m.rows.loc[m.rows["engine"] == "noscale", "class"]) == {"over-budget"}
     assert set(m.rows.loc[m.rows["engine"] == "correct", "class"]) == {"exact"}
     assert m.strict_problem is not None
+    # the summary says why only where there is a reason (a mixed column holds NaN, not None, for the others)
+    lines = {ln.split()[1]: ln for ln in summary_text(m).splitlines() if ln.startswith("  score ")}
+    assert lines["correct"].endswith(": within budget") and "over budget (" in lines["noscale"]
 
 
 def test_format_effect_row_reproduces_the_fp32_vs_int4_figures(tmp_path, goldens):

@@ -130,7 +130,7 @@ def summary_text(m: Metrics) -> str:
         lines.append(f"  score {r['engine']} {r['model']}/{r['precision']} ({r['precision_class'] or 'reference'}): "
                      f"same top-1 {r['same_top1']:.1%}, KL mean {fmt(r['kl_mean'], 'e')} p99 {fmt(r['kl_p99'], 'e')} "
                      f"max {fmt(r['kl_max'], 'e')}, NMSE {fmt(r['logit_nmse'], 'e')}: {r['verdict']}"
-                     + (f" ({r['over_budget']})" if r["over_budget"] else ""))
+                     + (f" ({r['over_budget']})" if not _na(r["over_budget"]) else ""))
     for _, r in m.noise_table.iterrows():
         lines.append(f"  noise model {r['engine']} {r['model']}/{r['precision']} ({r['precision_class']}): "
                      f"{_beyond(r)}; {r['verdict']}")
@@ -345,7 +345,7 @@ def _score_table(m: Metrics) -> str:
               ("verdict", ""), ("largest KL at", "wrap")]
     body = []
     for _, r in sr.iterrows():
-        verdict = _e(r["verdict"]) + ("" if not r["over_budget"] else f': {_e(r["over_budget"])}')
+        verdict = _e(r["verdict"]) + ("" if _na(r["over_budget"]) else f': {_e(r["over_budget"])}')
         body.append([_e(r["engine"]), _e(f"{r['model']}/{r['precision']}"), _e(r["precision_class"] or "\u2013"),
                      str(int(r["positions"])), f"{r['same_top1']:.1%}", fmt(r["kl_mean"], "e"), fmt(r["kl_p99"], "e"),
                      fmt(r["kl_max"], "e"), fmt(r["logit_nmse"], "e"), verdict, _e(r["top_kl"])])
