@@ -182,12 +182,16 @@ def test_default_target_runs_no_mutant(mutation_run):
 @pytest.mark.slow
 def test_mutants_caught_and_unmutated_engine_not(mutation_run):
     root, _, scores, rows = mutation_run
-    assert sorted(scores["mutant"]) == sorted(SUBSET)
+    # every mutant at float32; at bfloat16 (emulated, score runs) those that are not DDTree mutants
+    assert sorted(scores.loc[scores["compute"] == "float32", "mutant"]) == sorted(SUBSET)
+    assert sorted(scores.loc[scores["compute"] == "bfloat16", "mutant"]) == sorted(SUBSET[:2])
     assert scores["caught"].all(), scores.to_string()
+    assert (scores["verdict"] == "caught").all(), scores[["mutant", "compute", "verdict"]].to_string()
     assert (scores["catch_rate"] >= 0.75).all(), scores[["mutant", "catch_rate"]].to_string()
     assert set(scores["class"]) <= {"real", "over-budget"}
-    control = rows[rows["engine"] == "numpy"]
-    assert len(control) and not control["caught"].any()
+    for engine in ("numpy", "numpy-bfloat16"):   # the unmutated engine at each precision: no false alarm
+        control = rows[rows["engine"] == engine]
+        assert len(control) and not control["caught"].any(), engine
     mine = rows[rows["mutant"].notna()]
     # each mutant only where its code path runs: INT4 on int4, the tree mutant in ddtree-b4 only
     assert set(mine.loc[mine["mutant"] == "int4_nibble_order", "precision"]) == {"int4"}
@@ -195,4 +199,5 @@ def test_mutants_caught_and_unmutated_engine_not(mutation_run):
     assert set(mine.loc[mine["mutant"] == "mla_softmax_no_mscale", "mode"]) == {
         "greedy", "score", "ddtree-b1", "ddtree-b4"}
     html = (root / "results/mutation/mutation.html").read_text()
-    assert "mutation score 3/3 mutants caught (100.0%)" in html and 'id="mutation-table"' in html
+    assert "mutation score float32: 3/3 mutants caught (100.0%)" in html and 'id="mutation-table"' in html
+    assert "bfloat16: 2/2 mutants caught (100.0%)" in html

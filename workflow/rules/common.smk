@@ -19,6 +19,7 @@ from k2vec.config.engines import (
     resolve_engines,
 )
 from k2vec.config.expand import expand_config, schema_error
+from k2vec.model.precision import FORMATS
 
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
@@ -88,7 +89,7 @@ wildcard_constraints:
     precision="|".join(PRECISIONS),
     engine="|".join(ENGINES) or "^$",
     mode=r"greedy|score|ddtree-b\d+",
-    precision_class="|".join(sorted({c for _, _, c in NOISE_MODELS})) or "^$",
+    precision_class="|".join(c for c in FORMATS),
 
 
 # Where each stage writes what other stages read, defined once: the rules' output: and input: take
@@ -152,9 +153,9 @@ def format_effect_json(model="{model}"):
     return f"results/format-effect/{model}.json"
 
 
-def mutant_runs_dir(mutant="{mutant}", model="{model}", precision="{precision}"):
-    """Rule mutant_runs: one result file per mode inside."""
-    return f"results/mutation/runs/{mutant}/{model}-{precision}"
+def mutant_runs_dir(mutant="{mutant}", model="{model}", precision="{precision}", compute="{compute}"):
+    """Rule mutant_runs: one result file per mode inside; `compute`: the engine's emulated precision."""
+    return f"results/mutation/runs/{compute}/{mutant}/{model}-{precision}"
 
 
 def sha256_of(path):

@@ -13,25 +13,26 @@ rule mutant_runs:
     output:
         directory(mutant_runs_dir()),
     log:
-        runner="results/logs/mutation/{mutant}/{model}-{precision}.log",
-        engine="results/logs/mutation/{mutant}/{model}-{precision}.engine.log",  # every mode's stderr, in turn
+        runner="results/logs/mutation/{compute}/{mutant}/{model}-{precision}.log",
+        engine="results/logs/mutation/{compute}/{mutant}/{model}-{precision}.engine.log",  # every mode's stderr, in turn
     benchmark:
-        "results/benchmarks/mutation/{mutant}/{model}-{precision}.tsv"
+        "results/benchmarks/mutation/{compute}/{mutant}/{model}-{precision}.tsv"
     wildcard_constraints:
-        mutant="|".join(MUTANTS),
+        mutant="|".join([*MUTANTS, UNMUTATED]),
+        compute="|".join(["float32", *FORMATS]),
     conda:
         "../envs/pipeline.yaml"
     params:
         code=mutant_code,
         engine=lambda wc: {
             **engine_settings("numpy"),
-            "command": mutant_command(wc.mutant),
+            "command": mutant_command(wc.mutant, wc.compute),
         },
-        name=lambda wc: mutant_engine(wc.mutant),
+        name=lambda wc: mutant_engine(wc.mutant, wc.compute),
         modes=mutant_modes,
         devices=GPU_DEVICES,
         lock_dir=config["gpus"]["lock_dir"],
-        scratch="results/scratch/mutants/{mutant}/{model}-{precision}",
+        scratch="results/scratch/mutants/{compute}/{mutant}/{model}-{precision}",
     script:
         "../scripts/mutant_runs.py"
 
@@ -40,7 +41,9 @@ rule mutation_report:
     input:
         mutation_ready,
         control=[run_result(*run) for run in RUNS if run[0] == "numpy"],
-        mutants=[mutant_runs_dir(mu, m, p) for mu, m, p in MUTATION_PLAN],
+        mutants=[mutant_runs_dir(mu, m, p, c) for mu, m, p, c in MUTATION_PLAN],
+        noise=[noise_kdtr(c, p, m) for m, p, c in MUTATION_NOISE],
+        noise_sha256=[sha256_of(noise_kdtr(c, p, m)) for m, p, c in MUTATION_NOISE],
         goldens=expand(golden_kdtr(), model=MODELS, precision=PRECISIONS),
         golden_sha256=expand(sha256_of(golden_kdtr()), model=MODELS, precision=PRECISIONS),
     output:
@@ -57,16 +60,19 @@ rule mutation_report:
         code=stage_code("mutation_report.py", "k2vec.mutation.score", "k2vec.pipeline.stage"),
         runs=[run_record(*run) for run in RUNS if run[0] == "numpy"] + mutant_records(),
         mutants={
-            mutant_engine(mu.name): {
-                "name": mu.name,
-                "area": mu.area,
-                "changes": mu.changes,
-                "stands_for": mu.stands_for,
+            mutant_engine(mu, c): {
+                "name": mu,
+                "precision": c,
+                "area": MUTANTS[mu].area,
+                "changes": MUTANTS[mu].changes,
+                "stands_for": MUTANTS[mu].stands_for,
             }
-            for mu in MUTANTS.values()
-            if any(k[0] == mu.name for k in MUTATION_PLAN)
+            for mu, c in sorted({(k[0], k[3]) for k in MUTATION_PLAN if k[0] != UNMUTATED})
         },
-        control="numpy",
+        # the unmutated engine per compute precision: the false-alarm check
+        controls={"float32": "numpy", **{c: mutant_engine(UNMUTATED, c) for _, _, c in MUTATION_NOISE}},
+        noise={f"{m}/{p}/{c}": noise_kdtr(c, p, m) for m, p, c in MUTATION_NOISE},
+        noise_rule=config["report"].get("noise", {}),
         goldens={f"{m}/{p}": golden_kdtr(p, m) for m in MODELS for p in PRECISIONS},
         near_tie=config["report"]["near_tie"],
         router_near_tie=config["report"]["router_near_tie"],

@@ -1,4 +1,4 @@
-"""The mutation run's plan: which mutant runs on which bundle, in which modes."""
+"""The mutation run's plan: which mutant runs on which bundle, in which modes, at which compute precision."""
 
 from __future__ import annotations
 
@@ -7,13 +7,24 @@ from typing import Mapping
 from k2vec.engines.contract.modes import parse_mode
 from k2vec.mutation.catalogue import MUTANTS
 
+# The unmutated numpy engine at a reduced precision: the false-alarm check of that precision's mutants
+# (at float32 the pipeline's own numpy runs are it).
+UNMUTATED = "unmutated"
+DEFAULT_PRECISIONS = ("float32", "bfloat16")
+REDUCED_KINDS = ("score",)   # every position compared; DDTree mutants change the tree, not the arithmetic: float32 judges them
+
 
 def plan(config: Mapping, engines: Mapping[str, Mapping], runs, cases: Mapping[str, Mapping],
-         control: str = "numpy") -> tuple[dict[tuple[str, str, str], list[str]], str | None]:
-    """The mutation run: {(mutant, model, precision): modes}, one entry per mutant and bundle whose runs of
-    the `control` engine (`runs`: the pipeline's (engine, model, precision, mode) list) execute the
-    mutant's code path; and a problem (a message naming the config key) when it cannot run, else None."""
-    wanted = (config.get("mutation") or {}).get("mutants", "all")
+         control: str = "numpy") -> tuple[dict[tuple[str, str, str, str], list[str]], str | None]:
+    """The mutation run: {(mutant, model, precision, compute precision): modes}, one entry per mutant, bundle
+    and compute precision (`mutation.precisions`) whose runs of the `control` engine (`runs`: the pipeline's
+    (engine, model, precision, mode) list) execute the mutant's code path, plus the unmutated engine's
+    entries at each reduced precision; and a problem (a message naming the config key) when it cannot run,
+    else None. At a reduced precision only score runs are planned (REDUCED_KINDS): they compare every position,
+    and the mutation run stays within its time."""
+    settings = config.get("mutation") or {}
+    wanted = settings.get("mutants", "all")
+    computes = list(settings.get("precisions", DEFAULT_PRECISIONS))
     if control not in engines:
         return {}, f"config key 'engines.{control}': the mutation run needs the numpy engine (its mutants are it)"
     names = list(MUTANTS) if wanted == "all" else list(wanted)
@@ -21,19 +32,27 @@ def plan(config: Mapping, engines: Mapping[str, Mapping], runs, cases: Mapping[s
     if unknown:
         return {}, (f"config key 'mutation.mutants': unknown mutant(s) {', '.join(unknown)}; "
                     f"the catalogue (docs/mutants.md): {', '.join(MUTANTS)}")
-    out: dict[tuple[str, str, str], list[str]] = {}
-    for name in names:
-        mutant = MUTANTS[name]
+    out: dict[tuple[str, str, str, str], list[str]] = {}
+    for compute in computes:
+        reduced = compute != "float32"
         for engine, model, precision, mode in runs:
             kind, budget = parse_mode(mode)
+            if engine != control or (reduced and kind not in REDUCED_KINDS):
+                continue
             case = cases[model]
-            if engine == control and mutant.exercised(case["model"], case["quantization"], precision, kind, budget):
-                out.setdefault((name, model, precision), []).append(mode)
+            if reduced:
+                out.setdefault((UNMUTATED, model, precision, compute), []).append(mode)
+            for name in names:
+                if MUTANTS[name].exercised(case["model"], case["quantization"], precision, kind, budget):
+                    out.setdefault((name, model, precision, compute), []).append(mode)
     return out, None
 
 
-def mutant_command(name: str) -> str:
-    """The engine command of mutant `name`: the numpy engine through the catalogue's hook, one BLAS
-    thread as the numpy engine's own command runs it (config.yaml)."""
-    return (f"OPENBLAS_NUM_THREADS=1 {{python}} -m k2vec.mutation.engine --mutant {name} "
+def mutant_command(name: str, compute: str = "float32") -> str:
+    """The engine command of mutant `name` at `compute`: the numpy engine through the catalogue's hook (or
+    unhooked, for UNMUTATED), emulating `compute` unless float32, one BLAS thread as the numpy engine's own
+    command runs it (config.yaml)."""
+    precision = "" if compute == "float32" else f" --precision {compute}"
+    module = "k2vec.engines.numpy_engine" if name == UNMUTATED else f"k2vec.mutation.engine --mutant {name}"
+    return (f"OPENBLAS_NUM_THREADS=1 {{python}} -m {module}{precision} "
             "--bundle {bundle} --mode {mode} --budget {budget} --output {output}")

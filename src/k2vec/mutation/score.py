@@ -1,11 +1,18 @@
 """The mutation score: how many of the catalogue's realistic engine bugs (k2vec.mutation.catalogue) the vectors catch.
 
 Every mutant's runs and the unmutated numpy engine's are judged by the same code as the divergence report
-(`compute_metrics`: the same rows, the same classes, the float32 budget the mutants declare). A row of a
-mutant is *caught* when its class is `real` or `over-budget`; near-tie, router-near-tie and precision-tie
-never count, whatever the engine did. A mutant is caught when one of its rows is; its catch rate is
-caught rows over the rows of the runs that execute its code path (the only runs it is scheduled on). The
-unmutated engine's rows in the same report are the false-alarm check: none of them may be caught.
+(`compute_metrics`: the same rows, the same classes, the budget or noise model of the precision the runs
+declare). A row of a mutant is *caught* when its class is `real` or `over-budget`; near-tie, router-near-tie
+and precision-tie never count, whatever the engine did. A mutant is caught when one of its rows is; its
+catch rate is caught rows over the rows of the runs that execute its code path (the only runs it is
+scheduled on). The unmutated engine's rows at each precision are the false-alarm check: none may be caught.
+
+At a reduced precision (the numpy engine emulating it, `--precision`) a mutant is also measured against
+what that precision can resolve: its *float32* runs are judged once more as if declared that precision, by
+its noise model (report/noise.py), so a cell counts there when the bug's own effect, without rounding, is
+beyond the envelope of correct engines. A mutant whose float32 effect is beyond the noise model (the rule's
+verdict on those re-judged runs) is *resolvable*; one that is not is listed as below the precision's
+resolution: run an engine's float32 build to see it.
 
 Outputs (out_dir): mutation.html (the score section, the false-alarm line, every mutant's catching
 case), mutation.csv (one row per mutant), mutation_rows.csv (every judged row of the mutation run:
@@ -29,10 +36,11 @@ CAUGHT_CLASSES = ("real", "over-budget")
 REQUIRED_CATCH_RATE = 0.75
 OUTPUTS = {"html": "mutation.html", "csv": "mutation.csv", "rows_csv": "mutation_rows.csv"}
 SCORE_COLUMNS = [
-    "mutant", "area", "caught", "catch_rate", "rows", "rows_caught", "runs", "real", "over_budget", "ties",
-    "exact", "failed", "model", "precision", "mode", "accuracy", "prompt", "step", "layer", "class",
-    "changes", "stands_for",
+    "mutant", "compute", "area", "caught", "catch_rate", "rows", "rows_caught", "runs", "real", "over_budget",
+    "ties", "exact", "failed", "model", "precision", "mode", "accuracy", "prompt", "step", "layer", "class",
+    "float32_beyond", "resolvable", "verdict", "changes", "stands_for",
 ]
+AS_SUFFIX = "-as-"   # engine name of a float32 mutant re-judged at a reduced precision: mutant-NAME-as-bfloat16
 _MODE_ORDER = {"greedy": 0, "score": 1}
 
 
@@ -44,9 +52,6 @@ class MutationResult:
     false_alarms: int             # ... of them caught
     paths: dict[str, Path] = field(default_factory=dict)
 
-    @property
-    def score(self) -> float:
-        return float(self.scores["caught"].mean()) if len(self.scores) else float("nan")
 
 
 def mutation_scores(rows: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]]) -> pd.DataFrame:
@@ -62,7 +67,8 @@ def mutation_scores(rows: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]]
             .sort_values(["_step", "_mode", "model", "precision", "mode", "accuracy", "prompt"], kind="stable")
         first = best.iloc[0] if len(best) else None
         out.append({
-            "mutant": info["name"], "area": info["area"], "caught": len(caught) > 0,
+            "mutant": info["name"], "compute": info.get("precision", "float32"), "area": info["area"],
+            "caught": len(caught) > 0,
             "catch_rate": len(caught) / len(r) if len(r) else np.nan, "rows": len(r), "rows_caught": len(caught),
             "runs": r["run"].nunique(), "real": int((r["class"] == "real").sum()),
             "over_budget": int((r["class"] == "over-budget").sum()),
@@ -79,44 +85,85 @@ def mutation_scores(rows: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]]
 
 
 def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, str], str | Path],
-                          out_dir: str | Path, mutants: Mapping[str, Mapping[str, str]], control: str, *,
-                          near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
-                          budgets: Mapping[str, Mapping[str, Any]] | None = None) -> MutationResult:
-    """Judge every run (the control engine's and each mutant's) and write the mutation score.
-    mutants: engine name -> {name, area, changes, stands_for}; control: the unmutated engine's name."""
-    m = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
-                        fingerprint_rtol=fingerprint_rtol, budgets=budgets)
-    rows = m.rows
+                          out_dir: str | Path, mutants: Mapping[str, Mapping[str, str]], controls: Mapping[str, str],
+                          *, near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
+                          budgets: Mapping[str, Mapping[str, Any]] | None = None,
+                          noise: Mapping[tuple[str, str, str], str | Path] | None = None,
+                          noise_rule: Mapping[str, Any] | None = None) -> MutationResult:
+    """Judge every run (the controls' and each mutant's) and write the mutation score.
+    mutants: engine name -> {name, precision (compute, default float32), area, changes, stands_for};
+    controls: compute precision -> the unmutated engine's name there; noise: the reduced precisions' noise
+    models ({(model, precision, class): path})."""
+    runs = list(runs)
+    reduced = sorted({info["precision"] for info in mutants.values() if info.get("precision", "float32") != "float32"})
+    # each float32 mutant run once more, declared at each reduced precision: is its effect resolvable there?
+    f32 = {e: info for e, info in mutants.items() if info.get("precision", "float32") == "float32"}
+    rejudged = [{**r, "engine": f"{r['engine']}{AS_SUFFIX}{c}", "precision_class": c}
+                for c in reduced for r in runs if r["engine"] in f32
+                and (r["model"], r["precision"], c) in (noise or {})]
+    m = compute_metrics(runs + rejudged, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
+                        fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, noise_rule=noise_rule)
+    as_runs = m.rows["engine"].str.contains(AS_SUFFIX, regex=False)
+    rows = m.rows[~as_runs]
     names = {e: info["name"] for e, info in mutants.items()}
     rows = rows.assign(mutant=rows["engine"].map(names), caught=rows["class"].isin(CAUGHT_CLASSES))
     scores = mutation_scores(rows, mutants)
-    control_rows = rows[rows["engine"] == control]
+    scores = _resolution(scores, m.noise_table)
+    control_rows = rows[rows["engine"].isin(list(controls.values()))]
     res = MutationResult(scores, rows, len(control_rows), int(control_rows["caught"].sum()))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     res.paths = {k: out / v for k, v in OUTPUTS.items()}
     write_text_atomic(res.paths["csv"], scores.to_csv(index=False))
     write_text_atomic(res.paths["rows_csv"], rows[["mutant", "caught"] + ROW_COLUMNS].to_csv(index=False))
-    write_text_atomic(res.paths["html"], render_mutation_html(res, control, control_rows))
+    write_text_atomic(res.paths["html"], render_mutation_html(res, controls, control_rows))
     return res
 
 
+def _resolution(scores: pd.DataFrame, noise_table: pd.DataFrame) -> pd.DataFrame:
+    """float32_beyond: at a reduced precision, the largest fraction of cells (hidden states, logits, routing)
+    that the mutant's float32 runs put beyond that precision's noise model; resolvable: the noise rule's
+    verdict on them; verdict: caught (in at least REQUIRED_CATCH_RATE of its rows), below resolution (not
+    resolvable and not caught so), missed (resolvable, yet not caught so), or not caught (float32)."""
+    scores = scores.copy()
+    t = noise_table[noise_table["engine"].str.contains(AS_SUFFIX, regex=False)] if len(noise_table) else noise_table
+    frac, over = {}, {}
+    for _, r in t.iterrows():
+        mutant, compute = r["engine"].removeprefix("mutant-").rsplit(AS_SUFFIX, 1)
+        f = max(r[f"{k}_beyond"] / r[f"{k}_cells"] for k in ("hidden", "logit", "router") if r[f"{k}_cells"])
+        frac[(mutant, compute)] = max(frac.get((mutant, compute), 0.0), f)
+        over[(mutant, compute)] = over.get((mutant, compute), False) or r["verdict"] != "within"
+    keys = list(zip(scores["mutant"], scores["compute"]))
+    scores["float32_beyond"] = [frac.get(k, np.nan) for k in keys]
+    scores["resolvable"] = [over.get(k, True) if c != "float32" else True for k, c in zip(keys, scores["compute"])]
+    caught = scores["catch_rate"] >= REQUIRED_CATCH_RATE
+    scores["verdict"] = np.select(
+        [caught, scores["compute"] == "float32", ~scores["resolvable"].astype(bool)],
+        ["caught", "not caught", "below resolution"], "missed")
+    return scores
+
+
 def summary_line(res: MutationResult) -> str:
-    s = res.scores
-    weak = s[s["catch_rate"] < REQUIRED_CATCH_RATE]["mutant"].tolist()
-    return (f"mutation score {int(s['caught'].sum())}/{len(s)} mutants caught ({fmt(res.score, 'pct')}); "
-            f"{len(s) - len(weak)}/{len(s)} in at least {REQUIRED_CATCH_RATE:.0%} of their rows"
-            + (f" (below: {', '.join(weak)})" if weak else "")
+    parts = []
+    for compute, s in res.scores.groupby("compute", sort=False):
+        weak = s[s["catch_rate"] < REQUIRED_CATCH_RATE]
+        below = weak[weak["verdict"] == "below resolution"]["mutant"].tolist()
+        missed = weak[weak["verdict"] != "below resolution"]["mutant"].tolist()
+        parts.append(f"{compute}: {int(s['caught'].sum())}/{len(s)} mutants caught ({fmt(s['caught'].mean(), 'pct')}), "
+                     f"{len(s) - len(weak)}/{len(s)} in at least {REQUIRED_CATCH_RATE:.0%} of their rows"
+                     + (f" (below: {', '.join(missed)})" if missed else "")
+                     + (f"; below {compute}'s resolution: {', '.join(below)}" if below else ""))
+    return ("mutation score " + "; ".join(parts)
             + f"; unmutated engine: {res.false_alarms} false alarm(s) in {res.control_rows} rows")
 
 
-def render_mutation_html(res: MutationResult, control: str, control_rows: pd.DataFrame) -> str:
+def render_mutation_html(res: MutationResult, controls: Mapping[str, str], control_rows: pd.DataFrame) -> str:
     s = res.scores
-    ok = bool(len(s)) and bool(s["caught"].all()) and res.false_alarms == 0
-    header = [("mutant", ""), ("area", ""), ("caught", ""), ("catch rate", "num"), ("rows caught", "num"),
-              ("real", "num"), ("over-budget", "num"), ("ties", "num"), ("exact", "num"), ("failed", "num"),
-              ("first caught in", ""), ("step, layer", ""), ("class", ""), ("what it changes", ""),
-              ("the real-world bug", "")]
+    ok = bool(len(s)) and bool(s["verdict"].isin(["caught", "below resolution"]).all()) and res.false_alarms == 0
+    header = [("mutant", ""), ("precision", ""), ("area", ""), ("verdict", ""), ("catch rate", "num"),
+              ("rows caught", "num"), ("real", "num"), ("over-budget", "num"), ("ties", "num"), ("exact", "num"),
+              ("failed", "num"), ("float32 effect beyond its noise model", "num"), ("first caught in", ""),
+              ("step, layer", ""), ("class", ""), ("what it changes", ""), ("the real-world bug", "")]
 
     def where(r) -> str:
         if not r["caught"]:
@@ -129,26 +176,39 @@ def render_mutation_html(res: MutationResult, control: str, control_rows: pd.Dat
             return "\u2013"
         return f"step {int(r['step'])}" + ("" if pd.isna(r["layer"]) else f", layer {int(r['layer'])}")
 
-    body = [[_e(r["mutant"]), _e(r["area"]), "yes" if r["caught"] else "<b>no</b>",
+    def verdict(r) -> str:
+        v = _e(r["verdict"])
+        return v if r["verdict"] in ("caught", "below resolution") else f"<b>{v}</b>"
+
+    body = [[_e(r["mutant"]), _e(r["compute"]), _e(r["area"]), verdict(r),
              ("<b>" if r["catch_rate"] < REQUIRED_CATCH_RATE else "") + fmt(r["catch_rate"], "pct"),
              f"{int(r['rows_caught'])} / {int(r['rows'])}", fmt(r["real"], "int"), fmt(r["over_budget"], "int"),
-             fmt(r["ties"], "int"), fmt(r["exact"], "int"), fmt(r["failed"], "int"), where(r), step_layer(r),
-             badge(r["class"]) if r["caught"] else "\u2013", _e(r["changes"]), _e(r["stands_for"])]
+             fmt(r["ties"], "int"), fmt(r["exact"], "int"), fmt(r["failed"], "int"), fmt(r["float32_beyond"], "pct"),
+             where(r), step_layer(r), badge(r["class"]) if r["caught"] else "\u2013", _e(r["changes"]),
+             _e(r["stands_for"])]
             for _, r in s.iterrows()]
-    classes = control_rows["class"].value_counts().to_dict()
-    control_line = (f"The unmutated engine <b>{_e(control)}</b> on the same runs: {len(control_rows)} rows, "
-                    f"{res.false_alarms} caught (false alarms); classes: "
-                    + ", ".join(f"{badge(c)} {n}" for c, n in sorted(classes.items())) + ".")
+    lines = []
+    for compute, engine in controls.items():
+        c = control_rows[control_rows["engine"] == engine]
+        classes = c["class"].value_counts().to_dict()
+        lines.append(f"The unmutated engine <b>{_e(engine)}</b> ({_e(compute)}) on the same runs: {len(c)} rows, "
+                     f"{int(c['class'].isin(CAUGHT_CLASSES).sum())} caught (false alarms); classes: "
+                     + ", ".join(f"{badge(k)} {n}" for k, n in sorted(classes.items())) + ".")
     parts = [
         "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
         "<title>k2vec mutation score</title>", f"<style>{CSS}</style></head><body><main>",
         "<h1>k2vec mutation score</h1>",
         f'<section id="mutation-verdict" class="card verdict {"ok" if ok else "fail"}"><h2>{_e(summary_line(res))}</h2>'
-        "<p>Each mutant is the numpy engine with one realistic fault (docs/mutants.md), run as a float32 engine "
-        "on every run that executes its code path and judged by the divergence report's code. A row is caught "
+        "<p>Each mutant is the numpy engine with one realistic fault (docs/mutants.md), run on every run that "
+        "executes its code path, at each compute precision of <code>mutation.precisions</code> (a reduced one "
+        "emulated, score runs), and judged by the divergence report's code. A row is caught "
         "when its class is <code>real</code> or <code>over-budget</code>; a near-tie, router-near-tie or "
-        "precision-tie never counts. Catch rate: caught rows over the rows of the mutant's runs.</p></section>",
-        f'<section id="mutation-control" class="card"><p>{control_line}</p></section>',
+        "precision-tie never counts. Catch rate: caught rows over the rows of the mutant's runs. At a reduced "
+        "precision, <i>below resolution</i>: the bug's float32 effect is within that precision's noise model "
+        "(its float32 runs judged by it), so no engine of the precision can show it; run the float32 build. "
+        "<i>missed</i>: resolvable, yet caught in fewer than "
+        f"{REQUIRED_CATCH_RATE:.0%} of its rows.</p></section>",
+        '<section id="mutation-control" class="card">' + "".join(f"<p>{x}</p>" for x in lines) + "</section>",
         '<section id="mutation-score"><h2>Mutants</h2><div class="card">', _table("mutation-table", header, body),
         "</div></section>", "</main></body></html>",
     ]
@@ -156,19 +216,22 @@ def render_mutation_html(res: MutationResult, control: str, control_rows: pd.Dat
 
 
 def write_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str | Path,
-                          mutants: Mapping[str, Mapping[str, str]], control: str, *, near_tie: float = 1e-3,
-                          router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
-                          budgets: Mapping[str, Mapping[str, Any]] | None = None) -> MutationResult:
+                          mutants: Mapping[str, Mapping[str, str]], controls: Mapping[str, str], *,
+                          near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
+                          budgets: Mapping[str, Mapping[str, Any]] | None = None, noise: Mapping[str, Any] | None = None,
+                          noise_rule: Mapping[str, Any] | None = None) -> MutationResult:
     """Rule `mutation_report`: build_mutation_report, its summary line logged (run it inside the stage's
-    stage_logging) and printed. runs: the control's and every mutant's run records; goldens: as the
-    divergence report's (k2vec.report.write_report: the rule passes {"model/precision": path})."""
+    stage_logging) and printed. runs: the controls' and every mutant's run records; goldens: as the
+    divergence report's (k2vec.report.write_report: the rule passes {"model/precision": path}); noise:
+    {"model/precision/class": path}, as the report rule's."""
     import logging
 
-    from k2vec.report import _goldens_from
+    from k2vec.report import _goldens_from, _noise_from
 
-    res = build_mutation_report(list(runs), _goldens_from(goldens), out_dir, dict(mutants), control,
+    res = build_mutation_report(runs, _goldens_from(goldens), out_dir, dict(mutants), dict(controls),
                                 near_tie=float(near_tie), router_near_tie=float(router_near_tie),
-                                fingerprint_rtol=float(fingerprint_rtol), budgets=budgets)
+                                fingerprint_rtol=float(fingerprint_rtol), budgets=budgets, noise=_noise_from(noise),
+                                noise_rule=noise_rule)
     logging.getLogger("k2vec.mutation_report").info("%s", summary_line(res))
     print(summary_line(res))
     return res
