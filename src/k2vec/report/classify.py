@@ -78,7 +78,8 @@ def _limit(budgets, precision: pd.Series, key: str) -> np.ndarray:
 def classify(rows: pd.DataFrame, budgets, *, near_tie: float, router_near_tie: float) -> pd.DataFrame:
     """Adds class, noise, over_budget (why, or None) to rows that carry the comparison columns, plus
     precision_class, kind (greedy | ddtree | score), run_over_budget (the score run's reasons, or None)
-    and score_noise (the largest logit error of the engine's score run on the same model and weights)."""
+    and score_noise (the largest logit error of the engine's score run on the same model and weights); where a
+    noise model judges the row, noise_credit, noise_over and noise_router_credit (report/noise.py)."""
     rows = rows.copy()
     kind = rows["kind"].to_numpy()
     logit_lim, hidden_lim = _limit(budgets, rows["precision_class"], "logit_abs"), _limit(budgets, rows["precision_class"], "hidden_rel")

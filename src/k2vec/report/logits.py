@@ -26,7 +26,7 @@ LOGIT_COLUMNS = ("golden_rank_in_engine", "logit_steps", "topk_overlap", "logit_
 STEP_COLUMNS = ["i", "step", "abs_max", "kl", "overlap", "sq_err", "sq_ref"]
 
 
-def _lookup(ids: np.ndarray, logits: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def lookup(ids: np.ndarray, logits: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(logit of each `want` id in (ids, logits) or NaN, found) over the last axis, batched."""
     match = want[..., :, None] == ids[..., None, :]
     found = match.any(-1)
@@ -41,8 +41,8 @@ def topk_kl(Gids, Glog, Eids, Elog) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         e_floor = np.nanmin(np.where(e_ids >= 0, e_log, np.nan), axis=-1, keepdims=True)
         g_floor = np.nanmin(Glog, axis=-1, keepdims=True)
-    e_at_g, _ = _lookup(Eids, Elog, g_ids)                                   # engine logit of the golden's ids
-    g_at_e, _ = _lookup(Gids, Glog, e_ids)                                   # golden logit of the engine's ids
+    e_at_g, _ = lookup(Eids, Elog, g_ids)                                   # engine logit of the golden's ids
+    g_at_e, _ = lookup(Gids, Glog, e_ids)                                   # golden logit of the engine's ids
     only_e = ~(e_ids[..., :, None] == g_ids[..., None, :]).any(-1) & (e_ids >= 0)
     p = np.concatenate([g_log, np.where(only_e, np.where(np.isnan(g_at_e), g_floor, g_at_e), -np.inf)], -1)
     q = np.concatenate([np.where(np.isnan(e_at_g), e_floor, e_at_g), np.where(only_e, e_log, -np.inf)], -1)
@@ -69,7 +69,7 @@ def compare_logits(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.nda
     Eids = stack_rows([datas[r]["topk_ids"] for r in t_idx], (ke,), N, -1, np.int64)
     Elog = stack_rows([datas[r]["topk_logits"] for r in t_idx], (ke,), N, np.nan, np.float64)
     Gids, Glog = g.topk_ids[prompt[t_idx]], g.topk_logits[prompt[t_idx]]       # [T, N, K]
-    e_at, found = _lookup(Eids, Elog, Gids)                                     # engine logit per golden id
+    e_at, found = lookup(Eids, Elog, Gids)                                     # engine logit per golden id
     shared = found & upto[t_idx][:, :, None]
     valid = shared & np.isfinite(e_at)
     err = np.where(valid, np.abs(e_at - Glog), np.nan)

@@ -36,6 +36,7 @@ import pandas as pd
 from k2vec.digests import IntegrityError, verify_kdtr
 from k2vec.kdtr import open_bundle
 from k2vec.report.golden_data import Golden, ReportError
+from k2vec.report.logits import lookup
 
 # The rule's defaults (config.yaml report.noise, docs/report.md "Noise model").
 NOISE_RULE = {"margin": 2.0, "fraction": 0.2, "min_cells": 6}
@@ -61,14 +62,6 @@ class Rule:
         if rule.margin < 1 or not 0 < rule.fraction < 1 or rule.min_cells < 1:
             raise ReportError("report.noise: margin must be >= 1, fraction in (0, 1), min_cells >= 1")
         return rule
-
-
-def lookup_logits(ids: np.ndarray, logits: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(logit of each `want` id in (ids, logits) or NaN, found) over the last axis, batched."""
-    match = want[..., :, None] == ids[..., None, :]
-    found = match.any(-1)
-    at = np.take_along_axis(logits, match.argmax(-1), axis=-1)
-    return np.where(found, at, np.nan), found
 
 
 class NoiseModel:
@@ -104,7 +97,7 @@ class NoiseModel:
             ids, logits = stack("topk_ids").astype(np.int64), stack("topk_logits")  # [S, P, N, K]
             router = [[np.asarray(b[f"noise.{s}.p{i}.router_ids"]) for i in range(P)] for s in self.schedules]
             margins = [[np.asarray(b[f"noise.{s}.p{i}.router_margins"]) for i in range(P)] for s in self.schedules]
-        at, found = lookup_logits(ids, logits, np.broadcast_to(g.topk_ids, ids.shape[:1] + g.topk_ids.shape))
+        at, found = lookup(ids, logits, np.broadcast_to(g.topk_ids, ids.shape[:1] + g.topk_ids.shape))
         with np.errstate(invalid="ignore"):
             err = np.where(found, np.abs(at - g.topk_logits[None]), np.nan)
         # a golden id the schedule did not list is at most its K-th logit away
@@ -150,21 +143,22 @@ class NoiseModel:
 
 
 NOISE_COLUMNS = ("noise_hidden_cells", "noise_hidden_beyond", "noise_logit_cells", "noise_logit_beyond",
-                 "noise_router_cells", "noise_router_beyond", "noise_credit", "noise_envelope")
+                 "noise_router_cells", "noise_router_beyond", "noise_credit")
 _COUNTS = NOISE_COLUMNS[:6]
 
 
 def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[str, str], precision_class: np.ndarray,
                 prompt: np.ndarray, cols: Mapping[str, np.ndarray], steps, cells: Mapping, score: np.ndarray,
                 rule: Rule) -> dict[str, np.ndarray]:
-    """Per row of one golden (compare_rows' output): its cells and how many are beyond the noise model,
-    of hidden states and of logits; the tie credit at its divergent step; NaN for rows without a model."""
+    """Per row of one golden (compare_rows' output): its cells and how many are beyond the noise model, of
+    hidden states, logits and routing; the tie credit at its divergent step; NaN for rows without a model."""
     R = len(prompt)
     out = {c: np.full(R, np.nan) for c in NOISE_COLUMNS}
     have = np.array([(key[0], key[1], c) in models for c in precision_class], bool)
     if not have.any():
         return out
-    N = next(iter(m for k, m in models.items() if k[:2] == key)).env_logit.shape[1]
+    any_model = next(m for k, m in models.items() if k[:2] == key)
+    N = any_model.env_logit.shape[1]
     fs = cols["first_step"]
     has_div = np.isfinite(fs) & ~score
     # cells: steps up to the first divergence (all compared steps without one), where the engine routed as the
@@ -176,7 +170,7 @@ def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[st
     first_flip = np.asarray(cells.get("first_flip_position", np.full(R, np.inf)))
     # hidden and logit cells stop at the engine's first flipped expert: from there its state follows another
     # routing (through the flipped layer and the KV cache), which its router cells judge instead
-    g_fed = next(iter(m for k, m in models.items() if k[:2] == key)).fed[prompt]            # [R, N]
+    g_fed = any_model.fed[prompt]                                                          # [R, N]
     own_route = g_fed < first_flip[:, None]
     step_abs = np.full((R, N), np.nan)
     if len(steps):
@@ -202,11 +196,9 @@ def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[st
         else:
             out["noise_router_cells"][rows] = out["noise_router_beyond"][rows] = 0
         fs_c = np.clip(np.nan_to_num(fs[rows]).astype(int), 0, N - 1)
-        env_at = nm.env_logit[p, fs_c]
-        out["noise_envelope"][rows] = np.nanmax(np.where(ok, nm.env_logit[p], np.nan), axis=1, initial=0.0)
-        out["noise_credit"][rows] = np.where(has_div[rows], rule.margin * env_at, np.nan)
+        out["noise_credit"][rows] = np.where(has_div[rows], rule.margin * nm.env_logit[p, fs_c], np.nan)
         # hidden cells: each row's [n, L] errors against its prompt's envelope (rows differ in length)
-        for r, i in zip(rows, range(len(rows))):
+        for i, r in enumerate(rows):
             rel = hidden[r]
             if rel is None:
                 out["noise_hidden_cells"][r] = out["noise_hidden_beyond"][r] = 0
