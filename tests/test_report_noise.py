@@ -97,6 +97,9 @@ def test_correct_bfloat16_engine_passes_and_the_porting_bugs_do_not(tmp_path, go
         assert rows["class"].isin(FAILING).all(), rows[["mode", "class", "over_budget"]]
         assert rows["over_budget"].str.contains("over the noise model").all()
     assert m.strict_problem is not None
+    t = m.noise_table.set_index("engine")
+    assert t.loc["correct", "verdict"] == "within" and t.loc["correct", "held_out_worst"] < 0.2
+    assert t.loc["scale_0.9", "verdict"].startswith("over the noise model: hidden-state error beyond 2x")
     # without the noise model, the fixed bfloat16 budget alone lets the scale bug through (the finding)
     (tmp_path / "fixed").mkdir()
     fixed = judge(tmp_path / "fixed", goldens, None, {"scale_0.9": results["scale_0.9"]})

@@ -132,7 +132,7 @@ def _resolution(scores: pd.DataFrame, noise_table: pd.DataFrame) -> pd.DataFrame
         mutant, compute = r["engine"].removeprefix("mutant-").rsplit(AS_SUFFIX, 1)
         f = max(r[f"{k}_beyond"] / r[f"{k}_cells"] for k in ("hidden", "logit", "router") if r[f"{k}_cells"])
         frac[(mutant, compute)] = max(frac.get((mutant, compute), 0.0), f)
-        over[(mutant, compute)] = over.get((mutant, compute), False) or r["verdict"] != "within"
+        over[(mutant, compute)] = over.get((mutant, compute), False) or r["verdict"].startswith("over")
     keys = list(zip(scores["mutant"], scores["compute"]))
     scores["float32_beyond"] = [frac.get(k, np.nan) for k in keys]
     scores["resolvable"] = [over.get(k, True) if c != "float32" else True for k, c in zip(keys, scores["compute"])]

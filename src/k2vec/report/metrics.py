@@ -258,7 +258,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                                     for (m, p, c), nm in models.items() for rec in nm.calibration(rule)])
         return Metrics(rows, runs_df, steps, acceptance, score_runs, fe, fe_steps, fe_models, ref_steps,
                        {**th, "budgets": budgets, "noise_rule": vars(rule)}, strength, prompt_strength, calibration,
-                       noise_table(rows, calibration))
+                       noise_table(rows, calibration, rule))
     finally:
         for g in opened.values():
             g.close()

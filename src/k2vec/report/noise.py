@@ -260,10 +260,11 @@ NOISE_TABLE_COLUMNS = ["engine", "model", "precision", "precision_class", "hidde
                        "logit_cells", "logit_beyond", "router_cells", "router_beyond", "held_out_worst", "verdict"]
 
 
-def noise_table(rows, calibration) -> pd.DataFrame:
+def noise_table(rows, calibration, rule: Rule) -> pd.DataFrame:
     """One row per reduced-precision engine and bundle judged against a noise model: its cells and how many
     are beyond (every mode pooled), the worst fraction a held-out correct schedule shows on the same noise
-    model (`calibration`, NoiseModel.calibration), and the verdict (`over the noise model: ...` or `within`)."""
+    model (`calibration`, NoiseModel.calibration), and the verdict: `over the noise model: ...`, `within`, or
+    `too few cells` where no kind has `rule.min_cells` (the engine diverged or flipped an expert at once)."""
     if "noise_hidden_cells" not in rows or not rows["noise_hidden_cells"].notna().any():
         return pd.DataFrame(columns=NOISE_TABLE_COLUMNS)
     keyed = rows[rows["noise_hidden_cells"].notna()]
@@ -275,6 +276,8 @@ def noise_table(rows, calibration) -> pd.DataFrame:
     t["held_out_worst"] = [np.nan if worst is None else worst.get((m, p, c), np.nan)
                            for m, p, c in zip(t["model"], t["precision"], t["precision_class"])]
     why = keyed.groupby(["engine", "model", "precision"])["noise_over"].first()
-    t["verdict"] = [("over the noise model: " + why[(e, m, p)]) if pd.notna(why.get((e, m, p))) else "within"
-                    for e, m, p in zip(t["engine"], t["model"], t["precision"])]
+    few = (t[["hidden_cells", "logit_cells", "router_cells"]] < rule.min_cells).all(axis=1)
+    t["verdict"] = [("over the noise model: " + why[(e, m, p)]) if pd.notna(why.get((e, m, p))) else
+                    f"too few cells (fewer than {rule.min_cells} of each kind): not judged" if f else "within"
+                    for e, m, p, f in zip(t["engine"], t["model"], t["precision"], few)]
     return t[NOISE_TABLE_COLUMNS]
