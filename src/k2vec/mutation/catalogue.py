@@ -335,6 +335,25 @@ def _softmax_scoring(p, model):
     _route_with(p, wrapper)
 
 
+def _group_max(p, model):
+    p.set(ref, "group_scores", lambda grouped: grouped.max(axis=-1))
+
+
+def _renorm_biased_sum(p, model):
+    def wrapper(route, logits, bias, d):
+        ids, _, margin = route(logits, bias, d)
+        scores = ref.sigmoid(logits)
+        w = np.take_along_axis(scores, ids, axis=-1)
+        biased = np.take_along_axis(scores + bias, ids, axis=-1)
+        return ids, w / (biased.sum(axis=-1, keepdims=True) + 1e-20) * d.routed_scaling_factor, margin
+    _route_with(p, wrapper)
+
+
+def _scaling_v3_value(p, model):
+    _route_with(p, lambda route, logits, bias, d: route(
+        logits, bias, dataclasses.replace(d, routed_scaling_factor=d.routed_scaling_factor * 2.5 / 2.827)))
+
+
 def _router_logits_bf16(p, model):
     _route_with(p, lambda route, logits, bias, d: route(round_to_bf16(logits.astype(np.float32)).astype(logits.dtype),
                                                         bias, d))
@@ -347,6 +366,15 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..+)$")
 
 def _shared_dropped(p, model):
     p.set(model, "dims", dataclasses.replace(model.dims, n_shared=0))
+
+
+def _shared_scaled(p, model):
+    swiglu = model._swiglu
+
+    def scaled(x, prefix):
+        y = swiglu(x, prefix)
+        return y * model.dims.routed_scaling_factor if prefix.endswith(".shared_experts.") else y
+    p.set(model, "_swiglu", scaled)
 
 
 def _gelu(p, model):
@@ -483,12 +511,24 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("router_softmax_scores", "router", _moe, _softmax_scoring,
        "softmax router scores instead of sigmoid",
        "DeepSeek-V2 scoring_func reused for V3/K2"),
+    _m("router_group_max", "router", _grouped, _group_max,
+       "each group scored by its best expert instead of the sum of its best two",
+       "DeepSeek-V2's group_limited_greedy group score reused for V3/K2's noaux_tc"),
+    _m("router_renorm_biased_sum", "router", _renormalised, _renorm_biased_sum,
+       "top-k weights normalised by the sum of their biased scores (the selection scores)",
+       "a fused top-k kernel that renormalises with the scores it sorted by"),
+    _m("router_scaling_v3_value", "router", _scaled, _scaling_v3_value,
+       "routed_scaling_factor 12% low: x 2.5 / 2.827",
+       "DeepSeek-V3's routed_scaling_factor 2.5 hard-coded in an engine run on Kimi K2 (2.827)"),
     _m("router_logits_bf16", "router", _moe, _router_logits_bf16,
        "router logits rounded to bfloat16 before scoring",
        "the gate GEMM run in bf16 where the reference routes in float32"),
     _m("experts_shared_dropped", "experts", _shared, _shared_dropped,
        "the shared expert's output not added",
        "shared experts lost when the MoE layer is fused or expert-parallel"),
+    _m("experts_shared_scaled", "experts", _shared, _shared_scaled,
+       "the shared expert's output multiplied by routed_scaling_factor too",
+       "the routed scaling applied to the whole MoE output, shared expert included"),
     _m("experts_gelu", "experts", _always, _gelu,
        "GELU (tanh) instead of SiLU in every SwiGLU MLP",
        "hidden_act mapped to the wrong activation kernel"),

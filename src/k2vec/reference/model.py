@@ -373,6 +373,11 @@ def causal_mask(n_cached: int, t: int) -> np.ndarray:
     return np.concatenate([np.ones((t, n_cached), bool), np.tri(t, dtype=bool)], axis=1)
 
 
+def group_scores(grouped: np.ndarray) -> np.ndarray:
+    """noaux_tc's group score: the sum of each group's two best biased scores ([T, groups, per group] -> [T, groups])."""
+    return np.sum(np.sort(grouped, axis=-1)[..., -2:], axis=-1)
+
+
 def route(logits: np.ndarray, bias: np.ndarray, d: Dims) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """DeepSeek-V3 noaux_tc routing for router logits [T, E].
 
@@ -387,7 +392,7 @@ def route(logits: np.ndarray, bias: np.ndarray, d: Dims) -> tuple[np.ndarray, np
     group_margin = np.full(t, np.inf)
     if d.n_group > 1:
         grouped = choice.reshape(t, d.n_group, e // d.n_group)
-        group_score = np.sum(np.sort(grouped, axis=-1)[..., -2:], axis=-1)  # sum of the top-2
+        group_score = group_scores(grouped)
         ranked = np.argsort(-group_score, axis=-1, kind="stable")
         keep = np.zeros((t, d.n_group), bool)
         np.put_along_axis(keep, ranked[:, : d.topk_group], True, axis=-1)
