@@ -179,3 +179,10 @@ def test_exact_rounding_leaves_the_reference_bit_identical(goldens, weights):
     assert np.array_equal(a.logits, b.logits) and np.array_equal(a.hidden, b.hidden)
     rel = np.linalg.norm(c.hidden - a.hidden) / np.linalg.norm(a.hidden)
     assert 1e-3 < rel < 0.2   # bfloat16's rounding, not a broken model
+
+
+def test_summary_names_an_engine_judged_without_its_noise_model(tmp_path, goldens, weights):
+    from k2vec.report.html import summary_text
+    m = judge(tmp_path, goldens, None, {"correct": {"score": emulated(goldens, weights, "score")}})
+    assert ("noise model correct tiny/fp32 (bfloat16): none given; judged by the fixed bfloat16 budgets only"
+            in summary_text(m))

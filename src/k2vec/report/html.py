@@ -134,6 +134,12 @@ def summary_text(m: Metrics) -> str:
     for _, r in m.noise_table.iterrows():
         lines.append(f"  noise model {r['engine']} {r['model']}/{r['precision']} ({r['precision_class']}): "
                      f"{_beyond(r)}; {r['verdict']}")
+    reduced = rows[(rows["status"] == "ok") & rows["precision_class"].notna() & (rows["precision_class"] != "float32")]
+    if "noise_hidden_cells" in reduced:
+        reduced = reduced[reduced["noise_hidden_cells"].isna()]
+    for (e, mo, p, c), _ in reduced.groupby(["engine", "model", "precision", "precision_class"]):
+        lines.append(f"  noise model {e} {mo}/{p} ({c}): none given; judged by the fixed {c} budgets only, "
+                     f"tie credit the logit_abs budget")
     fp = rows.dropna(subset=["first_bad_step"])
     if len(fp):
         r = fp.sort_values(["first_bad_step", "first_bad_layer"]).iloc[0]
