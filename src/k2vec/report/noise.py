@@ -7,17 +7,19 @@ the logits (largest |error| over the golden's top-K ids). A step is judged only 
 as the golden at the fed position: where a correct engine may flip an expert, the error is a routing
 effect, not rounding.
 
-The rule (docs/report.md "Noise model"). An engine's cell is one (step, layer) of its residual stream, or
-one step of its logits, on a judged step up to its first divergence (inclusive: that step was fed the
-golden's tokens too), where its own routing (if it reports
-it) equals the golden's. A cell is *beyond* the noise model when its error exceeds `margin` times the
-envelope there. The engine on one bundle (all its rows there, every mode pooled: its rounding is a property
-of the engine, not of one prompt or mode) is *over the noise model* when more than `fraction` of at least
-`min_cells` cells, of its hidden states or of its logits, are beyond. A correct engine of the precision is
-one more draw of the same rounding: each of its cells exceeds the largest of S draws with probability
-1/(S+1) at most, and `margin` on top of that, so a fifth of cells beyond is far out of its reach;
-`calibration` measures exactly this for each schedule held out against the envelope of the others, and the
-report prints it next to the verdicts.
+The rule (docs/report.md "Noise model"). An engine's cells, on the steps up to its first divergence
+(inclusive: that step was fed the golden's tokens too): each (step, layer) of its residual stream and each
+step of its logits, on judged steps before its first flipped expert (from there its state follows another
+routing, through the flipped layer and the KV cache); and each router decision. A hidden or logit cell is
+*beyond* the noise model when its error exceeds `margin` times the envelope there; a router cell when the
+engine flips a decision that no schedule flips, with a golden margin over twice `margin` times the largest
+movement of that margin under the schedules. The engine on one bundle (all its rows there, every mode
+pooled: its rounding is a property of the engine, not of one prompt or mode) is *over the noise model* when
+more than `fraction` of at least `min_cells` cells of one kind are beyond. A correct engine of the
+precision is one more draw of the same rounding: each of its cells exceeds the largest of S draws with
+probability 1/(S+1) at most, and `margin` on top of that, so a fifth of cells beyond is far out of its
+reach; `calibration` measures exactly this for each schedule held out against the envelope of the others,
+and the report prints it next to the verdicts.
 
 The tie credit of a divergence is the envelope's logit error at the divergent step, times `margin`: both
 logits of the swapped pair may move by it, so a golden gap up to twice that is a precision-tie. It never
