@@ -121,8 +121,10 @@ def test_engines_get_score_runs_unless_they_opt_out_and_null_disables_one():
     cmd = "run {bundle} {output}"
     cfg["engines"] = {"plain": {"command": cmd}, "no_score": {"command": cmd, "modes": ["greedy", "ddtree"]},
                       "numpy": None}
-    engines = resolve_engines(cfg, str(REPO))
+    engines = resolve_engines(cfg, str(REPO), defined={"numpy"})
     assert sorted(engines) == ["no_score", "plain"]   # null: disabled, not an error
+    with pytest.raises(ConfigError, match="engines.numpy.*known engines: no_score, plain"):
+        resolve_engines(cfg, str(REPO))   # a null that no config file defines: a typo
     modes = {(e, mode) for e, _, _, mode in engine_runs(engines, [4])}
     assert ("plain", "score") in modes and ("no_score", "score") not in modes
     assert {m for e, m in modes if e == "plain"} == {"greedy", "ddtree-b4", "score"}

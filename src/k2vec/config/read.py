@@ -71,6 +71,19 @@ def check_config_files(paths) -> None:
             check_config_file(p)
 
 
+def defined_engines(paths) -> set[str]:
+    """The engine names that the existing config files among `paths` define with settings (not null):
+    the names an overlay's `engines: {name: null}` may disable."""
+    names: set[str] = set()
+    for p in paths:
+        if Path(p).exists():
+            doc = yaml.safe_load(Path(p).read_text(encoding="utf-8"))
+            engines = doc.get("engines") if isinstance(doc, dict) else None
+            if isinstance(engines, dict):  # anything else is the schema's to refuse
+                names.update(n for n, e in engines.items() if isinstance(e, dict))
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m k2vec.config.read FILE...`: for files given with --configfile, whose syntax errors
     Snakemake's command line reports before the workflow is read, without file or line."""
