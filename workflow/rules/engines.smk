@@ -50,8 +50,6 @@ rule engine_run:
         code=engine_code("engine_run.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.pipeline.stage"),
         # The engine's own settings only: changing another engine's settings reruns nothing here.
         engine=lambda wc: engine_settings(wc.engine),
-        devices=GPU_DEVICES,
-        lock_dir=config["gpus"]["lock_dir"],
         # the engine's working directory, removed after an ok run (docs/engine-contract.md section 2)
         scratch="results/scratch/{engine}/{model}-{precision}-{mode}",
     script:

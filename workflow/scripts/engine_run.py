@@ -1,6 +1,7 @@
 """Run one engine on one bundle through the contract; always writes a result (ok or failed)."""
 import sys
 
+from k2vec.engines.gpus import device_pool
 from k2vec.engines.runner import run_engine
 from k2vec.pipeline.stage import stage_logging
 
@@ -13,8 +14,10 @@ with stage_logging(snakemake.log.runner, "engine_run") as log:
         mode=snakemake.wildcards.mode,
         output=snakemake.output[0],
         gpus=engine["gpus"],
-        devices=snakemake.params.devices,
-        lock_dir=snakemake.params.lock_dir,
+        # The pool (config `gpus`) is read here, not declared as params: which devices are visible is no
+        # input of a result (the one used is recorded in it), so changing them must rerun nothing.
+        devices=device_pool(snakemake.config["gpus"]["devices"]) if engine["gpus"] else [],
+        lock_dir=snakemake.config["gpus"]["lock_dir"],
         timeout_s=engine["timeout_s"],
         max_result_mb=engine["max_result_mb"],
         scratch_dir=snakemake.params.scratch,

@@ -49,6 +49,11 @@ def detect_devices(environ: dict[str, str] | None = None) -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
+def device_pool(setting: str | Sequence[Any]) -> list[str]:
+    """The slot pool of config `gpus.devices`: `auto` (detect_devices) or a list of ids."""
+    return detect_devices() if setting == "auto" else [str(d) for d in setting]
+
+
 @contextlib.contextmanager
 def lease(count: int, devices: Sequence[str], lock_dir: str | os.PathLike,
           timeout_s: float = 3600.0, poll_s: float = 0.05) -> Iterator[list[str]]:
