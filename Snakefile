@@ -1,6 +1,7 @@
 # k2vec: config expansion -> synthetic fp32 weights -> INT4 -> golden -> KDTR bundles -> engine runs -> report.
 # Stages live in workflow/rules/<stage>.smk; their logic in the k2vec package under src/.
 import sys
+import time
 
 from snakemake.utils import min_version
 
@@ -24,6 +25,10 @@ if workflow.is_main_process:
         print(message, file=sys.stderr)
 
 
+# The summary is printed at the end only when this invocation rebuilt the report (onsuccess).
+STARTED = time.time()
+
+
 include: "workflow/rules/config.smk"  # configfile: config.yaml, after a strict read of every config file
 include: "workflow/rules/common.smk"
 include: "workflow/rules/cases.smk"
@@ -41,15 +46,21 @@ include: "workflow/rules/mutation_setup.smk"
 include: "workflow/rules/mutation.smk"  # off by default: `snakemake mutation_report` (docs/mutants.md)
 
 
+# Every stage's output is a target, not only the report: Snakemake rebuilds a missing file only where
+# something requested needs it, and the report being up to date would hide a deleted run, golden,
+# bundle or weights directory ("Nothing to be done"). As targets, deleting one reruns it and, where its
+# bytes changed, what reads it.
 rule all:
     default_target: True
     input:
         expand(case_json(), model=MODELS),
-        expand(weights_dir("int4"), model=MODELS),
+        expand(weights_dir(), model=MODELS, precision=PRECISIONS),
         expand(compressed_tensors_dir(), model=MODELS),
+        expand(prompts_json(), model=MODELS, precision=PRECISIONS),
         expand(bundle_kdtr(), model=MODELS, precision=PRECISIONS),
-        expand(format_effect_json(), model=MODELS),
-        rules.report.output.html,
+        [engine_stamp(e) for e in sorted({run[0] for run in RUNS}) if ENGINES[e]["build"]],
+        rules.report.input,
+        rules.report.output,
         rules.strict_gate.output if config["report"]["strict"] else [],
 
 
@@ -57,6 +68,4 @@ include: "workflow/rules/slurm.smk"  # last: partitions for every rule declared 
 
 
 onsuccess:
-    summary = "results/report/summary.txt"
-    if os.path.exists(summary):
-        print(open(summary).read())
+    workflow_setup.print_summary(rules.report.output.summary, STARTED)

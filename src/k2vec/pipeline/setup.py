@@ -122,3 +122,16 @@ def release() -> None:
         path.unlink(missing_ok=True)
         os.close(fd)
         del _held[path]
+
+
+def print_summary(summary: str, started: float) -> None:
+    """The epilogue of a successful invocation: the report's summary when this invocation rebuilt it,
+    else one line saying where the last one is (after a targeted run it predates what just ran)."""
+    path = Path(summary)
+    if not path.exists():
+        return
+    if path.stat().st_mtime >= started:
+        print(path.read_text())
+    else:
+        print(f"k2vec: this run did not rebuild the report; the last summary, {path}, predates it and may be "
+              f"stale: a plain `snakemake` brings it up to date")
