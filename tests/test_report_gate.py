@@ -87,13 +87,48 @@ def test_cli_banner_and_gate_give_one_verdict(tmp_path, goldens, case, capsys):
     ok = tmp_path / "strict.ok"
     if case.fails is None:
         assert rc == 0
-        assert "No real divergence or failure" in html
+        assert "OK for the 1 engine that ran" in html
         check_strict(str(out / "divergence.csv"), str(ok))
         assert ok.exists()
     else:
         assert rc == 1 and f"e/tiny-fp32-ddtree-b4: {case.fails}" in capsys.readouterr().err
-        assert f"Fails the strict verdict: {case.fails} 1" in html
+        assert f"<h2>FAIL: {case.fails} 1</h2>" in html
         assert f"FAIL: {case.fails} 1" in (out / "summary.txt").read_text()
         with pytest.raises(StrictFailure, match=f"e/tiny-fp32-ddtree-b4: {case.fails}"):
             check_strict(str(out / "divergence.csv"), str(ok))
         assert not ok.exists()
+
+
+@pytest.mark.parametrize("fail_on_left_out", [False, True], ids=["listed", "fails-the-gate"])
+def test_left_out_engines_are_named_everywhere(tmp_path, goldens, fail_on_left_out, capsys):
+    """A configured engine that got no run is named with its reason in the summary, the HTML banner and
+    engines.csv; the verdict says it covers the engines that ran, and fails only when asked to."""
+    from k2vec.report import main
+    from support.synthetic import perfect_result, write_result
+
+    golden = goldens[("tiny", "fp32")]
+    result = tmp_path / "e.json"
+    write_result(result, perfect_result(golden, "greedy"))
+    out = tmp_path / "report"
+    why = "no GPU: needs 1 per run, the pool has 0 (gpus.devices)"
+    rc = main(["--out", str(out), "--golden", "tiny", "fp32", str(golden), "--run", "e", "tiny", "fp32", "greedy",
+               str(result), "--left-out", "gpu_e", why, "--strict"] + (["--fail-on-left-out"] if fail_on_left_out else []))
+    summary = (out / "summary.txt").read_text()
+    html = (out / "divergence.html").read_text()
+    engines = pd.read_csv(out / "engines.csv", keep_default_na=False)
+    assert engines.to_dict("records") == [{"engine": "e", "status": "ran", "runs": 1, "reason": ""},
+                                          {"engine": "gpu_e", "status": "left out", "runs": 0, "reason": why}]
+    assert f"LEFT OUT: gpu_e: {why}" in summary
+    assert f"<li><b>gpu_e</b>: {why}</li>" in html
+    ok = tmp_path / "strict.ok"
+    if fail_on_left_out:
+        assert rc == 1 and "gpu_e (no GPU" in capsys.readouterr().err
+        assert "FAIL: 1 configured engine left out: gpu_e (report.fail_on_left_out)" in summary
+        with pytest.raises(StrictFailure, match="1 configured engine.s. left out.*gpu_e"):
+            check_strict(str(out / "divergence.csv"), str(ok), str(out / "engines.csv"))
+    else:
+        assert rc == 0
+        assert "OK for the 1 engine that ran: no real divergence, no over-budget row, no failed run; " \
+               "1 configured engine left out: gpu_e" in summary
+        check_strict(str(out / "divergence.csv"), str(ok))   # the gate without fail_on_left_out
+        assert ok.exists()

@@ -114,7 +114,7 @@ def test_outputs_are_written_and_plots_embedded(report):
     summary = text.split('id="summary-table"', 1)[1].split("</table>", 1)[0]
     assert summary.count("<tr>") - 1 == len(report.runs) == 6
     assert "timed out after 600 s (killed)" in summary
-    assert "Fails the strict verdict: real 1, failed 4, tree differs 1" in text and report.strict_problem is not None
+    assert "<h2>FAIL: real 1, failed 4, tree differs 1</h2>" in text and report.strict_problem is not None
     div = text.split('id="divergence-table"', 1)[1].split("</table>", 1)[0]
     assert div.count("<tr>") - 1 == 1 and "flipped" in div
 

@@ -8,7 +8,7 @@ from k2vec.config.resources import check_config
 from k2vec.config.imports import source_files
 from k2vec.pipeline.code_digest import code_digest, module_sources, script_modules
 from k2vec.errors import ConfigError
-from k2vec.engines.gpus import detect_devices
+from k2vec.engines.gpus import device_pool
 from k2vec.engines.isolation import sandbox_problem
 from k2vec.config.engines import (
     check_sandboxes,
@@ -16,6 +16,7 @@ from k2vec.config.engines import (
     engine_runs,
     engines_missing_modules,
     engines_short_of_gpus,
+    left_out_engines,
     resolve_engines,
 )
 from k2vec.config.expand import expand_config, schema_error
@@ -24,7 +25,7 @@ from k2vec.model.precision import FORMATS
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
     validate(config, schema=CONFIG_SCHEMA)
-    ENGINES = resolve_engines(config, workflow.basedir)
+    ENGINES = resolve_engines(config, workflow.basedir, defined_engines(CONFIG_FILES))
     check_sandboxes(ENGINES, sandbox_problem)
     # Resource budget (k2vec.config.resources): a config whose memory, disk or file count cannot fit here stops
     # now, before expand_config lists every tensor of every model and before any job.
@@ -43,12 +44,7 @@ IMPORTED_MODELS = [m for m in MODELS if "source" in CASES[m]["model"]]
 REPORT_PLOTS = ["match_grid", "logit_error", "first_bad_layer", "acceptance", "format_effect", "score_kl"]
 PRECISIONS = ["fp32", "int4"]
 # Devices of the GPU slot pool; looked up only when some engine needs GPUs.
-if config["gpus"]["devices"] != "auto":
-    GPU_DEVICES = [str(d) for d in config["gpus"]["devices"]]
-elif any(e["gpus"] for e in ENGINES.values()):
-    GPU_DEVICES = detect_devices()
-else:
-    GPU_DEVICES = []
+GPU_DEVICES = device_pool(config["gpus"]["devices"]) if any(e["gpus"] for e in ENGINES.values()) else []
 # Local execution shares this node's pool. (Remote executors give each job its own devices: neither
 # step below applies there.)
 GPU_LEFT_OUT = []
@@ -78,7 +74,9 @@ if MODULES_LEFT_OUT and workflow.is_main_process:
         f"{sys.executable} (engines.<name>.requires)",
         file=sys.stderr,
     )
-RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], GPU_LEFT_OUT + list(MODULES_LEFT_OUT))
+# Every configured engine that gets no run, with its reason: the report names them all.
+LEFT_OUT = left_out_engines(config["engines"], GPU_LEFT_OUT, len(GPU_DEVICES), MODULES_LEFT_OUT, sys.executable)
+RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], list(LEFT_OUT))
 # (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
 NOISE_MODELS = noise_models(ENGINES, RUNS)
 

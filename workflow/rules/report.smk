@@ -1,6 +1,7 @@
 # The divergence report (docs in src/k2vec/report): every engine run judged against the golden
 # data, and the fp32 golden against the int4 one. With `report.strict: true` the `strict_gate`
-# rule fails the pipeline on a real divergence or a failed run, after the report is written. Runs
+# rule fails the pipeline on a real divergence or a failed run, after the report is written (and, with
+# `report.fail_on_left_out: true`, on a configured engine that got no run). Runs
 # whose result, bundle or golden changed after they ran are shown as `changed`, not judged.
 
 
@@ -19,6 +20,8 @@ rule report:
         format_csv="results/report/format_effect.csv",
         score_csv="results/report/score.csv",
         summary="results/report/summary.txt",
+        # each configured engine: ran, or left out and why (read by strict_gate under report.fail_on_left_out)
+        engines_csv="results/report/engines.csv",
         plots=report(
             expand("results/report/{plot}.png", plot=REPORT_PLOTS),
             caption="../report/plots.rst",
@@ -40,6 +43,8 @@ rule report:
         fingerprint_rtol=config["report"]["fingerprint_rtol"],
         budgets=config["report"].get("budgets", {}),
         noise_rule=config["report"].get("noise", {}),
+        left_out=LEFT_OUT,
+        fail_on_left_out=config["report"]["fail_on_left_out"],
     script:
         "../scripts/report.py"
 
@@ -47,6 +52,7 @@ rule report:
 rule strict_gate:
     input:
         csv=rules.report.output.csv,
+        engines_csv=rules.report.output.engines_csv,
     output:
         "results/report/strict.ok",
     log:
@@ -57,5 +63,6 @@ rule strict_gate:
         "../envs/report.yaml"
     params:
         code=stage_code("strict_gate.py", "k2vec.report.gate", "k2vec.pipeline.stage"),
+        fail_on_left_out=config["report"]["fail_on_left_out"],
     script:
         "../scripts/strict_gate.py"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from k2vec.config.expand import require
 
@@ -50,14 +50,22 @@ def check_command_template(template: str, key: str) -> set[str]:
     return fields
 
 
-def resolve_engines(config: dict[str, Any], basedir: str) -> dict[str, dict[str, Any]]:
+def resolve_engines(config: dict[str, Any], basedir: str, defined: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
     """Engine settings with defaults filled in and source globs expanded (relative to `basedir`).
-    An entry set to null (`engines: {numpy: null}` in an overlay config) disables that engine."""
+    An entry set to null (`engines: {numpy: null}` in an overlay config) disables that engine; it must
+    name an engine that some config file defines (`defined`, config.read.defined_engines), so that a
+    misspelt name is an error instead of a silent no-op."""
     import glob
     import os
 
+    entries = config.get("engines") or {}
+    known = sorted({*defined, *(n for n, e in entries.items() if e is not None)})
+    for name, entry in entries.items():
+        require(entry is not None or name in known, f"engines.{name}",
+                f"null disables an engine, but no config file defines one named {name!r}; "
+                f"known engines: {', '.join(known) or 'none'}")
     engines = {}
-    for name, entry in (config.get("engines") or {}).items():
+    for name, entry in entries.items():
         if entry is None:
             continue
         key = f"engines.{name}"
@@ -110,6 +118,25 @@ def engines_missing_modules(engines: dict[str, dict[str, Any]]) -> dict[str, lis
         if absent:
             missing[name] = absent
     return missing
+
+
+def left_out_engines(entries: dict[str, Any], gpu_left_out: list[str], n_devices: int,
+                     missing_modules: dict[str, list[str]], python: str) -> dict[str, str]:
+    """Each configured engine (`entries`: the config's `engines:`) that gets no run, with the reason the
+    report names it by: disabled, short of GPUs (`gpu_left_out`, engines_short_of_gpus), or a package
+    of its `requires` missing (`missing_modules`, engines_missing_modules)."""
+    reasons = {}
+    for name, entry in entries.items():
+        why = [f"disabled (engines.{name}: null)"] if entry is None else []
+        if name in gpu_left_out:
+            why.append(f"no GPU: needs {entry.get('gpus')} per run, the pool has {n_devices} (gpus.devices, "
+                       f"CUDA_VISIBLE_DEVICES)")
+        if name in missing_modules:
+            why.append(f"package(s) missing: {', '.join(missing_modules[name])} not importable by {python} "
+                       f"(engines.{name}.requires)")
+        if why:
+            reasons[name] = "; ".join(why)
+    return reasons
 
 
 def noise_models(engines: dict[str, dict[str, Any]], runs) -> list[tuple[str, str, str]]:

@@ -11,7 +11,8 @@
     res.strict_problem  # why the strict verdict fails (report/gate.py), or None
     res.paths           # every file written
 
-Outputs in out_dir: divergence.html (self-contained), divergence.csv, format_effect.csv, summary.txt and
+Outputs in out_dir: divergence.html (self-contained), divergence.csv, engines.csv (each configured engine: ran or
+left out, and why), format_effect.csv, summary.txt and
 each plot as PNG (plots.PLOTS). From Snakemake: rule `report`'s script (`workflow/scripts/report.py`)
 unpacks `snakemake` and calls `write_report`; from a shell: `python -m k2vec.report --help`.
 """
@@ -19,6 +20,7 @@ unpacks `snakemake` and calls `write_report`; from a shell: `python -m k2vec.rep
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from k2vec.atomic import write_bytes_atomic, write_text_atomic
+from k2vec.report import gate
 from k2vec.report.gate import StrictFailure
 from k2vec.report.metrics import ROW_COLUMNS, Metrics, ReportError, compute_metrics
 
@@ -35,7 +38,7 @@ __all__ = ["build_report", "ReportResult", "ReportError", "compute_metrics", "ma
 
 # Fixed output names (relative to out_dir), so a Snakemake rule can declare them.
 OUTPUTS = {
-    "html": "divergence.html", "csv": "divergence.csv", "summary": "summary.txt",
+    "html": "divergence.html", "csv": "divergence.csv", "summary": "summary.txt", "engines_csv": "engines.csv",
     "format_csv": "format_effect.csv", "score_csv": "score.csv",
     "match_grid": "match_grid.png", "logit_error": "logit_error.png", "first_bad_layer": "first_bad_layer.png",
     "acceptance": "acceptance.png", "format_effect": "format_effect.png", "score_kl": "score_kl.png",
@@ -61,15 +64,19 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
                  out_dir: str | Path, *, near_tie: float = 1e-3, router_near_tie: float = 1e-3,
                  fingerprint_rtol: float = 1e-3, budgets: Mapping[str, Mapping[str, Any]] | None = None,
                  noise: Mapping[tuple[str, str, str], str | Path] | None = None,
-                 noise_rule: Mapping[str, Any] | None = None) -> ReportResult:
+                 noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
+                 fail_on_left_out: bool = False) -> ReportResult:
     """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
     budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml); noise:
-    {(model, precision, precision class): noise-model path}; noise_rule: report.noise (report/noise.py)."""
+    {(model, precision, precision class): noise-model path}; noise_rule: report.noise (report/noise.py);
+    left_out: {engine: why} for each configured engine that got no run; fail_on_left_out: those fail the
+    strict verdict (report.fail_on_left_out)."""
     from k2vec.report import plots
     from k2vec.report.html import render_html, summary_text
 
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
                                  fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, noise_rule=noise_rule)
+    m = dataclasses.replace(m, left_out=dict(left_out or {}), fail_on_left_out=fail_on_left_out)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_steps = dict(zip(m.format_models.get("model", []), m.format_models.get("max_new_tokens", [])))
@@ -88,10 +95,19 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     write_text_atomic(paths["csv"], m.rows[ROW_COLUMNS].to_csv(index=False))
     write_text_atomic(paths["format_csv"], m.format_effect.to_csv(index=False))
     write_text_atomic(paths["score_csv"], m.score_runs.to_csv(index=False))
+    write_text_atomic(paths["engines_csv"], engine_table(runs, m.left_out).to_csv(index=False))
     write_text_atomic(paths["summary"], summary)
     write_text_atomic(paths["html"], render_html(m, pngs, summary))
     return ReportResult(m.rows, m.runs, m.steps, m.acceptance, m.score_runs, m.format_effect, m.format_steps, m.format_models,
                         summary, m.strict_problem, paths)
+
+
+def engine_table(runs: Sequence[Mapping[str, Any]], left_out: Mapping[str, str]) -> pd.DataFrame:
+    """engines.csv: each configured engine, whether it ran (and how many runs) or was left out, and why."""
+    counts = pd.Series([r["engine"] for r in runs if not r.get("reference")], dtype=object).value_counts()
+    table = [{"engine": e, "status": "ran", "runs": int(n), "reason": ""} for e, n in counts.items()]
+    table += [{"engine": e, "status": gate.LEFT_OUT, "runs": 0, "reason": why} for e, why in left_out.items()]
+    return pd.DataFrame(table, columns=["engine", "status", "runs", "reason"]).sort_values("engine")
 
 
 # ------------------------------------------------------------------------------------ entry points
@@ -125,18 +141,20 @@ def _noise_from(value: Mapping[str, Any] | None) -> dict[tuple[str, str, str], s
 def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str | Path, *, near_tie: float = 1e-3,
                  router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
                  budgets: Mapping[str, Mapping[str, Any]] | None = None, strict: bool = False,
-                 noise: Mapping[str, Any] | None = None, noise_rule: Mapping[str, Any] | None = None) -> ReportResult:
+                 noise: Mapping[str, Any] | None = None, noise_rule: Mapping[str, Any] | None = None,
+                 left_out: Mapping[str, str] | None = None, fail_on_left_out: bool = False) -> ReportResult:
     """Rule `report`: build_report, with its summary logged (run it inside the stage's stage_logging).
 
     runs: {"engine","model","precision","mode","result"} dicts (result = the JSON path); goldens:
     {(model, precision): path}, [{"model","precision","path"}] or {"model/precision": path} (the rule's
     params.goldens); budgets: report.budgets; noise: {"model/precision/class": noise-model path} (params.noise);
-    noise_rule: report.noise. strict: raise StrictFailure (report/gate.py) on a real
+    noise_rule: report.noise; left_out, fail_on_left_out: as build_report. strict: raise StrictFailure (report/gate.py) on a real
     divergence, an over-budget row or a failed run, after writing the outputs.
     """
     res = build_report(list(runs), _goldens_from(goldens), out_dir, near_tie=float(near_tie),
                        router_near_tie=float(router_near_tie), fingerprint_rtol=float(fingerprint_rtol),
-                       budgets=budgets, noise=_noise_from(noise), noise_rule=noise_rule)
+                       budgets=budgets, noise=_noise_from(noise), noise_rule=noise_rule, left_out=left_out,
+                       fail_on_left_out=fail_on_left_out)
     logging.getLogger("k2vec.report").info("%s", res.summary)
     if strict and res.strict_problem:
         raise StrictFailure(res.strict_problem)
@@ -157,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--noise", nargs=4, action="append", default=[], metavar=("MODEL", "PRECISION", "CLASS", "PATH"),
                     help="a noise model (results/noise/MODEL/PRECISION-CLASS.kdtr) for the engines of that class")
     ap.add_argument("--budgets", help="JSON file: per precision, budgets laid over the defaults (report.budgets)")
+    ap.add_argument("--left-out", nargs=2, action="append", default=[], metavar=("ENGINE", "REASON"),
+                    help="a configured engine that got no run, named with its reason in the report")
+    ap.add_argument("--fail-on-left-out", action="store_true",
+                    help="with --strict, a left-out engine fails the verdict (report.fail_on_left_out)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the strict verdict fails (report/gate.py): a real divergence, an over-budget row, a failed run or a DDTree tree that differs")
     a = ap.parse_args(argv)
     declared = dict(a.precision_class)
@@ -173,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ReportError(f"--budgets {a.budgets}: {err}") from None
         res = build_report(runs, goldens, a.out, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
                            fingerprint_rtol=a.fingerprint_rtol, budgets=budgets,
-                           noise={(m, p, c): path for m, p, c, path in a.noise})
+                           noise={(m, p, c): path for m, p, c, path in a.noise}, left_out=dict(a.left_out),
+                           fail_on_left_out=a.fail_on_left_out)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

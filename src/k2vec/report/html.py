@@ -101,6 +101,20 @@ def _failing_counts(rows: pd.DataFrame) -> str:
     return ", ".join(f"{v} {int(counts[v])}" for v in (*FAILING_CLASSES, TREE_DIFFERS) if v in counts)
 
 
+def verdict_line(m: Metrics) -> str:
+    """The one-line verdict of summary.txt and the HTML banner: it names the engines left out, so a
+    report without some configured engine never reads as a clean bill for it."""
+    left = sorted(m.left_out)
+    left_part = [f"{plural(len(left), 'configured engine')} left out: {', '.join(left)}"
+                 + (" (report.fail_on_left_out)" if m.fail_on_left_out else "")] if left else []
+    if not m.strict_problem:
+        n_ran = m.rows["engine"].nunique() if len(m.rows) else 0
+        return "; ".join([f"OK for the {plural(n_ran, 'engine')} that ran: no real divergence, no over-budget row, "
+                          f"no failed run", *left_part])
+    failing_part = [_failing_counts(m.rows)] if len(failing(m.rows)) else []
+    return "FAIL: " + "; ".join(failing_part + left_part)
+
+
 def summary_text(m: Metrics) -> str:
     rows, lines = m.rows, []
     n_runs = rows["run"].nunique() if len(rows) else 0
@@ -108,9 +122,9 @@ def summary_text(m: Metrics) -> str:
     lines.append(f"k2vec divergence report: {plural(n_runs, 'run')}, "
                  f"{plural(rows['engine'].nunique() if len(rows) else 0, 'engine')}, {plural(len(rows), 'prompt row')}")
     lines.append("  " + " | ".join(f"{c} {int(counts.get(c, 0))}" for c in CLASSES))
-    verdict = f"FAIL: {_failing_counts(m.rows)}" if m.strict_problem else \
-        "OK: no real divergence, no over-budget row, no failed run"
-    lines.append("  " + verdict)
+    lines.append("  " + verdict_line(m))
+    for name, why in sorted(m.left_out.items()):
+        lines.append(f"  LEFT OUT: {name}: {why}")
     for cls in ("real", "over-budget", "router-near-tie", "precision-tie", "near-tie"):
         sub = rows[rows["class"] == cls].sort_values(["run", "prompt"])
         for _, r in sub.head(MAX_TEXT_LINES).iterrows():
@@ -472,6 +486,14 @@ def _figure(name: str, png: bytes) -> str:
             f'<figcaption>{_e(caption)} <span class="note">({_e(name)})</span></figcaption></figure>')
 
 
+def _left_out_list(m: Metrics) -> str:
+    """The banner's list of configured engines that did not run, each with its reason."""
+    if not m.left_out:
+        return ""
+    items = "".join(f"<li><b>{_e(name)}</b>: {_e(why)}</li>" for name, why in sorted(m.left_out.items()))
+    return f'<p>Not judged (left out of this run):</p><ul id="left-out">{items}</ul>'
+
+
 def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
     th = m.thresholds
     rows = m.rows
@@ -511,7 +533,7 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         f'router_near_tie {th["router_near_tie"]:g}, fingerprint_rtol {th["fingerprint_rtol"]:g}. '
         f"k2vec {_e(__version__)}.</p>",
         f'<section id="verdict" class="card verdict {"ok" if ok else "fail"}">'
-        f'<h2>{"No real divergence or failure" if ok else _e("Fails the strict verdict: " + _failing_counts(rows))}</h2>'
+        f'<h2>{_e(verdict_line(m))}</h2>{_left_out_list(m)}'
         f'<pre id="summary-text">{_e(summary)}</pre></section>',
         '<section id="summary"><h2>Runs</h2><div class="card">', _summary_table(m), "</div></section>",
         '<section id="divergences"><h2>Divergent prompts</h2><div class="card">', _divergence_table(m),

@@ -95,11 +95,14 @@ class Metrics:
     prompt_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden x prompt: margins, blind
     noise_calibration: pd.DataFrame = field(default_factory=pd.DataFrame)  # per noise model x held-out schedule
     noise_table: pd.DataFrame = field(default_factory=pd.DataFrame)  # per reduced-precision engine x bundle
+    left_out: dict[str, str] = field(default_factory=dict)  # configured engines with no run -> why
+    fail_on_left_out: bool = False  # report.fail_on_left_out: a left-out engine fails the strict verdict
 
     @property
     def strict_problem(self) -> str | None:
-        """Why these rows fail the strict verdict (report/gate.py), or None."""
-        return gate.strict_problem(self.rows)
+        """Why these rows, and the engines left out where they count, fail the strict verdict
+        (report/gate.py), or None."""
+        return gate.strict_problem(self.rows, self.left_out if self.fail_on_left_out else {})
 
 
 def _load_result(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
