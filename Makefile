@@ -10,8 +10,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# A GPU node (nvidia-smi lists a device) also gets the GPU engines' packages (pyproject's [gpu] extra);
+# elsewhere those engines are left out of the run and named in the report.
+GPUS := $(shell nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | grep -c .)
+EXTRAS := $(if $(filter-out 0,$(GPUS)),[gpu])
+
 install: $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.$(EXTRAS)'
 
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'

@@ -17,10 +17,11 @@ def default_config() -> dict:
 
 def snakemake(*args: str, cwd: Path, snakefile: Path | None = None, env: dict | None = None,
               timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run the snakemake CLI of this interpreter's environment; never raises on a non-zero exit."""
+    """Run the snakemake CLI of this interpreter's environment; never raises on a non-zero exit. `env` is
+    laid over this process's environment; a variable set to None there is removed."""
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(snakefile or REPO / "Snakefile"), *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    environ = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environ)
 
 
 def copy_workflow(dest: Path) -> Path:
@@ -42,3 +43,16 @@ def write_config(path: Path, config: dict) -> Path:
 @pytest.fixture
 def config() -> dict:
     return default_config()
+
+
+def fake_nvidia_smi(bin_dir: Path, n_gpus: int) -> Path:
+    """A directory holding an `nvidia-smi` that lists `n_gpus` H200s (fails, as without a driver, for 0),
+    to put first on PATH: a GPU node as the pipeline and README's commands see one."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    rows = "".join(f"{i}, NVIDIA H200, GPU-{i:04d}aaaa-0000-0000-0000-000000000000\\n" for i in range(n_gpus))
+    indices = "".join(f"{i}\\n" for i in range(n_gpus))
+    script = bin_dir / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + ('echo "NVIDIA-SMI has failed" >&2; exit 9\n' if not n_gpus else
+                      f'case "$*" in\n  *index,name,uuid*) printf "{rows}";;\n  *) printf "{indices}";;\nesac\n'))
+    script.chmod(0o755)
+    return bin_dir

@@ -1,8 +1,10 @@
 """The Snakemake workflow as users drive it: bad configs, dry runs, lint, and honest reruns."""
+import os
 import re
 import shutil
 import time
 
+import pandas as pd
 import pytest
 
 from conftest import REPO, copy_workflow, default_config, snakemake, write_config
@@ -298,3 +300,91 @@ def test_overlay_config_disables_a_built_in_engine(built_workflow, tmp_path):
     # `engines: {numpy: null}` in an overlay config (docs/engine-contract.md section 1): no numpy run
     # is scheduled or judged, only the report changes.
     assert dry_run_with(root, env, tmp_path, {"engines": {"numpy": None}}) == {"report": 1, "all": 1}
+
+
+def test_overlay_disabling_an_unknown_engine_is_refused(tmp_path):
+    # A typo when disabling an engine would otherwise be a silent no-op, numpy still running.
+    cfg = write_config(tmp_path / "overlay.yaml", {"engines": {"nmpy": None}})
+    res = snakemake("--cores", "1", "--directory", str(tmp_path), "--configfile", str(cfg), cwd=tmp_path)
+    assert res.returncode != 0
+    assert "Invalid configuration" in res.stderr and "engines.nmpy" in res.stderr, res.stderr[-1500:]
+    assert "known engines: gpu_bf16, gpu_fp32, hf_bf16, hf_fp32, numpy" in res.stderr, res.stderr[-1500:]
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.fixture
+def built_copy(built_workflow, tmp_path):
+    """A private copy of the built workflow, results/ and Snakemake's records included, to run in."""
+    copy = tmp_path / "copy"
+    shutil.copytree(built_workflow[0], copy, symlinks=True)
+    return copy, {"PYTHONPATH": str(copy / "src")}
+
+
+def test_deleted_files_are_rebuilt_by_a_plain_run(built_copy):
+    """README: "to rebuild a damaged file, delete it and rerun". Every stage's output is a target, so a
+    plain `snakemake` rebuilds a deleted result, golden and bundle (an up-to-date report used to hide
+    them: "Nothing to be done"), byte for byte, and prints the rebuilt report's summary."""
+    root, env = built_copy
+    deleted = ["results/runs/numpy/tiny-fp32-greedy.json", "results/golden/tiny/int4.kdtr",
+               "results/bundles/tiny-fp32.kdtr"]
+    before = {f: (root / f).read_bytes() for f in deleted}
+    for f in deleted:
+        (root / f).unlink()
+    jobs = dry_run(root, env)
+    assert {"engine_run", "golden", "bundle", "report"} <= set(jobs), jobs
+    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for f in ("results/golden/tiny/int4.kdtr", "results/bundles/tiny-fp32.kdtr"):
+        assert (root / f).read_bytes() == before[f], f
+    assert (root / deleted[0]).exists()
+    assert "k2vec divergence report:" in res.stdout, res.stdout[-2000:]
+    assert dry_run(root, env) == {}
+
+
+def test_a_targeted_run_does_not_print_a_stale_summary(built_copy):
+    root, env = built_copy
+    target = "results/runs/numpy/tiny-int4-greedy.json"
+    res = snakemake("--cores", "1", "--force", target, snakefile=root / "Snakefile", cwd=root, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "k2vec divergence report:" not in res.stdout
+    assert "this run did not rebuild the report; the last summary, results/report/summary.txt, predates it" \
+        in res.stdout, res.stdout[-2000:]
+
+
+def test_visible_gpus_reschedule_no_finished_run(built_copy):
+    """Which devices are visible is no input of a result (the one used is recorded in it): restricting
+    or widening them adds the GPU engines' runs where a pool appears, and reruns no CPU engine's run."""
+    root, env = built_copy
+    scheduled = {}
+    for visible in ("0", "0,1"):
+        res = snakemake("-n", snakefile=root / "Snakefile", cwd=root, env={**env, "CUDA_VISIBLE_DEVICES": visible})
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs = [w for rule, w in scheduled_job_wildcards(res.stdout) if rule == "engine_run"]
+        assert runs and {w["engine"] for w in runs} == {"gpu_fp32", "gpu_bf16"}, runs
+        scheduled[visible] = sorted(tuple(w.values()) for w in runs)
+    assert scheduled["0"] == scheduled["0,1"]
+
+
+def test_gpu_engine_without_its_packages_is_left_out_and_named(built_copy, tmp_path):
+    """A GPU node (fake nvidia-smi, 2 GPUs) whose environment lacks torch and triton (the [gpu] extra):
+    the GPU engines get no run and no failed row, one notice, and the report names them with the reason."""
+    from conftest import fake_nvidia_smi
+
+    root, env = built_copy
+    env = {"PYTHONPATH": f"{root / 'src'}:{REPO / 'tests/support/hide_modules'}", "K2VEC_HIDE_MODULES": "torch,triton",
+           "PATH": f"{fake_nvidia_smi(tmp_path / 'bin', 2)}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": None}
+    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "k2vec: no run of engine(s) gpu_fp32, gpu_bf16: torch, triton not importable" in res.stderr
+    assert "k2vec: no run of GPU engine" not in res.stderr   # the pool has 2 devices
+    assert not (root / "results/runs/gpu_fp32").exists() and not (root / "results/runs/gpu_bf16").exists()
+    rows = pd.read_csv(root / "results/report/divergence.csv")
+    assert set(rows["engine"]) == {"numpy"} and set(rows["class"]) == {"exact"}
+    summary = (root / "results/report/summary.txt").read_text()
+    for name in ("gpu_fp32", "gpu_bf16"):
+        assert f"LEFT OUT: {name}: package(s) missing: torch, triton not importable by" in summary, summary
+    assert "OK for the 1 engine that ran: no real divergence, no over-budget row, no failed run; " \
+           "2 configured engines left out: gpu_bf16, gpu_fp32" in summary
+    engines = pd.read_csv(root / "results/report/engines.csv", keep_default_na=False)
+    assert dict(zip(engines["engine"], engines["status"])) == {"gpu_bf16": "left out", "gpu_fp32": "left out",
+                                                               "numpy": "ran"}
