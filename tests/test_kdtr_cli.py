@@ -102,6 +102,21 @@ def test_diff_reports_tensors_and_metadata(pair):
     assert lines[-1] == "6 tensor differences, 4 metadata differences"
 
 
+def test_diff_orders_list_indices_as_numbers(tmp_path):
+    # Sorted as text, "prompts.10" would come before "prompts.2".
+    prompts = [f"p{i}" for i in range(12)]
+    changed = list(prompts)
+    changed[2], changed[10] = "two", "ten"
+    a, b = tmp_path / "a.kdtr", tmp_path / "b.kdtr"
+    write_bundle(a, {}, {"prompts": prompts, "x": {"10": 1, "9": 1}}, alignment=64)
+    write_bundle(b, {}, {"prompts": changed, "x": {"10": 2, "9": 2}}, alignment=64)
+    rc, text = cli("diff", a, b)
+    assert rc == 1
+    assert text.splitlines() == ['~ metadata prompts.2: "p2" vs "two"', '~ metadata prompts.10: "p10" vs "ten"',
+                                 "~ metadata x.10: 1 vs 2", "~ metadata x.9: 1 vs 2",  # object keys stay text
+                                 "0 tensor differences, 4 metadata differences"]
+
+
 def test_diff_of_identical_bundles_is_clean(pair):
     rc, text = cli("diff", "--all", pair[0], pair[0])
     assert rc == 0

@@ -70,15 +70,22 @@ def cmd_verify(args, out) -> int:
     return status
 
 
-def _flatten(value, prefix: str = "") -> Iterator[tuple[str, object]]:
+def _flatten(value, path: tuple = ()) -> Iterator[tuple[tuple, object]]:
+    """(path, leaf) pairs; a path holds dict keys as str and list indices as int, so that sorting
+    paths puts `prompts.2` before `prompts.10`."""
     if isinstance(value, dict) and value:
         for k, v in value.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from _flatten(v, path + (k,))
     elif isinstance(value, list) and value:
         for i, v in enumerate(value):
-            yield from _flatten(v, f"{prefix}.{i}" if prefix else str(i))
+            yield from _flatten(v, path + (i,))
     else:
-        yield prefix, value
+        yield path, value
+
+
+def _path_order(path: tuple) -> tuple:
+    # An index and a key meet at one position only when A has a list where B has an object: indices first.
+    return tuple((isinstance(p, str), p) for p in path)
 
 
 def _chunks(x: np.ndarray, dtype: str) -> Iterator[np.ndarray]:
@@ -151,13 +158,14 @@ def cmd_diff(args, out) -> int:
             ndiff += 1
         ma, mb = dict(_flatten(a.metadata)), dict(_flatten(b.metadata))
         mdiff = 0
-        for key in sorted(set(ma) | set(mb)):
-            if key not in mb:
-                print(f"- metadata {key}: only in A ({_summary(ma[key], 50)})", file=out)
-            elif key not in ma:
-                print(f"+ metadata {key}: only in B ({_summary(mb[key], 50)})", file=out)
-            elif json.dumps(ma[key]) != json.dumps(mb[key]):
-                print(f"~ metadata {key}: {_summary(ma[key], 50)} vs {_summary(mb[key], 50)}", file=out)
+        for path in sorted(set(ma) | set(mb), key=_path_order):
+            key = ".".join(map(str, path))
+            if path not in mb:
+                print(f"- metadata {key}: only in A ({_summary(ma[path], 50)})", file=out)
+            elif path not in ma:
+                print(f"+ metadata {key}: only in B ({_summary(mb[path], 50)})", file=out)
+            elif json.dumps(ma[path]) != json.dumps(mb[path]):
+                print(f"~ metadata {key}: {_summary(ma[path], 50)} vs {_summary(mb[path], 50)}", file=out)
             else:
                 continue
             mdiff += 1
