@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from k2vec.digests import record_path, recorded, sha256_file, write_record
 from k2vec.kdtr import bf16, f32_to_bf16, int4, write_bundle
 from k2vec.kdtr.cli import main
 
@@ -75,6 +76,32 @@ def test_verify_exit_status(pair, tmp_path, capsys):
     assert rc == 1
     assert f"{bad}: FAILED: " in capsys.readouterr().err
     assert cli("list", tmp_path / "nope.kdtr")[0] == 1
+
+
+def test_verify_checks_the_sha256_record_beside_the_bundle(pair, tmp_path, capsys):
+    a, b = pair
+    write_record(a)
+    rc, text = cli("verify", a, b)
+    assert rc == 0
+    assert f"{a}: OK, 7 tensors, " in text and "(crc32 of 7 tensors, sha256 record a.kdtr.sha256 OK)" in text
+    assert f"{b}: OK, " in text and "(crc32 of 7 tensors, no .sha256 record beside it)" in text
+    # b's bytes under a's name: every CRC holds, only the record can tell
+    want, got = recorded(a), sha256_file(b)
+    a.write_bytes(b.read_bytes())
+    rc, text = cli("verify", a)
+    err = capsys.readouterr().err
+    assert rc == 1 and text == ""
+    assert f"{a}: FAILED: " in err and "a.kdtr.sha256" in err and want in err and got in err
+    record_path(a).write_text("not a record\n")
+    assert cli("verify", a)[0] == 1 and "not a sha256 record of a.kdtr" in capsys.readouterr().err
+
+
+def test_verify_of_a_sha256_record_points_at_its_bundle(pair, capsys):
+    a, b = pair
+    write_record(a)
+    rc, text = cli("verify", record_path(a), b)
+    assert rc == 2 and f"{b}: OK, " in text  # the other files are still verified
+    assert f"{a}.sha256: this is a sha256 record; verify the bundle it describes: {a}\n" in capsys.readouterr().err
 
 
 def test_diff_reports_tensors_and_metadata(pair):

@@ -1,7 +1,7 @@
 """`python -m k2vec.kdtr {list,inspect,verify,diff}`.
 
-Exit status: 0 fine (diff: identical), 1 a bad bundle (diff: a difference), 2 usage/IO or, for
-diff, a bad bundle.
+Exit status: 0 fine (diff: identical), 1 a bad bundle or a sha256 record it fails (diff: a
+difference), 2 usage/IO or, for diff, a bad bundle; verify given a `.sha256` record itself: 2.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
+from k2vec.digests import SUFFIX, IntegrityError, check_record, record_path
 from k2vec.kdtr.format import FLOAT_DTYPES, KdtrError, bf16_to_f32
 from k2vec.kdtr.reader import Bundle, open_bundle
 
@@ -60,13 +61,24 @@ def cmd_inspect(args, out) -> int:
 def cmd_verify(args, out) -> int:
     status = 0
     for path in args.files:
+        if path.endswith(SUFFIX):
+            # Rather than guess: a glob like `bundles/*` would otherwise verify each bundle twice.
+            print(f"{path}: this is a sha256 record; verify the bundle it describes: {path[: -len(SUFFIX)]}",
+                  file=sys.stderr)
+            status = 2
+            continue
         try:
             with open_bundle(path) as b:
                 n = b.verify(workers=args.workers)
-            print(f"{path}: OK, {len(b)} tensors, {n} data bytes", file=out)
-        except (KdtrError, OSError) as e:
+            if record_path(path).exists():
+                check_record(path)
+                record = f"sha256 record {record_path(path).name} OK"
+            else:
+                record = f"no {SUFFIX} record beside it"
+            print(f"{path}: OK, {len(b)} tensors, {n} data bytes (crc32 of {len(b)} tensors, {record})", file=out)
+        except (KdtrError, IntegrityError, OSError) as e:
             print(f"{path}: FAILED: {e}", file=sys.stderr)
-            status = 1
+            status = max(status, 1)
     return status
 
 
