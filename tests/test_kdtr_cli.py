@@ -50,7 +50,8 @@ def test_list_and_inspect_table_are_the_canonical_lines(pair):
     a, _ = pair
     rc, listed = cli("list", a)
     assert rc == 0
-    lines = listed.splitlines()
+    header, *lines = listed.splitlines()
+    assert header == "# name dtype shape offset nbytes crc32"
     assert [ln.split()[0] for ln in lines] == ["bf", "f", "gone", "i", "q", "same", "shape"]
     assert lines[1].split()[1:3] == ["f32", "[3,4]"] and len(lines[1].split()[-1]) == 8
     assert lines[4].split()[1] == "u8:int4"
@@ -61,6 +62,7 @@ def test_inspect_summarises_header_table_and_metadata(pair):
     rc, text = cli("inspect", pair[0])
     assert rc == 0
     assert "KDTR v1" in text and "alignment 64" in text and "7 tensors" in text
+    assert text.splitlines()[1:3] == ["# name dtype shape offset nbytes crc32", cli("list", pair[0])[1].splitlines()[1]]
     assert "  model: object, 2 keys: layers, name" in text  # canonical JSON: sorted keys
     assert "  prompts: array, 2 items" in text and "  old: true" in text
 

@@ -15,13 +15,14 @@ from typing import Iterator
 import numpy as np
 
 from k2vec.digests import SUFFIX, IntegrityError, check_record, record_path
-from k2vec.kdtr.format import FLOAT_DTYPES, KdtrError, bf16_to_f32
+from k2vec.kdtr.format import FLOAT_DTYPES, TABLE_HEADER, KdtrError, bf16_to_f32
 from k2vec.kdtr.reader import Bundle, open_bundle
 
 _CHUNK = 1 << 20  # elements compared at a time: diff of two 1 GiB tensors stays in a few MiB
 
 
 def _print_table(b: Bundle, out) -> None:
+    print(TABLE_HEADER, file=out)
     for line in b.lines():
         print(line, file=out)
 
@@ -50,7 +51,6 @@ def cmd_inspect(args, out) -> int:
         data = sum(t.nbytes for t in b.tensors)
         print(f"{args.file}: KDTR v{b.version}, {b.file_size} bytes, alignment {b.alignment}, "
               f"{len(b)} tensors, {data} data bytes", file=out)
-        print("# name dtype shape offset nbytes crc32", file=out)
         _print_table(b, out)
         print("metadata:", file=out)
         for key, value in b.metadata.items():
