@@ -1,6 +1,7 @@
-"""`python -m k2vec.kdtr`: list, inspect, verify, diff."""
+"""`python -m k2vec.kdtr`: list, inspect, verify, diff, dump."""
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from k2vec.digests import record_path, recorded, sha256_file, write_record
-from k2vec.kdtr import bf16, f32_to_bf16, int4, write_bundle
+from k2vec.kdtr import bf16, bf16_to_f32, f32_to_bf16, int4, open_bundle, write_bundle
 from k2vec.kdtr.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,3 +183,116 @@ def test_list_into_a_closed_pipe_ends_quietly(tmp_path):
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert res.returncode == 0 and res.stderr == "", (res.returncode, res.stderr)
     assert res.stdout.count("\n") == 1
+
+
+@pytest.fixture
+def dumpable(tmp_path):
+    rng = np.random.default_rng(7)
+    f = rng.standard_normal((3, 5)).astype(np.float32)  # values that need all 9 significant digits
+    bits = f32_to_bf16(np.array([0.1, -3.5, np.nan, np.inf, -0.0, 1e-40], np.float32))
+    tensors = {"f": f, "bf": bf16(bits), "i": np.arange(-12, 12, dtype=np.int32).reshape(3, 4, 2),
+               "u": np.array([0, 2**64 - 1], np.uint64), "h": np.array([0.5, 65504.0], np.float16),
+               "s": np.float64(-1.25), "layer.qw": int4(np.array([[0x80, 0x7f], [0x0f, 0xf0]], np.uint8))}
+    meta = {"model": {"name": "tiny", "eps": 1e-05, "big": 2**63 - 1}, "prompts": ["héllo", "日本", "x\n\"y\""],
+            "hf_config": {"layers": [{"i": i, "w": [0.1] * 40} for i in range(3)]}, "none": None, "ok": True}
+    path = tmp_path / "d.kdtr"
+    write_bundle(path, tensors, meta, alignment=64)
+    return path, meta
+
+
+def dumped(*args):
+    rc, text = cli("dump", *args)
+    assert rc == 0
+    return json.loads(text)
+
+
+def test_dump_meta_parses_as_the_bundles_metadata(dumpable):
+    path, meta = dumpable
+    got = dumped(path, "--meta")
+    assert got == meta == open_bundle(path).metadata  # inspect summarises hf_config; dump keeps it whole
+    assert "日本" in cli("dump", path, "--meta")[1]  # readable, not \u-escaped
+
+
+@pytest.mark.parametrize("name", ["f", "i", "u", "h", "s"])
+def test_dump_tensor_equals_the_readers(dumpable, name):
+    with open_bundle(dumpable[0]) as b:
+        want = np.array(b[name])
+    got = np.array(dumped(dumpable[0], "--tensor", name), dtype=want.dtype)
+    assert got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def test_dump_bf16_prints_the_float32_it_decodes_to(dumpable):
+    with open_bundle(dumpable[0]) as b:
+        want = bf16_to_f32(b["bf"])
+    got = np.array(dumped(dumpable[0], "--tensor", "bf"), dtype=np.float32)
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.signbit(got[4]) and got[5] == want[5] != 0  # -0.0 and a subnormal survive the text
+    assert dumped(dumpable[0], "--tensor", "bf")[0] == 0.10009765625  # bf16 0.1, not its bits 15821
+    assert dumped(dumpable[0], "--tensor", "bf", "--slice", "1:4:2") == [-3.5, float("inf")]
+
+
+def test_dump_packed_tensor_prints_stored_bytes_and_says_so(dumpable, capsys):
+    assert dumped(dumpable[0], "--tensor", "layer.qw") == [[0x80, 0x7f], [0x0f, 0xf0]]
+    assert "layer.qw is int4-packed: these are its stored u8 bytes" in capsys.readouterr().err
+    dumped(dumpable[0], "--tensor", "f")
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("spec, index", [
+    ("0:2,1:4", np.s_[0:2, 1:4]), ("1", np.s_[1]), ("-1", np.s_[-1]), ("::2, 3", np.s_[::2, 3]),
+    ("..., -2", np.s_[..., -2]), ("1,2", np.s_[1, 2]), (":", np.s_[:]), ("5:1:-2", np.s_[5:1:-2]),
+])
+def test_dump_slice_equals_the_readers_slice(dumpable, spec, index):
+    with open_bundle(dumpable[0]) as b:
+        want_f, want_i = np.array(b["f"][index]), np.array(b["i"][index])
+    got_f = np.array(dumped(dumpable[0], "--tensor", "f", "--slice", spec), np.float32)
+    got_i = np.array(dumped(dumpable[0], "--tensor", "i", "--slice", spec), np.int32)
+    assert got_f.shape == want_f.shape and got_f.tobytes() == want_f.tobytes()
+    assert got_i.shape == want_i.shape and got_i.tobytes() == want_i.tobytes()
+
+
+def test_dump_npy_to_a_file_and_to_stdout(dumpable, tmp_path):
+    path = dumpable[0]
+    with open_bundle(path) as b:
+        want_bf, want_u = bf16_to_f32(b["bf"]), np.array(b["u"])
+    rc, text = cli("dump", path, "--tensor", "bf", "--format", "npy", "-o", tmp_path / "bf")
+    assert rc == 0 and text == ""
+    got = np.load(tmp_path / "bf")  # written where asked: no ".npy" appended
+    assert got.dtype == np.float32 and got.view(np.uint32).tobytes() == want_bf.view(np.uint32).tobytes()
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    assert main(["dump", str(path), "--tensor", "u", "--format", "npy", "--slice", "1:"], out=out) == 0
+    got = np.load(io.BytesIO(out.buffer.getvalue()))
+    assert got.dtype == np.uint64 and got.tolist() == want_u[1:].tolist() == [2**64 - 1]
+    assert cli("dump", path, "--tensor", "i", "-o", tmp_path / "i.json")[0] == 0
+    assert json.loads((tmp_path / "i.json").read_text()) == np.arange(-12, 12).reshape(3, 4, 2).tolist()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tensor", "ff"], "no tensor 'ff' among its 7; did you mean 'f'?"),
+    (["--tensor", "LAYER.QW"], "no tensor 'LAYER.QW' among its 7; did you mean 'layer.qw'?"),
+    (["--tensor", "zzzzzz"], "no tensor 'zzzzzz' among its 7 (`kdtr list "),
+    (["--tensor", "f", "--slice", "3"], "--slice '3' of tensor 'f' (shape [3,5]): index 3 is out of bounds for axis 0"),
+    (["--tensor", "f", "--slice", "0,0,0"], "--slice '0,0,0' of tensor 'f' (shape [3,5]): too many indices"),
+    (["--tensor", "f", "--slice", "__import__('os')"], "of tensor 'f' (shape [3,5]): \"__import__('os')\" is not an integer"),
+    (["--tensor", "f", "--slice", "1:2:3:4"], "'1:2:3:4' has more than two ':'"),
+    (["--tensor", "f", "--slice", "::0"], "slice step cannot be zero"),
+    (["--tensor", "f", "--slice", "1,"], "an empty index"),
+    (["--meta", "--format", "npy"], "go with --tensor NAME, not --meta"),
+])
+def test_dump_errors_name_the_tensor_and_shape(dumpable, capsys, args, message):
+    assert cli("dump", dumpable[0], *args) == (2, "")
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {dumpable[0]}: ") and message in err
+
+
+def test_dump_usage(dumpable, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli("dump", dumpable[0])
+    assert e.value.code == 2 and "one of the arguments --meta --tensor is required" in capsys.readouterr().err
+    assert main(["dump", str(dumpable[0]), "--tensor", "f", "--format", "npy"], out=_Terminal()) == 2
+    assert "not writing .npy bytes to a terminal" in capsys.readouterr().err

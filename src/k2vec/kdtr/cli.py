@@ -1,7 +1,8 @@
-"""`python -m k2vec.kdtr {list,inspect,verify,diff}`.
+"""`python -m k2vec.kdtr {list,inspect,verify,diff,dump}` (dump: k2vec.kdtr.dump).
 
-Exit status: 0 fine (diff: identical), 1 a bad bundle or a sha256 record it fails (diff: a
-difference), 2 usage/IO or, for diff, a bad bundle; verify given a `.sha256` record itself: 2.
+Exit status: 0 fine (diff: identical); 1 a bad bundle, one its sha256 record disowns, or an unreadable
+file (diff: a difference); 2 a usage error (dump: an unknown tensor or a bad --slice; verify: a `.sha256`
+record given in place of its bundle) or, for diff, a bad bundle.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from k2vec.digests import SUFFIX, IntegrityError, check_record, record_path
+from k2vec.kdtr.dump import DumpError, add_parser, cmd_dump
 from k2vec.kdtr.format import FLOAT_DTYPES, TABLE_HEADER, KdtrError, bf16_to_f32
 from k2vec.kdtr.reader import Bundle, open_bundle
 
@@ -201,14 +203,19 @@ def main(argv: list[str] | None = None, out=None) -> int:
     s.add_argument("a")
     s.add_argument("b")
     s.add_argument("--all", action="store_true", help="also list identical tensors")
+    add_parser(sub)
     args = p.parse_args(argv)
+    commands = {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff, "dump": cmd_dump}
     try:
-        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff}[args.cmd](args, out)
+        return commands[args.cmd](args, out)
     except BrokenPipeError:
         # The reader went away (`kdtr list FILE | head`): end quietly, as cat and ls do. Point stdout at
         # /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except DumpError as e:  # the request is at fault, not the bundle
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (KdtrError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
