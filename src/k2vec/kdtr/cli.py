@@ -17,9 +17,12 @@ import numpy as np
 
 from k2vec.digests import SUFFIX, IntegrityError, check_record, record_path
 from k2vec.kdtr.dump import DumpError, add_parser, cmd_dump
-from k2vec.kdtr.format import FLOAT_DTYPES, TABLE_HEADER, KdtrError, bf16_to_f32
+from k2vec.kdtr.format import FLOAT_DTYPES, KdtrError, bf16_to_f32
 from k2vec.kdtr.reader import Bundle, open_bundle
 
+# The table's first line (docs/kdtr-format.md §9; kdtr_tool prints it too). Here, not in format.py: every
+# stage imports format.py, and a change there reruns them all (k2vec.pipeline.code_digest).
+TABLE_HEADER = "# name dtype shape offset nbytes crc32"
 _CHUNK = 1 << 20  # elements compared at a time: diff of two 1 GiB tensors stays in a few MiB
 
 

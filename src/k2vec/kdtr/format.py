@@ -140,9 +140,6 @@ def element_count(dims: tuple[int, ...], isize: int) -> int | None:
     return count
 
 
-TABLE_HEADER = "# name dtype shape offset nbytes crc32"  # first line of the table, before the rows
-
-
 def format_line(name: str, dtype: str, packing: str, shape: tuple[int, ...], offset: int,
                 nbytes: int, crc32: int) -> str:
     """The canonical one-line-per-tensor table row shared with `kdtr_tool list` (byte-identical)."""
