@@ -67,7 +67,7 @@ def cmd_verify(args, out) -> int:
     status = 0
     for path in args.files:
         if path.endswith(SUFFIX):
-            # Rather than guess: a glob like `bundles/*` would otherwise verify each bundle twice.
+            # Refused, not followed: a glob such as `bundles/*` names both files and would check each bundle twice.
             print(f"{path}: this is a sha256 record; verify the bundle it describes: {path[: -len(SUFFIX)]}",
                   file=sys.stderr)
             status = 2
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None, out=None) -> int:
     s = sub.add_parser("inspect", help="header summary, tensor table and metadata summary")
     s.add_argument("file")
     s.add_argument("--table", action="store_true", help="print only the canonical table")
-    s = sub.add_parser("verify", help="check structure and every checksum")
+    s = sub.add_parser("verify", help="check structure, every checksum and the .sha256 record beside the file")
     s.add_argument("files", nargs="+")
     s.add_argument("--workers", type=int, default=1, help="checksum threads (default 1)")
     s = sub.add_parser("diff", help="per-tensor and metadata differences of bundle A vs B")
