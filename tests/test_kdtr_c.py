@@ -83,7 +83,7 @@ def test_c_list_is_byte_identical_to_python_list(tool, tmp_path):
         r = run(tool, "list", path)
         assert r.returncode == 0, r.stderr
         assert r.stdout == _python_list(path)
-        assert r.stdout.count("\n") == len(open_bundle_buffer(path.read_bytes()).tensors)
+        assert r.stdout.count("\n") == 1 + len(open_bundle_buffer(path.read_bytes()).tensors)  # header + rows
 
 
 def test_c_verify_exit_status_and_message(tool, tmp_path):

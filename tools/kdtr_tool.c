@@ -1,7 +1,8 @@
 /*
  * kdtr_tool - list / verify KDTR bundles with include/kdtr.h (and a batch mode for fuzzing).
  *
- *   kdtr_tool list FILE          canonical table, byte-identical to `python -m k2vec.kdtr list`
+ *   kdtr_tool list FILE          canonical table (header line, then one line per tensor), byte-identical
+ *                                to `python -m k2vec.kdtr list`
  *   kdtr_tool verify FILE...     structure + every checksum; "FILE: OK ..." or an error, per file
  *   kdtr_tool fuzz CORPUS        CORPUS = records of [u64 LE length][bytes]; each record is copied
  *                                into its own exact-size heap block (so ASan sees any over-read)
@@ -78,6 +79,7 @@ static int cmd_list(const char *path) {
         fprintf(stderr, "%s: error: %s\n", path, f.error);
         rc = 1;
     } else {
+        puts("# name dtype shape offset nbytes crc32");
         while (kdtr_next(&f, &cur, &t)) {
             kdtr_format_line(&t, line, sizeof line);
             puts(line);

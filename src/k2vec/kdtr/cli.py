@@ -1,7 +1,8 @@
-"""`python -m k2vec.kdtr {list,inspect,verify,diff}`.
+"""`python -m k2vec.kdtr {list,inspect,verify,diff,dump}` (dump: k2vec.kdtr.dump).
 
-Exit status: 0 fine (diff: identical), 1 a bad bundle (diff: a difference), 2 usage/IO or, for
-diff, a bad bundle.
+Exit status: 0 fine (diff: identical); 1 a bad bundle, one its sha256 record disowns, or an unreadable
+file (diff: a difference); 2 a usage error (dump: an unknown tensor or a bad --slice; verify: a `.sha256`
+record given in place of its bundle) or, for diff, a bad bundle.
 """
 
 from __future__ import annotations
@@ -14,13 +15,19 @@ from typing import Iterator
 
 import numpy as np
 
+from k2vec.digests import SUFFIX, IntegrityError, check_record, record_path
+from k2vec.kdtr.dump import DumpError, add_parser, cmd_dump
 from k2vec.kdtr.format import FLOAT_DTYPES, KdtrError, bf16_to_f32
 from k2vec.kdtr.reader import Bundle, open_bundle
 
+# The table's first line (docs/kdtr-format.md §9; kdtr_tool prints it too). Here, not in format.py: every
+# stage imports format.py, and a change there reruns them all (k2vec.pipeline.code_digest).
+TABLE_HEADER = "# name dtype shape offset nbytes crc32"
 _CHUNK = 1 << 20  # elements compared at a time: diff of two 1 GiB tensors stays in a few MiB
 
 
 def _print_table(b: Bundle, out) -> None:
+    print(TABLE_HEADER, file=out)
     for line in b.lines():
         print(line, file=out)
 
@@ -49,7 +56,6 @@ def cmd_inspect(args, out) -> int:
         data = sum(t.nbytes for t in b.tensors)
         print(f"{args.file}: KDTR v{b.version}, {b.file_size} bytes, alignment {b.alignment}, "
               f"{len(b)} tensors, {data} data bytes", file=out)
-        print("# name dtype shape offset nbytes crc32", file=out)
         _print_table(b, out)
         print("metadata:", file=out)
         for key, value in b.metadata.items():
@@ -60,25 +66,43 @@ def cmd_inspect(args, out) -> int:
 def cmd_verify(args, out) -> int:
     status = 0
     for path in args.files:
+        if path.endswith(SUFFIX):
+            # Refused, not followed: a glob such as `bundles/*` names both files and would check each bundle twice.
+            print(f"{path}: this is a sha256 record; verify the bundle it describes: {path[: -len(SUFFIX)]}",
+                  file=sys.stderr)
+            status = 2
+            continue
         try:
             with open_bundle(path) as b:
                 n = b.verify(workers=args.workers)
-            print(f"{path}: OK, {len(b)} tensors, {n} data bytes", file=out)
-        except (KdtrError, OSError) as e:
+            if record_path(path).exists():
+                check_record(path)
+                record = f"sha256 record {record_path(path).name} OK"
+            else:
+                record = f"no {SUFFIX} record beside it"
+            print(f"{path}: OK, {len(b)} tensors, {n} data bytes (crc32 of {len(b)} tensors, {record})", file=out)
+        except (KdtrError, IntegrityError, OSError) as e:
             print(f"{path}: FAILED: {e}", file=sys.stderr)
-            status = 1
+            status = max(status, 1)
     return status
 
 
-def _flatten(value, prefix: str = "") -> Iterator[tuple[str, object]]:
+def _flatten(value, path: tuple = ()) -> Iterator[tuple[tuple, object]]:
+    """(path, leaf) pairs; a path holds dict keys as str and list indices as int, so that sorting
+    paths puts `prompts.2` before `prompts.10`."""
     if isinstance(value, dict) and value:
         for k, v in value.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from _flatten(v, path + (k,))
     elif isinstance(value, list) and value:
         for i, v in enumerate(value):
-            yield from _flatten(v, f"{prefix}.{i}" if prefix else str(i))
+            yield from _flatten(v, path + (i,))
     else:
-        yield prefix, value
+        yield path, value
+
+
+def _path_order(path: tuple) -> tuple:
+    # An index and a key meet at one position only when A has a list where B has an object: indices first.
+    return tuple((isinstance(p, str), p) for p in path)
 
 
 def _chunks(x: np.ndarray, dtype: str) -> Iterator[np.ndarray]:
@@ -151,13 +175,14 @@ def cmd_diff(args, out) -> int:
             ndiff += 1
         ma, mb = dict(_flatten(a.metadata)), dict(_flatten(b.metadata))
         mdiff = 0
-        for key in sorted(set(ma) | set(mb)):
-            if key not in mb:
-                print(f"- metadata {key}: only in A ({_summary(ma[key], 50)})", file=out)
-            elif key not in ma:
-                print(f"+ metadata {key}: only in B ({_summary(mb[key], 50)})", file=out)
-            elif json.dumps(ma[key]) != json.dumps(mb[key]):
-                print(f"~ metadata {key}: {_summary(ma[key], 50)} vs {_summary(mb[key], 50)}", file=out)
+        for path in sorted(set(ma) | set(mb), key=_path_order):
+            key = ".".join(map(str, path))
+            if path not in mb:
+                print(f"- metadata {key}: only in A ({_summary(ma[path], 50)})", file=out)
+            elif path not in ma:
+                print(f"+ metadata {key}: only in B ({_summary(mb[path], 50)})", file=out)
+            elif json.dumps(ma[path]) != json.dumps(mb[path]):
+                print(f"~ metadata {key}: {_summary(ma[path], 50)} vs {_summary(mb[path], 50)}", file=out)
             else:
                 continue
             mdiff += 1
@@ -174,21 +199,26 @@ def main(argv: list[str] | None = None, out=None) -> int:
     s = sub.add_parser("inspect", help="header summary, tensor table and metadata summary")
     s.add_argument("file")
     s.add_argument("--table", action="store_true", help="print only the canonical table")
-    s = sub.add_parser("verify", help="check structure and every checksum")
+    s = sub.add_parser("verify", help="check structure, every checksum and the .sha256 record beside the file")
     s.add_argument("files", nargs="+")
     s.add_argument("--workers", type=int, default=1, help="checksum threads (default 1)")
     s = sub.add_parser("diff", help="per-tensor and metadata differences of bundle A vs B")
     s.add_argument("a")
     s.add_argument("b")
     s.add_argument("--all", action="store_true", help="also list identical tensors")
+    add_parser(sub)
     args = p.parse_args(argv)
+    commands = {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff, "dump": cmd_dump}
     try:
-        return {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff}[args.cmd](args, out)
+        return commands[args.cmd](args, out)
     except BrokenPipeError:
         # The reader went away (`kdtr list FILE | head`): end quietly, as cat and ls do. Point stdout at
         # /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except DumpError as e:  # the request is at fault, not the bundle
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (KdtrError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -241,7 +241,7 @@ class Bundle:
         return self._index[name]
 
     def lines(self) -> list[str]:
-        """The canonical table (what `list` prints), one line per tensor."""
+        """The canonical table's rows, one per tensor (what `list` prints after its header line)."""
         return [t.line() for t in self.tensors]
 
     def verify(self, workers: int = 1) -> int:
