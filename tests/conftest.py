@@ -56,3 +56,16 @@ def fake_nvidia_smi(bin_dir: Path, n_gpus: int) -> Path:
                       f'case "$*" in\n  *index,name,uuid*) printf "{rows}";;\n  *) printf "{indices}";;\nesac\n'))
     script.chmod(0o755)
     return bin_dir
+
+
+@pytest.fixture(scope="session")
+def pipeline(tmp_path_factory):
+    """The default config's whole pipeline (about 2 minutes), run once per session for every test that reads
+    it (test_pipeline.py, test_judge.py): (root, env). results/report is rerun by later tests with other
+    engines; default-report/ keeps the default run's."""
+    root = copy_workflow(tmp_path_factory.mktemp("pipeline"))
+    env = {"PYTHONPATH": str(root / "src")}
+    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    shutil.copytree(root / "results/report", root / "default-report")
+    return root, env

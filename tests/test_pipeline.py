@@ -1,5 +1,6 @@
 """The whole pipeline on the default config: golden properties, bundles, the numpy engine, GPU slots,
-failure isolation and engine-edit reruns. One run of the default config is shared by every test."""
+failure isolation and engine-edit reruns. One run of the default config is shared by every test (the
+session's `pipeline` fixture, tests/conftest.py)."""
 import glob
 import hashlib
 import itertools
@@ -18,17 +19,6 @@ from conftest import REPO, copy_workflow, default_config, snakemake, write_confi
 from test_workflow import scheduled_jobs
 
 FAKE = REPO / "tests" / "engines" / "fake_engine.py"
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    root = copy_workflow(tmp_path_factory.mktemp("pipeline"))
-    env = {"PYTHONPATH": str(root / "src")}
-    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env=env, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    # Later tests rerun the report with other engines in the same directory: keep the default one.
-    shutil.copytree(root / "results/report", root / "default-report")
-    return root, env
 
 
 def golden(root, model, precision):

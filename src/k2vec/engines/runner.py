@@ -9,6 +9,7 @@ FAILED row.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -20,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from k2vec.atomic import claim_directory
 from k2vec.digests import IntegrityError, sha256_file, verify_kdtr
@@ -222,3 +223,31 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
     else:
         in_use.unlink(missing_ok=True)   # kept for inspection until this run's next attempt
     return final
+
+
+HOW_IT_RUNS = """\
+It has no command line of its own: Snakemake's rule engine_run (workflow/rules/engines.smk) runs
+workflow/scripts/engine_run.py, which calls run_engine(engine=, command=, bundle=, mode=, output=, ...)
+once per (engine, model, precision, mode), with the engine's entry in config.yaml (docs/engine-contract.md
+sections 1 and 2). One run of one engine, through the runner:
+
+  snakemake --cores 2 results/runs/ENGINE/MODEL-PRECISION-MODE.json
+
+While writing an engine, run it by hand on a bundle and judge its result without Snakemake; the judge
+makes the runner's contract checks on a result the runner did not write:
+
+  my_engine --bundle results/bundles/tiny-fp32.kdtr --mode greedy --budget 0 --output out/tiny-fp32-greedy.json
+  k2vec judge --bundle results/bundles/tiny-fp32.kdtr --result out/tiny-fp32-greedy.json
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """`python -m k2vec.engines.runner --help`: what the runner is and how it is run."""
+    ap = argparse.ArgumentParser(prog="python -m k2vec.engines.runner", description=__doc__.split("\n\n")[0],
+                                 epilog=HOW_IT_RUNS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.parse_args(argv)
+    ap.error("the runner is run by Snakemake's rule engine_run, not from the shell (--help says how)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

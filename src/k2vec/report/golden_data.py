@@ -19,14 +19,18 @@ class ReportError(K2VecError):
 
 
 class Golden:
-    """The golden tensors the report needs, stacked over prompts; fingerprints stay mmapped views."""
+    """The golden tensors the report needs, stacked over prompts; fingerprints stay mmapped views.
+
+    `path`: a golden file, or an engine's bundle, which carries the golden's tensors and metadata verbatim
+    (stages/bundle.py); read from a bundle, `sha256` is that of the golden it was built from, recorded in
+    it, so the checks against it (report/integrity.py, the noise model's) are the same either way."""
 
     def __init__(self, model: str, precision: str, path: str | Path):
         path = Path(path)
         if not path.exists():
             raise ReportError(f"golden for model {model!r} precision {precision!r} not found: {path}")
         self.model, self.precision, self.path = model, precision, path
-        try:   # nothing is judged against a golden that is not exactly what the golden stage wrote
+        try:   # nothing is judged against a golden that is not exactly what its stage wrote
             self.sha256 = verify_golden(model, precision, path)
         except IntegrityError as err:
             raise ReportError(str(err)) from None
@@ -44,8 +48,10 @@ class Golden:
     def _load(self) -> None:
         b, path, model, precision = self._bundle, self.path, self.model, self.precision
         md = b.metadata
+        if md.get("kind") == "k2vec-bundle":
+            self.sha256, md = md.get("golden_sha256"), md.get("golden") or {}
         if md.get("kind") != "k2vec-golden":
-            raise ReportError(f"{path} is not a golden file (metadata kind {md.get('kind')!r})")
+            raise ReportError(f"{path} is not a golden file nor a bundle holding one (metadata kind {md.get('kind')!r})")
         if (md.get("model"), md.get("precision")) != (model, precision):
             raise ReportError(f"{path} holds the golden of model {md.get('model')!r} precision "
                               f"{md.get('precision')!r}, but was given for {model!r} {precision!r}")

@@ -18,8 +18,10 @@ import pandas as pd
 from k2vec import __version__
 from k2vec.report.gate import FAILING_CLASSES, TREE_DIFFERS, failing
 from k2vec.report.metrics import CLASSES, SEVERITY, Metrics
-from k2vec.report.plots import COLORS, PLOTS, row_labels
 from k2vec.report.words import plural
+
+# plots (COLORS, PLOTS, row_labels) is imported where the HTML uses it: it loads matplotlib (a quarter of a
+# second), which the summary lines, and the judge that prints them (report/judge.py), never need.
 
 MAX_SUMMARY_ROWS = 200
 MAX_DETAIL_ROWS = 300
@@ -115,6 +117,28 @@ def verdict_line(m: Metrics) -> str:
     return "FAIL: " + "; ".join(failing_part + left_part)
 
 
+def score_line(r: pd.Series) -> str:
+    """A score run's statistics and verdict (a row of Metrics.score_runs)."""
+    return (f"score {r['engine']} {r['model']}/{r['precision']} ({r['precision_class'] or 'reference'}): "
+            f"same top-1 {r['same_top1']:.1%}, KL mean {fmt(r['kl_mean'], 'e')} p99 {fmt(r['kl_p99'], 'e')} "
+            f"max {fmt(r['kl_max'], 'e')}, NMSE {fmt(r['logit_nmse'], 'e')}: {r['verdict']}"
+            + (f" ({r['over_budget']})" if not _na(r["over_budget"]) else ""))
+
+
+def noise_lines(noise_table: pd.DataFrame, rows: pd.DataFrame) -> list[str]:
+    """Each reduced-precision engine's verdict against its noise model, and a plain line for each one
+    judged without a noise model."""
+    lines = [f"noise model {r['engine']} {r['model']}/{r['precision']} ({r['precision_class']}): {_beyond(r)}; "
+             f"{r['verdict']}" for _, r in noise_table.iterrows()]
+    reduced = rows[(rows["status"] == "ok") & rows["precision_class"].notna() & (rows["precision_class"] != "float32")]
+    if "noise_hidden_cells" in reduced:
+        reduced = reduced[reduced["noise_hidden_cells"].isna()]
+    for (e, mo, p, c), _ in reduced.groupby(["engine", "model", "precision", "precision_class"]):
+        lines.append(f"noise model {e} {mo}/{p} ({c}): none given; judged by the fixed {c} budgets only, "
+                     f"tie credit the logit_abs budget")
+    return lines
+
+
 def summary_text(m: Metrics) -> str:
     rows, lines = m.rows, []
     n_runs = rows["run"].nunique() if len(rows) else 0
@@ -140,20 +164,8 @@ def summary_text(m: Metrics) -> str:
         lines.append(f"  {label}: {r['engine']} {r['model']}/{r['precision']} {r['mode']}: {r['reason']}")
     if len(failed.drop_duplicates("run")) > MAX_TEXT_LINES:
         lines.append(f"  ... and {plural(len(failed.drop_duplicates('run')) - MAX_TEXT_LINES, 'more failed run')}")
-    for _, r in m.score_runs.iterrows():
-        lines.append(f"  score {r['engine']} {r['model']}/{r['precision']} ({r['precision_class'] or 'reference'}): "
-                     f"same top-1 {r['same_top1']:.1%}, KL mean {fmt(r['kl_mean'], 'e')} p99 {fmt(r['kl_p99'], 'e')} "
-                     f"max {fmt(r['kl_max'], 'e')}, NMSE {fmt(r['logit_nmse'], 'e')}: {r['verdict']}"
-                     + (f" ({r['over_budget']})" if not _na(r["over_budget"]) else ""))
-    for _, r in m.noise_table.iterrows():
-        lines.append(f"  noise model {r['engine']} {r['model']}/{r['precision']} ({r['precision_class']}): "
-                     f"{_beyond(r)}; {r['verdict']}")
-    reduced = rows[(rows["status"] == "ok") & rows["precision_class"].notna() & (rows["precision_class"] != "float32")]
-    if "noise_hidden_cells" in reduced:
-        reduced = reduced[reduced["noise_hidden_cells"].isna()]
-    for (e, mo, p, c), _ in reduced.groupby(["engine", "model", "precision", "precision_class"]):
-        lines.append(f"  noise model {e} {mo}/{p} ({c}): none given; judged by the fixed {c} budgets only, "
-                     f"tie credit the logit_abs budget")
+    lines += ["  " + score_line(r) for _, r in m.score_runs.iterrows()]
+    lines += ["  " + line for line in noise_lines(m.noise_table, rows)]
     fp = rows.dropna(subset=["first_bad_step"])
     if len(fp):
         r = fp.sort_values(["first_bad_step", "first_bad_layer"]).iloc[0]
@@ -275,11 +287,15 @@ def _e(v: Any) -> str:
 
 
 def badge(cls: str) -> str:
+    from k2vec.report.plots import COLORS
+
     fg = "#1f2933" if cls in ("near-tie", "exact") else "white"
     return f'<span class="badge cls-{_e(cls)}" style="background:{COLORS.get(cls, "#999")};color:{fg}">{_e(cls)}</span>'
 
 
 def _class_bar(r: pd.Series, total: int) -> str:
+    from k2vec.report.plots import COLORS
+
     parts = "".join(f'<span title="{c}: {int(r[c])}" style="width:{100 * r[c] / total:.2f}%;background:{COLORS[c]}"></span>'
                     for c in CLASSES if r[c])
     return f'<span class="bar">{parts}</span>'
@@ -328,6 +344,8 @@ def _summary_table(m: Metrics) -> str:
 
 
 def _divergence_table(m: Metrics) -> str:
+    from k2vec.report.plots import row_labels
+
     rows = m.rows
     d = rows[rows["class"].isin(["near-tie", "router-near-tie", "precision-tie", "real"]) & (rows["mode"] != "score")]
     if d.empty:
@@ -375,6 +393,8 @@ def _score_table(m: Metrics) -> str:
 
 
 def _tree_table(m: Metrics) -> str:
+    from k2vec.report.plots import row_labels
+
     rows = m.rows
     if rows["tree_match"].notna().sum() == 0:
         return '<p class="note" id="tree-table">No DDTree run returned rounds.</p>'
@@ -480,6 +500,8 @@ def _strength_section(m: Metrics) -> str:
 
 
 def _figure(name: str, png: bytes) -> str:
+    from k2vec.report.plots import PLOTS
+
     fid, caption = PLOTS[name]
     data = base64.b64encode(png).decode("ascii")
     return (f'<figure id="{fid}"><img alt="{_e(caption)}" src="data:image/png;base64,{data}">'

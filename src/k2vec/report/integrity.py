@@ -8,6 +8,9 @@
 - The bundle a result records (path and sha256, checked by the runner before and after the run)
   must still have that hash and record, and must have been built from the golden the report uses;
   otherwise the run is `changed` too: its input changed under it.
+- A result straight from an engine (the judge, report/judge.py, on a result with no runner record) has
+  neither record to check: the contract checks the runner would make are made on it instead
+  (metrics.py, the run entry's `contract`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ def verify_golden(model: str, precision: str, path: str | Path) -> str:
     try:
         return verify_kdtr(path)
     except IntegrityError as err:
-        raise IntegrityError(f"golden for model {model!r} precision {precision!r} is not readable as the golden "
-                             f"stage wrote it, so no run was judged: {err}. Rebuild it: delete {path} and rerun "
+        raise IntegrityError(f"golden for model {model!r} precision {precision!r} is not readable as its stage "
+                             f"wrote it, so no run was judged: {err}. Rebuild it: delete {path} and rerun "
                              f"Snakemake") from None
 
 
@@ -40,9 +43,11 @@ class RunChecks:
 
     def problem(self, spec: Mapping[str, Any], result: Mapping[str, Any] | None) -> str | None:
         """Why this run cannot be judged, or None when its result and inputs are as they were written.
-        `result`: the loaded JSON, None when it could not be read (garbage written over it is `changed`)."""
-        if not Path(spec["result"]).is_file():
-            return None   # a missing result is a failed run
+        `result`: the loaded JSON, None when it could not be read (garbage written over it is `changed`).
+        spec["bundle"], where given (the judge's --bundle): the bundle the run is judged on, in place of the
+        path the result records (relative to the directory the pipeline ran in)."""
+        if not Path(spec["result"]).is_file() or spec.get("contract") is not None:
+            return None   # a missing result is a failed run; one straight from an engine has no records
         try:
             check_record(spec["result"])
         except IntegrityError as err:
@@ -52,9 +57,10 @@ class RunChecks:
         bundle = (result.get("inputs") or {}).get("bundle")
         if not isinstance(bundle, Mapping):
             return None   # not written by the runner (e.g. tests/support/synthetic.py): no bundle to check
-        return self._bundle_problem(str(bundle.get("path")), str(bundle.get("sha256")), spec)
+        given = spec.get("bundle")
+        return self._bundle_problem(str(given or bundle.get("path")), str(bundle.get("sha256")), spec, given is not None)
 
-    def _bundle_problem(self, path: str, used: str, spec: Mapping[str, Any]) -> str | None:
+    def _bundle_problem(self, path: str, used: str, spec: Mapping[str, Any], given: bool) -> str | None:
         if path not in self._bundles:
             try:
                 self._bundles[path] = sha256_file(path)
@@ -62,8 +68,8 @@ class RunChecks:
                 self._bundles[path] = f"unreadable ({err.strerror})"
         now = self._bundles[path]
         if now != used:
-            return (f"input bundle {path} changed since this run used it (sha256 now {now}, at the run {used}), "
-                    f"not judged")
+            what = "is not the bundle this run used" if given else "changed since this run used it"
+            return f"input bundle {path} {what} (sha256 now {now}, at the run {used}), not judged"
         try:
             if recorded(path) != used:
                 return f"input bundle {path} no longer matches its sha256 record (rebuilt since this run), not judged"

@@ -28,6 +28,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from k2vec.engines.contract.checks import check_result
+from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.modes import parse_mode
 from k2vec.engines.gpus import short_uuid
 from k2vec.report.classify import BudgetError, classify, resolve_budgets
@@ -141,6 +143,11 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
     """The rows of one run entry and its run-level facts (status, throughput)."""
     kind, budget = parse_mode(spec["mode"])
     res, reason = _load_result(spec["result"])
+    if res is not None and spec.get("contract") is not None and res.get("status", "ok") == "ok":
+        try:   # straight from an engine (report/judge.py): the runner's checks, which the report relies on
+            check_result(res, spec["mode"], spec["contract"])
+        except InvalidResult as err:
+            res, reason = None, f"not a valid result (docs/engine-contract.md): {err}"
     status = "failed" if res is None else str(res.get("status", "ok"))
     if res is not None and status != "ok":
         reason = str(res.get("reason") or f"status {status!r}")
@@ -214,8 +221,10 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                     noise: Mapping[tuple[str, str, str], str | Path] | None = None,
                     noise_rule: Mapping[str, Any] | None = None) -> Metrics:
     """All report data for `runs` ({"engine","model","precision","mode","result"}, optional
-    "precision_class" (default float32) and "reference" (the int4-format row: scored, not judged)
-    each) against `goldens` ({(model, precision): golden KDTR path}). `budgets`: per precision class,
+    "precision_class" (default float32), "reference" (the int4-format row: scored, not judged), and for
+    the judge (report/judge.py) "bundle" (integrity.RunChecks) and "contract" (the bundle's Expectations:
+    a result straight from an engine, checked as the runner checks one) each) against `goldens`
+    ({(model, precision): golden KDTR path, or the bundle that carries the golden}). `budgets`: per precision class,
     laid over classify.DEFAULT_BUDGETS. `noise`: {(model, precision, precision class): noise-model
     path} (k2vec.stages.noise), judged by `noise_rule` (report/noise.py, laid over NOISE_RULE)."""
 
