@@ -2,11 +2,12 @@
 YAML syntax errors with their line, engine command templates with a stray brace."""
 import math
 import re
+import time
 
 import pytest
 
 from conftest import copy_workflow, default_config, snakemake, write_config
-from k2vec.config import resources
+from k2vec.config import read, resources
 from k2vec.model.architecture import tensor_shapes
 from k2vec.config.read import ConfigFileError, check_config_file
 from k2vec.config.read import main as configfile_main
@@ -149,13 +150,56 @@ def test_tab_indentation_is_explained(tmp_path, capsys):
     assert configfile_main([str(cfg)]) == 1 and "line 2, column 1" in capsys.readouterr().err
 
 
-def test_aliases_are_walked_once(tmp_path):
-    # a "billion laughs" document: 10 levels of 10 aliases would be 10^10 nodes if expanded
+def _laughs(levels: int) -> str:
+    """A "billion laughs" document: `levels` levels of 10 aliases, 10^levels nodes once expanded."""
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
-    lines += [f"a{i}: &a{i} [{', '.join(['*a' + str(i - 1)] * 10)}]" for i in range(1, 10)]
+    lines += [f"a{i}: &a{i} [{', '.join(['*a' + str(i - 1)] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    # 570 bytes, 10^10 nodes: the schema check walked it for minutes, memory growing
+    (_laughs(10), r"c\.yaml, line 10, column 10: this alias expands to 1,111,111,111 nodes, and the whole document "
+                  r"to 12,345,679,021, more than the limit of 100,000"),
+    ("a: &a [x, *a]\n", r"c\.yaml, line 1, column 11: this alias stands for a node that contains it"),
+], ids=["billion-laughs", "recursive-anchor"])
+def test_alias_expansion_past_the_limit_is_refused_at_once(tmp_path, text, message):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("\n".join(lines) + "\n")
+    cfg.write_text(text)
+    start = time.perf_counter()
+    with pytest.raises(ConfigFileError, match=message):
+        check_config_file(cfg)
+    assert time.perf_counter() - start < 5
+
+
+def test_too_many_nodes_without_aliases_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(read, "MAX_EXPANDED_NODES", 100)  # (100,000 nodes take seconds to compose)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("x: [" + ", ".join(["1"] * 98) + "]\n")
+    with pytest.raises(ConfigFileError, match=r"c\.yaml: the document has 101 nodes, more than the limit of 100 "):
+        check_config_file(cfg)
+
+
+def test_aliases_within_the_limit_pass(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(_laughs(4))  # 11,111 nodes expanded: as the shipped config's shared engine sources, only more
     check_config_file(cfg)
+
+
+def test_oversized_config_file_is_refused(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("# padding\n" * 120_000)  # 1.2 MB of comments: nothing the node count would see
+    with pytest.raises(ConfigFileError, match=r"c\.yaml: the config file is larger than the limit of 1,048,576 bytes"):
+        check_config_file(cfg)
+
+
+def test_yaml_bomb_given_with_configfile_stops_the_workflow_at_once(tmp_path):
+    cfg = tmp_path / "bomb.yaml"
+    cfg.write_text(_laughs(10))
+    res = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(cfg), cwd=tmp_path, timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    assert "Invalid configuration: " in out and "bomb.yaml, line 10, column 10: this alias expands" in out, out[-2000:]
 
 
 # ------------------------------------------------------------------------- engine command templates
