@@ -6,13 +6,14 @@ import time
 
 import pytest
 
-from conftest import copy_workflow, default_config, snakemake, write_config
+from conftest import REPO, copy_workflow, default_config, snakemake, write_config
 from k2vec.config import read, resources
 from k2vec.model.architecture import tensor_shapes
 from k2vec.config.read import ConfigFileError, check_config_file
 from k2vec.config.read import main as configfile_main
 from k2vec.errors import ConfigError
-from k2vec.config.engines import check_command_template
+from k2vec.config import engines
+from k2vec.config.engines import check_command_template, source_glob
 from k2vec.config.expand import resolve_model
 
 
@@ -219,13 +220,46 @@ def test_engine_command_template_errors_name_key_and_position(tmp_path, command,
     assert not (tmp_path / "results").exists()
 
 
-def test_engine_sources_matching_nothing_stop_a_dry_run(tmp_path):
+@pytest.mark.parametrize("pattern, problem", [
+    ("kernels/*.cu", "pattern 'kernels/*.cu' matches no file"),
+    ("/**", "pattern '/**' would search / (the root or a directory right below it)"),  # walked the filesystem
+])
+def test_engine_sources_matching_nothing_or_everything_stop_a_dry_run(tmp_path, pattern, problem):
     config = default_config()
-    config["engines"] = {"mine": {"command": "run {bundle} {output}", "sources": ["kernels/*.cu"]}}
+    config["engines"] = {"mine": {"command": "run {bundle} {output}", "sources": [pattern]}}
     rc, msg = _run(tmp_path, config, "-n")
     assert rc != 0
-    assert "config key 'engines.mine.sources': pattern 'kernels/*.cu' matches no file" in msg, msg[-2000:]
+    assert f"config key 'engines.mine.sources': {problem}" in msg, msg[-2000:]
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("pattern, problem", [
+    ("/**/*.cu", "would search / (the root"),
+    ("/usr/**", "would search /usr (the root or a directory right below it)"),
+    ("/usr/*/include/*.h", "would search /usr (the root"),
+    ("/usr/lib/**/*.so", "'**' outside the repository"),
+    ("../*.py", "has a '..' component"),
+    ("src/../../*", "has a '..' component"),
+], ids=["root-recursive", "top-dir-recursive", "top-dir-wildcard", "recursive-outside", "dotdot", "dotdot-inside"])
+def test_engine_sources_outside_the_repository_are_confined(pattern, problem):
+    with pytest.raises(ConfigError) as err:
+        source_glob(pattern, str(REPO), "engines.e.sources")
+    assert err.value.key == "engines.e.sources" and problem in err.value.reason, err.value
+
+
+def test_engine_sources_absolute_but_narrow_are_allowed(tmp_path):
+    (tmp_path / "eng" / "src").mkdir(parents=True)
+    (tmp_path / "eng" / "src" / "k.cu").write_text("")
+    assert source_glob(str(tmp_path / "eng/src/*.cu"), str(REPO), "k") == [str(tmp_path / "eng/src/k.cu")]
+    assert source_glob(f"{REPO}/src/k2vec/config/**/*.py", str(REPO), "k")  # '**' under the repository
+    with pytest.raises(ConfigError, match=r"'\*\*' outside the repository"):
+        source_glob(str(tmp_path / "eng/**/*.cu"), str(REPO), "k")
+
+
+def test_engine_source_glob_matching_too_many_files_is_refused(monkeypatch):
+    monkeypatch.setattr(engines, "MAX_SOURCE_FILES", 3)
+    with pytest.raises(ConfigError, match=r"pattern 'src/k2vec/\*\*/\*\.py' matches more than 3 files"):
+        source_glob("src/k2vec/**/*.py", str(REPO), "engines.e.sources")
 
 
 def test_command_template_rules():
