@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 from typing import Any, Callable, Iterable
 
@@ -20,6 +21,10 @@ ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "tim
                                    "sandbox": False, "precision": "float32", "requires": [],
                                    "ddtree_budgets": None}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
+# The largest value of each numeric limit (the schema's maxima, kept equal by a test): a run or build
+# that may wait a week waits long enough; 64 GiB is far above any result file yet fits int64 bytes.
+# (1e308 once reached int() in the runner: OverflowError, no result, the engine left running.)
+ENGINE_LIMITS = {"timeout_s": 7 * 24 * 3600, "build_timeout_s": 7 * 24 * 3600, "max_result_mb": 65536}
 
 
 # A command template's tokens, as str.format reads them: escaped braces, a {placeholder}, a lone brace.
@@ -110,6 +115,10 @@ def resolve_engines(config: dict[str, Any], basedir: str, defined: Iterable[str]
             continue
         key = f"engines.{name}"
         e = {**copy.deepcopy(ENGINE_DEFAULTS), "models": sorted(config["models"]), **copy.deepcopy(entry)}
+        for k, top in ENGINE_LIMITS.items():
+            v = e[k]
+            require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v <= top,
+                    f"{key}.{k}", f"must be a number above 0 and at most {top:g}, got {v!r}")
         fields = check_command_template(e["command"], f"{key}.command")
         require("output" in fields and "bundle" in fields, f"{key}.command",
                  "must use {bundle} and {output}")
