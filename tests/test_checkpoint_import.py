@@ -293,7 +293,7 @@ HEADER_DAMAGE = {
     "no data_offsets": (NORM2, _entry(NORM2, data_offsets=None)),                      # KeyError
     "string offsets": (NORM2, _entry(NORM2, data_offsets=["0", "128"])),              # TypeError
     "three offsets": (NORM2, _entry(NORM2, data_offsets=[0, 64, 128])),               # ValueError
-    "float offsets": (NORM2, _entry(NORM2, data_offsets=[0.0, 128.0])),               # TypeError
+    "float offsets": (NORM2, lambda h: h[NORM2].update(data_offsets=[float(o) for o in h[NORM2]["data_offsets"]])),
     "shape is a number": (NORM2, _entry(NORM2, shape=5)),                              # TypeError
     "dtype is a list": (NORM2, _entry(NORM2, dtype=["BF16"])),
     "entry is a string": (NORM2, lambda h: h.update({NORM2: "BF16"})),

@@ -13,15 +13,15 @@ from k2vec.config.read import ConfigFileError, check_config_file
 from k2vec.config.read import main as configfile_main
 from k2vec.errors import ConfigError
 from k2vec.config import engines
-from k2vec.config.engines import check_command_template, source_glob
+from k2vec.config.engines import check_command_template
 from k2vec.config.expand import resolve_model
 
 
-def _run(tmp_path, config: dict, *args) -> tuple[int, str]:
+def _run(tmp_path, config: dict, *args, timeout: int = 600) -> tuple[int, str]:
     """(exit status, everything Snakemake printed: its log goes to stdout or stderr depending on when)."""
     cfg = write_config(tmp_path / "user.yaml", config)
     res = snakemake(*args, "--directory", str(tmp_path), "--configfile", str(cfg), "--replace-workflow-config",
-                    cwd=tmp_path)
+                    cwd=tmp_path, timeout=timeout)
     return res.returncode, res.stdout + res.stderr
 
 
@@ -174,7 +174,7 @@ def test_alias_expansion_past_the_limit_is_refused_at_once(tmp_path, text, messa
 
 
 def test_too_many_nodes_without_aliases_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(read, "MAX_EXPANDED_NODES", 100)  # (100,000 nodes take seconds to compose)
+    monkeypatch.setattr(read, "MAX_EXPANDED_NODES", 100, raising=False)  # (100,000 nodes take seconds to compose)
     cfg = tmp_path / "c.yaml"
     cfg.write_text("x: [" + ", ".join(["1"] * 98) + "]\n")
     with pytest.raises(ConfigFileError, match=r"c\.yaml: the document has 101 nodes, more than the limit of 100 "):
@@ -227,7 +227,7 @@ def test_engine_command_template_errors_name_key_and_position(tmp_path, command,
 def test_engine_sources_matching_nothing_or_everything_stop_a_dry_run(tmp_path, pattern, problem):
     config = default_config()
     config["engines"] = {"mine": {"command": "run {bundle} {output}", "sources": [pattern]}}
-    rc, msg = _run(tmp_path, config, "-n")
+    rc, msg = _run(tmp_path, config, "-n", timeout=60)  # `/**` once walked the whole filesystem
     assert rc != 0
     assert f"config key 'engines.mine.sources': {problem}" in msg, msg[-2000:]
     assert not (tmp_path / "results").exists()
@@ -242,12 +242,14 @@ def test_engine_sources_matching_nothing_or_everything_stop_a_dry_run(tmp_path, 
     ("src/../../*", "has a '..' component"),
 ], ids=["root-recursive", "top-dir-recursive", "top-dir-wildcard", "recursive-outside", "dotdot", "dotdot-inside"])
 def test_engine_sources_outside_the_repository_are_confined(pattern, problem):
+    from k2vec.config.engines import source_glob
     with pytest.raises(ConfigError) as err:
         source_glob(pattern, str(REPO), "engines.e.sources")
     assert err.value.key == "engines.e.sources" and problem in err.value.reason, err.value
 
 
 def test_engine_sources_absolute_but_narrow_are_allowed(tmp_path):
+    from k2vec.config.engines import source_glob
     (tmp_path / "eng" / "src").mkdir(parents=True)
     (tmp_path / "eng" / "src" / "k.cu").write_text("")
     assert source_glob(str(tmp_path / "eng/src/*.cu"), str(REPO), "k") == [str(tmp_path / "eng/src/k.cu")]
@@ -257,7 +259,8 @@ def test_engine_sources_absolute_but_narrow_are_allowed(tmp_path):
 
 
 def test_engine_source_glob_matching_too_many_files_is_refused(monkeypatch):
-    monkeypatch.setattr(engines, "MAX_SOURCE_FILES", 3)
+    from k2vec.config.engines import source_glob
+    monkeypatch.setattr(engines, "MAX_SOURCE_FILES", 3, raising=False)
     with pytest.raises(ConfigError, match=r"pattern 'src/k2vec/\*\*/\*\.py' matches more than 3 files"):
         source_glob("src/k2vec/**/*.py", str(REPO), "engines.e.sources")
 
