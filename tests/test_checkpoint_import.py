@@ -255,6 +255,129 @@ def test_malformed_checkpoint_names_file_and_tensor(ct_dir, tmp_path, break_it, 
     assert not (tmp_path / "fp32").exists() and not (tmp_path / "int4").exists()  # nothing half-written
 
 
+def _rewrite_header(shard, change):
+    """Replace the shard's safetensors header by change(header) (which may edit it in place and return
+    None), the data left as it is."""
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    new = change(header)
+    head = json.dumps(header if new is None else new).encode()
+    head += b" " * (-len(head) % 8)
+    shard.write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n:])
+
+
+NORM = "model.layers.2.input_layernorm.weight"  # the first tensor the import reads from its shard
+NORM2 = "model.layers.2.post_attention_layernorm.weight"  # same shard, same shape
+
+
+def _entry(name, **fields):
+    def change(header):
+        header[name].update(fields)
+        for k in [k for k, v in fields.items() if v is None]:
+            del header[name][k]
+    return change
+
+
+def _nan_at(index, value=float("nan")):
+    def change(t):
+        t = t.clone()
+        t.view(-1)[index] = value
+        return t
+    return change
+
+
+# Each once gave a bare Python error without file or tensor, or imported silently.
+HEADER_DAMAGE = {
+    "header is a list": (NORM, lambda h: [h]),                                        # AttributeError
+    "no data_offsets": (NORM2, _entry(NORM2, data_offsets=None)),                      # KeyError
+    "string offsets": (NORM2, _entry(NORM2, data_offsets=["0", "128"])),              # TypeError
+    "three offsets": (NORM2, _entry(NORM2, data_offsets=[0, 64, 128])),               # ValueError
+    "float offsets": (NORM2, lambda h: h[NORM2].update(data_offsets=[float(o) for o in h[NORM2]["data_offsets"]])),
+    "shape is a number": (NORM2, _entry(NORM2, shape=5)),                              # TypeError
+    "dtype is a list": (NORM2, _entry(NORM2, dtype=["BF16"])),
+    "entry is a string": (NORM2, lambda h: h.update({NORM2: "BF16"})),
+    "overlapping offsets": (NORM2, lambda h: h[NORM2].update(data_offsets=h[NORM]["data_offsets"])),  # silent
+}
+
+
+@pytest.mark.parametrize("what", list(HEADER_DAMAGE))
+def test_wrongly_typed_safetensors_header_names_file_and_tensor(ct_dir, tmp_path, what):
+    tensor, change = HEADER_DAMAGE[what]
+    broken = shutil.copytree(ct_dir, tmp_path / "ct")
+    case = expand_config(import_config({"imp": {"checkpoint": str(broken), "layers": LAYERS, "experts": EXPERTS}}))
+    path = broken / _shard_of(broken, tensor)
+    _rewrite_header(path, change)
+    with pytest.raises(CheckpointImportError) as err:
+        import_checkpoint(case["imp"]["model"], case["imp"]["quantization"], tmp_path / "fp32", tmp_path / "int4")
+    message = str(err.value)
+    assert str(path) in message and tensor in message, message
+    assert not (tmp_path / "fp32").exists()
+
+
+@pytest.mark.parametrize("what, tensor", [
+    ("trailing bytes", "model.norm.weight"),       # data no tensor holds: imported silently
+    ("index maps to 5", NORM),                      # TypeError
+    ("NaN weight", NORM),                           # imported, then a misleading prompt-redraw failure
+    ("Inf weight", "model.norm.weight"),
+    ("NaN scale", EXPERT + ".weight_scale"),
+])
+def test_malformed_data_and_index_name_file_and_tensor(ct_dir, tmp_path, what, tensor):
+    broken = shutil.copytree(ct_dir, tmp_path / "ct")
+    case = expand_config(import_config({"imp": {"checkpoint": str(broken), "layers": LAYERS, "experts": EXPERTS}}))
+    path = broken / _shard_of(broken, tensor)
+    if what == "trailing bytes":
+        with open(path, "ab") as fh:
+            fh.write(b"\0" * 16)
+    elif what == "index maps to 5":
+        index = json.loads((broken / INDEX_NAME).read_text())
+        index["weight_map"][tensor] = 5
+        path = broken / INDEX_NAME
+        path.write_text(json.dumps(index))
+    else:
+        value = float("inf") if what == "Inf weight" else float("nan")
+        _rewrite(broken, tensor, _nan_at(3, value))
+    with pytest.raises(CheckpointImportError) as err:
+        import_checkpoint(case["imp"]["model"], case["imp"]["quantization"], tmp_path / "fp32", tmp_path / "int4")
+    message = str(err.value)
+    assert str(path) in message and tensor in message, message
+    if what.endswith(("weight", "scale")):
+        assert "holds 1 non-finite value(s)" in message, message
+    assert not (tmp_path / "fp32").exists()
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"n_group": 0}, "n_group 0 is not an integer >= 1"),          # ZeroDivisionError while the config was read
+    ({"n_group": 3}, "n_group 3 does not divide n_routed_experts 8"),
+    ({"n_group": "2"}, "n_group '2' is not an integer >= 1"),
+    ({"topk_group": 4}, "topk_group 4 exceeds n_group 2"),
+    ({"num_hidden_layers": 2.5}, "num_hidden_layers 2.5 is not an integer >= 1"),
+])
+def test_checkpoint_config_integers_are_checked_naming_the_key(ct_dir, tmp_path, change, words):
+    bad = shutil.copytree(ct_dir, tmp_path / "bad")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(change)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        resolve_model("imp", {"checkpoint": str(bad), "layers": [2]})
+    assert err.value.key == "models.imp.checkpoint" and str(bad / "config.json") in str(err.value)
+    assert words in str(err.value), str(err.value)
+
+
+def test_the_pipelines_own_checkpoint_reader_checks_headers_too(tmp_path):
+    from k2vec.model.checkpoint import CheckpointError, write_shards
+    write_shards(tmp_path, [[("a", np.ones(4, np.float32)), ("b", np.zeros(4, np.float32))]], 1)
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    (tmp_path / "config.json").write_text("{}")
+    _rewrite_header(shard, lambda h: h["b"].update(data_offsets=[0, 16]))  # b over a
+    with pytest.raises(CheckpointError, match=rf"{shard}: tensor b .* overlaps tensor a"):
+        Checkpoint(tmp_path, verify=False)["a"]
+    _rewrite_header(shard, lambda h: [h])
+    with pytest.raises(CheckpointError, match=rf"{shard}: safetensors header is a JSON array, not an object; it "
+                                              rf"should hold a"):
+        Checkpoint(tmp_path, verify=False)["a"]
+
+
 def test_layer_out_of_range_names_the_key_and_config_file(ct_dir):
     with pytest.raises(ConfigError) as err:
         resolve_model("imp", {"checkpoint": str(ct_dir), "layers": [0, 3]})

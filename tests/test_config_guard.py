@@ -2,24 +2,26 @@
 YAML syntax errors with their line, engine command templates with a stray brace."""
 import math
 import re
+import time
 
 import pytest
 
-from conftest import copy_workflow, default_config, snakemake, write_config
-from k2vec.config import resources
+from conftest import REPO, copy_workflow, default_config, snakemake, write_config
+from k2vec.config import read, resources
 from k2vec.model.architecture import tensor_shapes
 from k2vec.config.read import ConfigFileError, check_config_file
 from k2vec.config.read import main as configfile_main
 from k2vec.errors import ConfigError
+from k2vec.config import engines
 from k2vec.config.engines import check_command_template
 from k2vec.config.expand import resolve_model
 
 
-def _run(tmp_path, config: dict, *args) -> tuple[int, str]:
+def _run(tmp_path, config: dict, *args, timeout: int = 600) -> tuple[int, str]:
     """(exit status, everything Snakemake printed: its log goes to stdout or stderr depending on when)."""
     cfg = write_config(tmp_path / "user.yaml", config)
     res = snakemake(*args, "--directory", str(tmp_path), "--configfile", str(cfg), "--replace-workflow-config",
-                    cwd=tmp_path)
+                    cwd=tmp_path, timeout=timeout)
     return res.returncode, res.stdout + res.stderr
 
 
@@ -149,13 +151,56 @@ def test_tab_indentation_is_explained(tmp_path, capsys):
     assert configfile_main([str(cfg)]) == 1 and "line 2, column 1" in capsys.readouterr().err
 
 
-def test_aliases_are_walked_once(tmp_path):
-    # a "billion laughs" document: 10 levels of 10 aliases would be 10^10 nodes if expanded
+def _laughs(levels: int) -> str:
+    """A "billion laughs" document: `levels` levels of 10 aliases, 10^levels nodes once expanded."""
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
-    lines += [f"a{i}: &a{i} [{', '.join(['*a' + str(i - 1)] * 10)}]" for i in range(1, 10)]
+    lines += [f"a{i}: &a{i} [{', '.join(['*a' + str(i - 1)] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    # 570 bytes, 10^10 nodes: the schema check walked it for minutes, memory growing
+    (_laughs(10), r"c\.yaml, line 10, column 10: this alias expands to 1,111,111,111 nodes, and the whole document "
+                  r"to 12,345,679,021, more than the limit of 100,000"),
+    ("a: &a [x, *a]\n", r"c\.yaml, line 1, column 11: this alias stands for a node that contains it"),
+], ids=["billion-laughs", "recursive-anchor"])
+def test_alias_expansion_past_the_limit_is_refused_at_once(tmp_path, text, message):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("\n".join(lines) + "\n")
+    cfg.write_text(text)
+    start = time.perf_counter()
+    with pytest.raises(ConfigFileError, match=message):
+        check_config_file(cfg)
+    assert time.perf_counter() - start < 5
+
+
+def test_too_many_nodes_without_aliases_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(read, "MAX_EXPANDED_NODES", 100, raising=False)  # (100,000 nodes take seconds to compose)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("x: [" + ", ".join(["1"] * 98) + "]\n")
+    with pytest.raises(ConfigFileError, match=r"c\.yaml: the document has 101 nodes, more than the limit of 100 "):
+        check_config_file(cfg)
+
+
+def test_aliases_within_the_limit_pass(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(_laughs(4))  # 11,111 nodes expanded: as the shipped config's shared engine sources, only more
     check_config_file(cfg)
+
+
+def test_oversized_config_file_is_refused(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("# padding\n" * 120_000)  # 1.2 MB of comments: nothing the node count would see
+    with pytest.raises(ConfigFileError, match=r"c\.yaml: the config file is larger than the limit of 1,048,576 bytes"):
+        check_config_file(cfg)
+
+
+def test_yaml_bomb_given_with_configfile_stops_the_workflow_at_once(tmp_path):
+    cfg = tmp_path / "bomb.yaml"
+    cfg.write_text(_laughs(10))
+    res = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(cfg), cwd=tmp_path, timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    assert "Invalid configuration: " in out and "bomb.yaml, line 10, column 10: this alias expands" in out, out[-2000:]
 
 
 # ------------------------------------------------------------------------- engine command templates
@@ -175,13 +220,49 @@ def test_engine_command_template_errors_name_key_and_position(tmp_path, command,
     assert not (tmp_path / "results").exists()
 
 
-def test_engine_sources_matching_nothing_stop_a_dry_run(tmp_path):
+@pytest.mark.parametrize("pattern, problem", [
+    ("kernels/*.cu", "pattern 'kernels/*.cu' matches no file"),
+    ("/**", "pattern '/**' would search / (the root or a directory right below it)"),  # walked the filesystem
+])
+def test_engine_sources_matching_nothing_or_everything_stop_a_dry_run(tmp_path, pattern, problem):
     config = default_config()
-    config["engines"] = {"mine": {"command": "run {bundle} {output}", "sources": ["kernels/*.cu"]}}
-    rc, msg = _run(tmp_path, config, "-n")
+    config["engines"] = {"mine": {"command": "run {bundle} {output}", "sources": [pattern]}}
+    rc, msg = _run(tmp_path, config, "-n", timeout=60)  # `/**` once walked the whole filesystem
     assert rc != 0
-    assert "config key 'engines.mine.sources': pattern 'kernels/*.cu' matches no file" in msg, msg[-2000:]
+    assert f"config key 'engines.mine.sources': {problem}" in msg, msg[-2000:]
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("pattern, problem", [
+    ("/**/*.cu", "would search / (the root"),
+    ("/usr/**", "would search /usr (the root or a directory right below it)"),
+    ("/usr/*/include/*.h", "would search /usr (the root"),
+    ("/usr/lib/**/*.so", "'**' outside the repository"),
+    ("../*.py", "has a '..' component"),
+    ("src/../../*", "has a '..' component"),
+], ids=["root-recursive", "top-dir-recursive", "top-dir-wildcard", "recursive-outside", "dotdot", "dotdot-inside"])
+def test_engine_sources_outside_the_repository_are_confined(pattern, problem):
+    from k2vec.config.engines import source_glob
+    with pytest.raises(ConfigError) as err:
+        source_glob(pattern, str(REPO), "engines.e.sources")
+    assert err.value.key == "engines.e.sources" and problem in err.value.reason, err.value
+
+
+def test_engine_sources_absolute_but_narrow_are_allowed(tmp_path):
+    from k2vec.config.engines import source_glob
+    (tmp_path / "eng" / "src").mkdir(parents=True)
+    (tmp_path / "eng" / "src" / "k.cu").write_text("")
+    assert source_glob(str(tmp_path / "eng/src/*.cu"), str(REPO), "k") == [str(tmp_path / "eng/src/k.cu")]
+    assert source_glob(f"{REPO}/src/k2vec/config/**/*.py", str(REPO), "k")  # '**' under the repository
+    with pytest.raises(ConfigError, match=r"'\*\*' outside the repository"):
+        source_glob(str(tmp_path / "eng/**/*.cu"), str(REPO), "k")
+
+
+def test_engine_source_glob_matching_too_many_files_is_refused(monkeypatch):
+    from k2vec.config.engines import source_glob
+    monkeypatch.setattr(engines, "MAX_SOURCE_FILES", 3, raising=False)
+    with pytest.raises(ConfigError, match=r"pattern 'src/k2vec/\*\*/\*\.py' matches more than 3 files"):
+        source_glob("src/k2vec/**/*.py", str(REPO), "engines.e.sources")
 
 
 def test_command_template_rules():

@@ -106,12 +106,48 @@ def test_cross_field_errors_name_the_key(config, mutate, key):
     (lambda c: c["prompts"].update(count="four"), "prompts.count"),
     (lambda c: c["models"]["tiny"].update(hidden_size=-128), "models.tiny.hidden_size"),
     (lambda c: c["quantization"].update(scale_dtype="float16"), "quantization.scale_dtype"),
-])
+    # 1e308 passed a bare minimum, then crashed the runner in int() (OverflowError, the engine orphaned)
+    (lambda c: c["engines"]["numpy"].update(timeout_s=1e308), "engines.numpy.timeout_s"),
+    (lambda c: c["engines"]["numpy"].update(build_timeout_s=1e308), "engines.numpy.build_timeout_s"),
+    (lambda c: c["engines"]["numpy"].update(max_result_mb=1e308), "engines.numpy.max_result_mb"),
+], ids=["missing-section", "extra-key", "wrong-type", "negative", "enum", "timeout-1e308", "build-timeout-1e308",
+        "max-result-1e308"])
 def test_schema_errors_name_the_key(config, mutate, key):
     assert schema_error(config, SCHEMA) is None
     mutate(config)
     err = schema_error(config, SCHEMA)
     assert err is not None and err.key == key
+
+
+def test_schema_maxima_are_the_engine_limits():
+    import yaml
+    from k2vec.config.engines import ENGINE_LIMITS
+    props = yaml.safe_load(open(SCHEMA))["$defs"]["engine"]["properties"]
+    assert {k: props[k]["maximum"] for k in ENGINE_LIMITS} == ENGINE_LIMITS
+
+
+@pytest.mark.parametrize("key, value", [("timeout_s", float("nan")), ("timeout_s", float("inf")),
+                                        ("max_result_mb", float("nan")), ("build_timeout_s", 1e308)])
+def test_engine_limits_are_finite_and_bounded(config, key, value):
+    # a NaN passes every schema bound (it compares false with all): the resolved engine refuses it itself
+    config["engines"]["numpy"][key] = value
+    with pytest.raises(ConfigError) as err:
+        resolve_engines(config, str(REPO))
+    assert err.value.key == f"engines.numpy.{key}", err.value
+
+
+@pytest.mark.parametrize("mutate, key", [
+    (lambda c: c["report"].update(fingerprint_rtol=float("nan")), "report.fingerprint_rtol"),
+    (lambda c: c["report"].update(near_tie=float("inf")), "report.near_tie"),
+    (lambda c: c["decoding"]["ddtree"].update(accuracies=[0.9, float("nan")]), "decoding.ddtree.accuracies[1]"),
+], ids=["nan-threshold", "inf-threshold", "nan-in-list"])
+def test_non_finite_numbers_are_refused_naming_the_key(config, mutate, key):
+    # .nan passes the schema, and a divergence threshold of NaN never fires
+    mutate(config)
+    assert schema_error(config, SCHEMA) is None
+    with pytest.raises(ConfigError) as err:
+        expand_config(config)
+    assert err.value.key == key, err.value
 
 
 def test_engines_get_score_runs_unless_they_opt_out_and_null_disables_one():

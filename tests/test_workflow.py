@@ -47,6 +47,7 @@ BAD_CONFIGS = [
     ("prompt lengths reversed", _set(("prompts.min_length", 40)), "prompts.min_length"),
     ("invalid ignore regex", _set(("quantization.ignore", ["re:(unclosed"])), "quantization.ignore"),
     ("model name with a space", lambda c: c["models"].update({"my model": {"preset": "tiny"}}), "my model"),
+    ("run time limit 1e308", _set(("engines.numpy.timeout_s", 1e308)), "engines.numpy.timeout_s"),
 ]
 
 

@@ -19,12 +19,13 @@ from k2vec.config.engines import (
     left_out_engines,
     resolve_engines,
 )
-from k2vec.config.expand import expand_config, schema_error
+from k2vec.config.expand import check_finite, expand_config, schema_error
 from k2vec.model.precision import FORMATS
 
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
 try:
     validate(config, schema=CONFIG_SCHEMA)
+    check_finite(config)  # .nan and .inf pass the schema's bounds
     ENGINES = resolve_engines(config, workflow.basedir, defined_engines(CONFIG_FILES))
     check_sandboxes(ENGINES, sandbox_problem)
     # Resource budget (k2vec.config.resources): a config whose memory, disk or file count cannot fit here stops

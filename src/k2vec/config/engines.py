@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 from typing import Any, Callable, Iterable
 
@@ -20,6 +21,10 @@ ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "tim
                                    "sandbox": False, "precision": "float32", "requires": [],
                                    "ddtree_budgets": None}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
+# The largest value of each numeric limit (the schema's maxima, kept equal by a test): a run or build
+# that may wait a week waits long enough; 64 GiB is far above any result file yet fits int64 bytes.
+# (1e308 once reached int() in the runner: OverflowError, no result, the engine left running.)
+ENGINE_LIMITS = {"timeout_s": 7 * 24 * 3600, "build_timeout_s": 7 * 24 * 3600, "max_result_mb": 65536}
 
 
 # A command template's tokens, as str.format reads them: escaped braces, a {placeholder}, a lone brace.
@@ -50,14 +55,54 @@ def check_command_template(template: str, key: str) -> set[str]:
     return fields
 
 
+# A source glob is a list of the engine's own files, so it stays small and close: at most this many
+# files each (the shipped engines' largest matches 13), and no pattern that would walk a whole
+# filesystem (`/**`, `/home/*/...`) before it is found to be a mistake.
+MAX_SOURCE_FILES = 10_000
+
+
+def source_glob(pattern: str, basedir: str, key: str) -> list[str]:
+    """The files `pattern` matches, sorted. A relative pattern is relative to `basedir` (the repository)
+    and must not leave it (no `..`). An absolute one, or one whose fixed directory (the part before the
+    first wildcard) resolves outside the repository through a link, must name a directory at least two
+    levels below the root (`/opt/myengine/...`, not `/` or `/opt/*`) and use no `**` there. ConfigError
+    naming `key` for such a pattern, one matching no file or more than MAX_SOURCE_FILES."""
+    import glob
+    import itertools
+    import os
+
+    parts = pattern.replace(os.sep, "/").split("/")
+    require(".." not in parts, key, f"pattern {pattern!r} has a '..' component; write a path inside the "
+            f"repository without it, or an absolute one")
+    absolute = os.path.isabs(pattern)
+    path = pattern if absolute else os.path.join(basedir, pattern)
+    fixed = []  # the directories before the first wildcard (or the file name)
+    for part in parts[:-1]:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    prefix = os.path.realpath(os.path.join(basedir, "/".join(fixed) or ("/" if absolute else ".")))
+    repo = os.path.realpath(basedir)
+    if os.path.commonpath([prefix, repo]) != repo:
+        depth = len([p for p in prefix.split(os.sep) if p])
+        require(depth >= 2, key, f"pattern {pattern!r} would search {prefix} (the root or a directory right "
+                f"below it): name the engine's own directory, at least two levels below the root, "
+                f"e.g. /opt/myengine/src/*.cu")
+        require("**" not in pattern, key, f"pattern {pattern!r}: '**' outside the repository ({repo}) "
+                f"could walk a whole tree; list the directories, or keep the sources in the repository")
+    found = (p for p in glob.iglob(path, recursive=True) if os.path.isfile(p))
+    matched = sorted(itertools.islice(found, MAX_SOURCE_FILES + 1))
+    require(bool(matched), key, f"pattern {pattern!r} matches no file")
+    require(len(matched) <= MAX_SOURCE_FILES, key, f"pattern {pattern!r} matches more than {MAX_SOURCE_FILES:,} "
+            f"files (k2vec.config.engines.MAX_SOURCE_FILES): an engine's sources, not a directory tree")
+    return matched
+
+
 def resolve_engines(config: dict[str, Any], basedir: str, defined: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
     """Engine settings with defaults filled in and source globs expanded (relative to `basedir`).
     An entry set to null (`engines: {numpy: null}` in an overlay config) disables that engine; it must
     name an engine that some config file defines (`defined`, config.read.defined_engines), so that a
     misspelt name is an error instead of a silent no-op."""
-    import glob
-    import os
-
     entries = config.get("engines") or {}
     known = sorted({*defined, *(n for n, e in entries.items() if e is not None)})
     for name, entry in entries.items():
@@ -70,6 +115,10 @@ def resolve_engines(config: dict[str, Any], basedir: str, defined: Iterable[str]
             continue
         key = f"engines.{name}"
         e = {**copy.deepcopy(ENGINE_DEFAULTS), "models": sorted(config["models"]), **copy.deepcopy(entry)}
+        for k, top in ENGINE_LIMITS.items():
+            v = e[k]
+            require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v <= top,
+                    f"{key}.{k}", f"must be a number above 0 and at most {top:g}, got {v!r}")
         fields = check_command_template(e["command"], f"{key}.command")
         require("output" in fields and "bundle" in fields, f"{key}.command",
                  "must use {bundle} and {output}")
@@ -84,10 +133,7 @@ def resolve_engines(config: dict[str, Any], basedir: str, defined: Iterable[str]
         require(len(set(e["ddtree_budgets"])) == len(e["ddtree_budgets"]), f"{key}.ddtree_budgets", "has duplicates")
         files: list[str] = []
         for pattern in e["sources"]:
-            path = pattern if os.path.isabs(pattern) else os.path.join(basedir, pattern)
-            matched = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-            require(bool(matched), f"{key}.sources", f"pattern {pattern!r} matches no file")
-            files.extend(matched)
+            files.extend(source_glob(pattern, basedir, f"{key}.sources"))
         e["source_files"] = sorted(set(files))
         engines[name] = e
     return engines

@@ -195,8 +195,24 @@ def resolve_decoding(d: dict[str, Any], model: dict[str, Any], key: str = "decod
 # ---------------------------------------------------------------------------------------------- cases
 
 
+def check_finite(value: Any, key: str = "") -> None:
+    """ConfigError naming the first NaN or infinite number in `value` (a loaded config). YAML's `.nan`
+    and `.inf` pass every schema bound (a NaN compares false with all), and then a threshold compared
+    with NaN never fires, and a time limit or size in int() or time arithmetic crashes the runner."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key or "(top level)", f"{value} is not a finite number; leave the key out or write null "
+                                                f"where the schema allows it")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            check_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_finite(v, f"{key}[{i}]")
+
+
 def expand_config(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """All resolved cases, keyed by model name. Raises ConfigError on the first problem."""
+    check_finite(config)
     models = config.get("models")
     require(isinstance(models, dict) and models, "models", "must name at least one model")
     cases = {}

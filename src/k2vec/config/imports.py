@@ -13,7 +13,7 @@ import numpy as np
 
 from k2vec.errors import ConfigError, K2VecError
 from k2vec.model.architecture import ARCH_KEYS, tensor_shapes
-from k2vec.model.checkpoint import INDEX_NAME
+from k2vec.model.checkpoint import INDEX_NAME, check_weight_map
 from k2vec.model.int4 import BITS, GROUP_SIZES
 
 ENTRY_KEYS = ("checkpoint", "layers", "experts", "num_experts_per_tok")
@@ -23,6 +23,11 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 _CONFIG_DEFAULTS = {"n_shared_experts": 0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
                     "q_lora_rank": None, "rope_scaling": None, "routed_scaling_factor": 1.0,
                     "norm_topk_prob": False}
+# Integer settings of config.json that the slice divides by or counts with (n_group 0 once raised a bare
+# ZeroDivisionError while the config was read); the rest are checked on the slice like a preset's.
+_POSITIVE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "n_routed_experts", "num_experts_per_tok",
+                  "n_group", "topk_group")
+_NON_NEGATIVE_KEYS = ("n_shared_experts", "first_k_dense_replace")
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
               "mscale", "mscale_all_dim")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -72,7 +77,18 @@ def _source_arch(cfg: dict, cfg_path: Path, key: str) -> dict[str, Any]:
             arch[k] = _CONFIG_DEFAULTS[k]
         else:
             raise ConfigError(key, f"{cfg_path} has no {k!r}")
+    for k in _POSITIVE_KEYS + _NON_NEGATIVE_KEYS:
+        v, least = arch[k], 1 if k in _POSITIVE_KEYS else 0
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ConfigError(key, f"{cfg_path}: {k} {v!r} is not an integer >= {least}")
+    E, G = arch["n_routed_experts"], arch["n_group"]
+    if E % G:
+        raise ConfigError(key, f"{cfg_path}: n_group {G} does not divide n_routed_experts {E}")
+    if arch["topk_group"] > G:
+        raise ConfigError(key, f"{cfg_path}: topk_group {arch['topk_group']} exceeds n_group {G}")
     rs = arch["rope_scaling"]
+    if rs is not None and not isinstance(rs, Mapping):
+        raise ConfigError(key, f"{cfg_path}: rope_scaling {rs!r} is not an object")
     if rs is not None:
         if (rs.get("type") or rs.get("rope_type")) != "yarn":
             raise ConfigError(key, f"{cfg_path}: rope_scaling {rs!r} is not YaRN (the only scaling implemented)")
@@ -189,10 +205,9 @@ def weight_map_of(model: Mapping[str, Any]) -> tuple[Path, dict[str, str]]:
         raise CheckpointImportError(f"{path} does not exist: the checkpoint has no safetensors index")
     try:
         index = json.loads(path.read_text())
-        weight_map = index["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:
         raise CheckpointImportError(f"{path}: not a safetensors index with a weight_map ({err})") from None
-    return path, weight_map
+    return path, check_weight_map(index, path, CheckpointImportError)
 
 
 def resolve_import_quantization(model: Mapping[str, Any]) -> dict[str, Any]:

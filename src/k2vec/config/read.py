@@ -1,7 +1,11 @@
-"""Strict reading of config files: YAML syntax errors and duplicated keys, with file and line.
+"""Strict reading of config files: YAML syntax errors and duplicated keys, with file and line; files
+too large, and aliases that would expand past a size limit, refused before anything else reads them.
 
 Snakemake's own loader keeps the last of two equal keys without a word and reports a syntax error
 without its place, so the workflow reads each config file here first (workflow/rules/config.smk).
+The loaded config is a tree in which an alias is the same object as its anchor, but the schema check
+and every later walk visit it once per use: nine nested aliases of ten ("billion laughs", under 500
+bytes) would make them walk 10^9 nodes, so the expanded size is counted here, over the node graph.
 """
 
 from __future__ import annotations
@@ -14,7 +18,29 @@ from k2vec.errors import K2VecError
 
 
 class ConfigFileError(K2VecError):
-    """A config file that is not valid YAML, or has a key twice in one mapping."""
+    """A config file that is not valid YAML, has a key twice in one mapping, or is too large."""
+
+
+# The shipped config.yaml is about 8 KiB and expands to about 300 nodes; a config a hundred times its size
+# still fits both limits, while a 50 MB file took minutes to parse and validate.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_EXPANDED_NODES = 100_000
+
+
+class _AliasComposer(yaml.SafeLoader):
+    """The safe loader's composer, recording each alias (its mark and the node it stands for)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.aliases: list[tuple[yaml.Mark, yaml.Node]] = []
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            node = super().compose_node(parent, index)
+            self.aliases.append((mark, node))
+            return node
+        return super().compose_node(parent, index)
 
 
 def _place(path: Path, mark) -> str:
@@ -25,11 +51,17 @@ def check_config_file(path: str | Path) -> None:
     """Raise ConfigFileError at the first syntax error or duplicated key of the file at `path`."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigFileError(f"{path}: the config file is larger than the limit of {MAX_CONFIG_BYTES:,} bytes "
+                                  f"(k2vec.config.read.MAX_CONFIG_BYTES); a config is settings, not data")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigFileError(f"{path}: cannot read the config file: {e}") from None
+    loader = _AliasComposer(text)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = loader.get_single_node()
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         what = e.problem or e.context or "invalid YAML"
@@ -40,6 +72,10 @@ def check_config_file(path: str | Path) -> None:
         raise ConfigFileError(f"{_place(path, mark) if mark else path}: YAML syntax error: {what}") from None
     except yaml.YAMLError as e:
         raise ConfigFileError(f"{path}: YAML error: {e}") from None
+    finally:
+        loader.dispose()
+    if root is not None:
+        _check_expansion(path, root, loader.aliases)
     # Walk the node graph (not the loaded dict, which has already dropped the first of two keys).
     stack = [(root, "")] if root is not None else []
     seen: set[int] = set()  # an alias repeats a node: walk it once (no exponential "billion laughs")
@@ -62,6 +98,61 @@ def check_config_file(path: str | Path) -> None:
                 stack.append((value_node, dotted + "."))
         elif isinstance(node, yaml.SequenceNode):
             stack.extend((item, f"{prefix[:-1]}[{i}].") for i, item in enumerate(node.value))
+
+
+def _expanded_sizes(root: yaml.Node) -> dict[int, int]:
+    """id(node) -> the number of nodes of its subtree with every alias expanded (mapping keys included),
+    each node counted once (memoised: linear in the graph, whatever the expansion). A node that contains
+    itself through an alias (a recursive anchor) gets size -1: its expansion never ends."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            on_path.discard(id(node))
+            kids = _children(node)
+            sizes[id(node)] = -1 if any(sizes[id(k)] < 0 for k in kids) else 1 + sum(sizes[id(k)] for k in kids)
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in on_path:  # reached again below itself
+            sizes[id(node)] = -1
+            continue
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack.extend((k, False) for k in _children(node) if id(k) not in sizes)
+    return sizes
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_expansion(path: Path, root: yaml.Node, aliases: list[tuple[yaml.Mark, yaml.Node]]) -> None:
+    """ConfigFileError naming the alias at fault (the first, in the file, of those that expand most)
+    where the document expands past MAX_EXPANDED_NODES nodes, or an alias that contains itself."""
+    sizes = _expanded_sizes(root)
+    total = sizes[id(root)]
+    if 0 <= total <= MAX_EXPANDED_NODES:
+        return
+    recursive = [(m, n) for m, n in aliases if sizes[id(n)] < 0]
+    if total < 0 and recursive:
+        mark, _ = recursive[0]
+        raise ConfigFileError(f"{_place(path, mark)}: this alias stands for a node that contains it; its "
+                              f"expansion never ends: a config holds no recursive anchors")
+    if not aliases:
+        raise ConfigFileError(f"{path}: the document has {total:,} nodes, more than the limit of "
+                              f"{MAX_EXPANDED_NODES:,} (k2vec.config.read.MAX_EXPANDED_NODES)")
+    mark, node = max(aliases, key=lambda a: sizes[id(a[1])])
+    raise ConfigFileError(
+        f"{_place(path, mark)}: this alias expands to {sizes[id(node)]:,} nodes, and the whole document to "
+        f"{total:,}, more than the limit of {MAX_EXPANDED_NODES:,} (k2vec.config.read.MAX_EXPANDED_NODES): every "
+        f"alias is a copy of its anchor's subtree; nested aliases multiply (\"billion laughs\")")
 
 
 def check_config_files(paths) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -147,17 +148,112 @@ def shard_groups(model: dict[str, Any]) -> list[list[str]]:
     return layers + [top]
 
 
-def _read_header(path: Path, fh) -> tuple[dict, int, int]:
-    """(header without __metadata__, offset of the data, file size) of an open safetensors file."""
+# Bytes per element of every safetensors dtype (those without a numpy type too: their offsets are
+# checked all the same). A header is at most 100 MB, safetensors' own limit.
+ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+MAX_HEADER_BYTES = 100_000_000
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def check_header(path: Path, tensors: Mapping[str, Any], data_size: int,
+                 error: type[Exception] = CheckpointError) -> None:
+    """`error` naming `path` and the tensor at fault, unless every entry of a safetensors header's
+    `tensors` (__metadata__ left out) is an object with a string dtype, a shape of non-negative
+    integers and data_offsets [begin, end] of integers whose length fits dtype and shape, and the
+    tensors' byte ranges tile the data section [0, data_size) exactly: no overlap, no gap, nothing past
+    its end or after the last tensor (as the safetensors library itself requires)."""
+    spans = []
+    for name, e in tensors.items():
+        where = f"{path}: tensor {name}"
+        if not isinstance(e, dict):
+            raise error(f"{where}: its header entry is a JSON {_json_type(e)}, not an object with dtype, shape "
+                        f"and data_offsets")
+        dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise error(f"{where}: dtype {dtype!r} is not a string such as \"BF16\"")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise error(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise error(f"{where}: data_offsets {offsets!r} is not [begin, end], two integers with "
+                        f"0 <= begin <= end")
+        begin, end = offsets
+        if dtype in ST_ITEMSIZE and end - begin != math.prod(shape) * ST_ITEMSIZE[dtype]:
+            raise error(f"{where}: data_offsets {offsets} hold {end - begin} bytes, its dtype {dtype} and shape "
+                        f"{shape} need {math.prod(shape) * ST_ITEMSIZE[dtype]}")
+        spans.append((begin, end, name))
+    at, last = 0, None
+    for begin, end, name in sorted(spans):
+        if begin < at:
+            raise error(f"{path}: tensor {name} (data bytes [{begin}, {end})) overlaps tensor {last} (which ends "
+                        f"at {at}): two tensors would share bytes")
+        if begin > at:
+            raise error(f"{path}: tensor {name} starts at data byte {begin}, but "
+                        f"{f'tensor {last} ends' if last else 'the data starts'} at {at}: {begin - at} bytes "
+                        f"between them belong to no tensor")
+        at, last = end, name
+    if at > data_size:
+        raise error(f"{path}: tensor {last} has data_offsets ending at {at}, past the file's {data_size} data "
+                    f"bytes (truncated or corrupt shard)")
+    if at < data_size:
+        raise error(f"{path}: the last {data_size - at} of its {data_size} data bytes belong to no tensor "
+                    f"(the last, {last}, ends at {at})")
+
+
+def read_header(path: Path, fh, wanted: str | None = None,
+                error: type[Exception] = CheckpointError) -> tuple[dict[str, dict], int, int]:
+    """(tensors of the header: name -> {dtype, shape, data_offsets}, offset of the data, file size) of
+    an open safetensors file, every field checked (check_header); `error` naming the file, and the
+    tensor at fault or else `wanted` (the one the caller reads), otherwise."""
     size = os.fstat(fh.fileno()).st_size
-    if size < 8:
-        raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors header")
-    n = int.from_bytes(fh.read(8), "little")
-    if n > size - 8:
-        raise CheckpointError(f"{path}: header length {n} at offset 0 runs past the end ({size} bytes)")
-    header = json.loads(fh.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n, size
+    hold = f"; it should hold {wanted}" if wanted else ""
+    fh.seek(0)
+    head = fh.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 2 or 8 + n > size or n > MAX_HEADER_BYTES:
+        raise error(f"{path}: not a safetensors file (header length {n}, file {size} bytes){hold}")
+    try:
+        header = json.loads(fh.read(n), object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as err:
+        raise error(f"{path}: safetensors header is not valid JSON ({err}){hold}") from None
+    if not isinstance(header, dict):
+        raise error(f"{path}: safetensors header is a JSON {_json_type(header)}, not an object{hold}")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    check_header(path, tensors, size - 8 - n, error)
+    return tensors, 8 + n, size
+
+
+def check_weight_map(index: Any, path: Path, error: type[Exception] = CheckpointError) -> dict[str, str]:
+    """The weight_map of a parsed model.safetensors.index.json at `path`: tensor name -> a shard's file
+    name inside the checkpoint directory; `error` naming the file (and the tensor) otherwise."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        what = "an object" if isinstance(index, dict) else f"a JSON {_json_type(index)}"
+        raise error(f"{path}: not a safetensors index ({what} without a weight_map object)")
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str) or not fname or os.path.isabs(fname) or ".." in Path(fname).parts:
+            raise error(f"{path}: weight_map maps tensor {name} to {fname!r}, not the file name of a shard in "
+                        f"the checkpoint directory")
+    return weight_map
 
 
 def _file_key(st: os.stat_result) -> tuple[int, ...]:
@@ -189,7 +285,7 @@ class Checkpoint(Mapping[str, np.ndarray]):
             raise CheckpointError(f"{self.directory}: no {INDEX_NAME}; not a checkpoint directory")
         self.config = json.loads((self.directory / "config.json").read_text())
         index = json.loads(index_path.read_text())
-        self.weight_map: dict[str, str] = index["weight_map"]
+        self.weight_map: dict[str, str] = check_weight_map(index, index_path)
         self.digests: dict[str, str] | None = None
         if verify:
             self.digests = index.get("metadata", {}).get(DIGESTS_KEY)
@@ -218,11 +314,14 @@ class Checkpoint(Mapping[str, np.ndarray]):
             path = self.directory / fname
             with open(path, "rb") as fh:
                 self._verify(fname, path, fh)
-                self._headers[fname] = _read_header(path, fh)
+                self._headers[fname] = read_header(path, fh, name)
         header = self._headers[fname][0]
         if name not in header:
             raise CheckpointError(f"{self.directory / fname}: tensor {name}, listed in {INDEX_NAME}, is not in "
                                   f"the shard's header")
+        if header[name]["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{self.directory / fname}: tensor {name} has dtype {header[name]['dtype']}, "
+                                  f"not one of {sorted(_ST_DTYPES)}")
         return np.dtype(_ST_DTYPES[header[name]["dtype"]]), header[name]["shape"]
 
     def shape_of(self, name: str) -> list[int]:

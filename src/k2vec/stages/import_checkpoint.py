@@ -38,10 +38,10 @@ from typing import Any, Callable
 import numpy as np
 
 from k2vec.atomic import atomic_directory
-from k2vec.config.imports import SCHEME, CheckpointImportError, module_of, source_name
+from k2vec.config.imports import SCHEME, CheckpointImportError, module_of, source_name, weight_map_of
 from k2vec.digests import sha256_file
 from k2vec.model.architecture import hf_config, tensor_shapes
-from k2vec.model.checkpoint import DIGESTS_KEY, INDEX_NAME, shard_groups
+from k2vec.model.checkpoint import DIGESTS_KEY, INDEX_NAME, read_header, shard_groups
 from k2vec.model.int4 import BITS, PACKING, QMAX, QMIN, ZERO_SCALE, dequantize, from_bf16_bits, unpack
 from k2vec.model.int4_checkpoint import FORMAT, FORMAT_VERSION, INT4_INDEX, SCALE_ENCODING, SCALE_FILE_DTYPE
 
@@ -50,6 +50,7 @@ _ST_DTYPES = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 _SCALE_DTYPES = {"BF16": "bfloat16", "F32": "float32"}
 _COPY_CHUNK = 1 << 24
+_FINITE_CHUNK = 1 << 22  # elements checked at once
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -62,9 +63,11 @@ class _Source:
     def __init__(self, directory: Path):
         self.directory = directory
         self.index_path = directory / INDEX_NAME
+        _, self.weight_map = weight_map_of({"source": {"checkpoint": str(directory)}})
         index = json.loads(self.index_path.read_text())
-        self.weight_map: dict[str, str] = index["weight_map"]
-        self.digests: dict[str, str] = (index.get("metadata") or {}).get(DIGESTS_KEY) or {}
+        metadata = index.get("metadata")
+        digests = metadata.get(DIGESTS_KEY) if isinstance(metadata, dict) else None
+        self.digests: dict[str, str] = digests if isinstance(digests, dict) else {}
         self._headers: dict[str, tuple[dict, int, int]] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -80,19 +83,8 @@ class _Source:
             if fname in self.digests and sha256_file(path) != self.digests[fname]:
                 raise CheckpointImportError(f"{path}: sha256 differs from the one {self.index_path.name} records "
                                             f"for it (the shard holding {name} changed since it was written)")
-            size = path.stat().st_size
-            with open(path, "rb") as fh:
-                head = fh.read(8)
-                n = int.from_bytes(head, "little") if len(head) == 8 else -1
-                if n < 2 or 8 + n > size:
-                    raise CheckpointImportError(f"{path}: not a safetensors file (header length {n}, file "
-                                                f"{size} bytes); it should hold {name}")
-                try:
-                    header = json.loads(fh.read(n))
-                except ValueError as err:
-                    raise CheckpointImportError(f"{path}: safetensors header is not JSON ({err}); it should "
-                                                f"hold {name}") from None
-            self._headers[fname] = (header, 8 + n, size)
+            with open(path, "rb") as fh:  # every entry type-checked, the byte ranges tiling the data
+                self._headers[fname] = read_header(path, fh, name, CheckpointImportError)
         header, base, size = self._headers[fname]
         return path, header, base, size
 
@@ -109,15 +101,11 @@ class _Source:
         if e.get("dtype") not in dtypes:
             raise CheckpointImportError(f"{path}: tensor {name} has dtype {e.get('dtype')}, expected one of "
                                         f"{list(dtypes)}")
-        if list(e.get("shape", [])) != list(shape):
-            raise CheckpointImportError(f"{path}: tensor {name} has shape {e.get('shape')}, the config implies "
+        if e["shape"] != list(shape):
+            raise CheckpointImportError(f"{path}: tensor {name} has shape {e['shape']}, the config implies "
                                         f"{list(shape)}")
-        begin, end = e["data_offsets"]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_DTYPES[e["dtype"]].itemsize
-        if end - begin != nbytes or begin < 0 or base + end > size:
-            raise CheckpointImportError(f"{path}: tensor {name} has data_offsets {[begin, end]} for {nbytes} bytes "
-                                        f"in a file of {size} bytes (truncated or corrupt shard)")
-        return path, e["dtype"], base + begin
+        # (read_header checked the offsets: their length fits dtype and shape, inside the file, no overlap)
+        return path, e["dtype"], base + e["data_offsets"][0]
 
     def read(self, name: str, dtypes: tuple[str, ...], shape: list[int]) -> tuple[Path, str, np.ndarray]:
         """(its file, safetensors dtype, a copy of the tensor's raw values in that dtype's numpy type)."""
@@ -126,6 +114,23 @@ class _Source:
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             arr = np.frombuffer(mm, _ST_DTYPES[dtype], count, offset).reshape(shape).copy()
         return path, dtype, arr
+
+
+def _finite(arr: np.ndarray, path: Path, tensor: str, what: str = "") -> np.ndarray:
+    """`arr`, unless it holds a NaN or an infinity: then CheckpointImportError naming the file, the
+    tensor and the first such element (a NaN weight once imported and failed later, as a prompt that
+    could not be drawn). Checked in chunks: a few MB of flags at a time, whatever the tensor's size."""
+    flat = arr.reshape(-1)
+    for start in range(0, flat.size, _FINITE_CHUNK):
+        ok = np.isfinite(flat[start:start + _FINITE_CHUNK])
+        if not ok.all():
+            bad = start + int(np.argmin(ok))
+            count = int(flat.size - np.isfinite(flat).sum())
+            index = [int(i) for i in np.unravel_index(bad, arr.shape)]
+            raise CheckpointImportError(f"{path}: tensor {tensor} holds {count} non-finite value(s) {what}"
+                                        f"{' ' if what else ''}(the first, {flat[bad]}, at {index}); weights "
+                                        f"must be finite")
+    return arr
 
 
 def _to_float32(dtype: str, raw: np.ndarray) -> np.ndarray:
@@ -180,21 +185,22 @@ class _Importer:
         self.scale_dtypes: set[str] = set()
 
     def tensor(self, name: str, shape: list[int]) -> np.ndarray:
-        """Slice tensor `name` as float32; for a quantized weight, its .qw/.sc written on the way."""
+        """Slice tensor `name` as float32, every value finite; for a quantized weight, its .qw/.sc written
+        on the way."""
         s = source_name(self.model, name)
         if name in self.q["tensors"]:
             return self._quantized(name, s, shape)
         if name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias")):
             # the router: the kept experts' rows of the source's
             source = self.model["source"]
-            _, dtype, raw = self.src.read(s, _FLOAT_DTYPES, [source["n_routed_experts"], *shape[1:]])
-            return _to_float32(dtype, raw[source["experts"]])
+            path, dtype, raw = self.src.read(s, _FLOAT_DTYPES, [source["n_routed_experts"], *shape[1:]])
+            return _finite(_to_float32(dtype, raw[source["experts"]]), path, s, "of the kept experts' rows")
         m = module_of(s)
         if m and f"{m}.weight_packed" in self.src:
             raise CheckpointImportError(f"{self.src.index_path}: {s} is stored pack-quantized, but the case's "
                                         f"quantization section does not list it (rerun from the config)")
-        _, dtype, raw = self.src.read(s, _FLOAT_DTYPES, shape)
-        return _to_float32(dtype, raw)
+        path, dtype, raw = self.src.read(s, _FLOAT_DTYPES, shape)
+        return _finite(_to_float32(dtype, raw), path, s)
 
     def _quantized(self, name: str, s: str, shape: list[int]) -> np.ndarray:
         n, k = shape
@@ -210,7 +216,7 @@ class _Importer:
             raise CheckpointImportError(f"{path}: tensor {m}.weight_shape is {ws.tolist()}, the config implies "
                                         f"[{n}, {k}] for {s}")
         _, _, packed = self.src.read(f"{m}.weight_packed", ("I32",), [n, k // 8])
-        _, sdt, scales_raw = self.src.read(f"{m}.weight_scale", tuple(_SCALE_DTYPES), [n, k // g])
+        scale_path, sdt, scales_raw = self.src.read(f"{m}.weight_scale", tuple(_SCALE_DTYPES), [n, k // g])
         sd = _SCALE_DTYPES[sdt]
         self.scale_dtypes.add(sd)
         codes_bytes = packed.view(np.uint8).reshape(n, k // 2)  # little-endian words: the .qw bytes
@@ -223,7 +229,9 @@ class _Importer:
             "scales": {**sc, "dtype": sd, "encoding": SCALE_ENCODING[sd], "shape": [n, k // g]},
         }
         scales = from_bf16_bits(raw) if sd == "bfloat16" else raw.astype(np.float32)
-        return dequantize(unpack(codes_bytes, k), scales, g)
+        _finite(scales, scale_path, f"{m}.weight_scale")
+        return _finite(dequantize(unpack(codes_bytes, k), scales, g), scale_path, f"{m}.weight_scale",
+                       "once dequantized (code x scale overflows float32)")
 
 
 def import_checkpoint(model: Mapping[str, Any], quantization: Mapping[str, Any],
