@@ -260,12 +260,12 @@ def test_sandbox_problem_is_a_config_error():
 
 def test_engine_defaults_are_not_shared_between_engines():
     config = engines_config(off=None, a={"command": CMD}, b={"command": CMD})
-    engines = resolve_engines(config, str(REPO))
+    engines = resolve_engines(config, str(REPO), defined={"off"})
     assert sorted(engines) == ["a", "b"]   # a disabled engine listed first does not end the list
     engines["a"]["precisions"].append("fp8")
     engines["a"]["models"].append("huge")
     assert engines["b"]["precisions"] == ["fp32", "int4"] and engines["b"]["models"] == ["small", "tiny"]
-    assert resolve_engines(config, str(REPO))["a"]["precisions"] == ["fp32", "int4"]
+    assert resolve_engines(config, str(REPO), defined={"off"})["a"]["precisions"] == ["fp32", "int4"]
     entry = {"command": CMD, "precisions": ["int4"]}
     resolve_engines(engines_config(e=entry), str(REPO))["e"]["precisions"].append("fp32")
     assert entry["precisions"] == ["int4"]
