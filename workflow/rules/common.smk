@@ -10,6 +10,7 @@ from k2vec.pipeline.code_digest import code_digest, module_sources, script_modul
 from k2vec.errors import ConfigError
 from k2vec.engines.gpus import device_pool
 from k2vec.engines.isolation import sandbox_problem
+from k2vec.digests import integrity_key_path
 from k2vec.config.engines import (
     check_sandboxes,
     noise_models,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from k2vec.atomic import claim_directory
-from k2vec.digests import IntegrityError, sha256_file, verify_kdtr
+from k2vec.digests import IntegrityError, integrity_key_path, load_or_create_key, sha256_file, verify_kdtr
 from k2vec.engines.contract.checks import check_result
 from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.expectations import Expectations, expectations_from_bundle
@@ -158,13 +158,17 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
     under bubblewrap, with `results_dir` hidden but for the bundle and the scratch directory; where
     bubblewrap cannot run, the run fails (`sandbox_required`, an explicit `sandbox: true`) or runs
     unsandboxed and its result says why (`sandbox_problem`: an engine left at the default).
-    `max_result_mb`: larger result files
+    `results_dir`: also where the integrity key lives (digests.integrity_key_path), read before the
+    engine starts; the result then gets a keyed record beside it. `max_result_mb`: larger result files
     are refused before they are read. `expect`: what a valid result holds; None (the pipeline) reads it
     from the bundle after verifying the bundle's checksums."""
     kind, budget = parse_mode(mode)
     if sandbox and results_dir is None:
         raise ValueError("sandbox needs results_dir: the directory hidden from the engine")
-    make_undumpable()   # no process of the same uid may ptrace the runner or read its memory
+    # Before the engine exists: the key is in this process's memory while the engine runs, and a
+    # process of the same uid must not read it there (a sandboxed engine sees no other process at all).
+    make_undumpable()
+    key = load_or_create_key(integrity_key_path(results_dir)) if results_dir is not None else None
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(scratch_dir).resolve()
@@ -224,7 +228,7 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
         final = {"format": "k2vec-engine-result", "version": 1, **record, "status": "failed",
                  "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": [], "scratch_kept": str(scratch)}
         text = json.dumps(final, sort_keys=True)
-    write_result(out, text + "\n")
+    write_result(out, text + "\n", key)
     if final["status"] == "ok":
         remove_tree(scratch)
     else:
