@@ -33,7 +33,7 @@ def run(tmp_path, body, timeout_s=20.0, sandbox=False, bundle=None, required=Tru
                    mode="greedy", output=str(out), expect=EXPECT, gpus=0, devices=[],
                    lock_dir=str(tmp_path / "locks"), timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"),
                    max_result_mb=1.0, scratch_dir=str(results / "scratch" / "fake" / "r"), sandbox=sandbox,
-                   sandbox_required=required, results_dir=str(results))
+                   results_dir=str(results), **({} if required else {"sandbox_required": False}))
     assert json.loads(out.read_text()) == r
     return r
 
