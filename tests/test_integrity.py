@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from test_quant import make_fp32_checkpoint, make_spec
 from test_report_metrics import make_goldens
 
 from k2vec.model.checkpoint import INDEX_NAME, Checkpoint, CheckpointError, write_shards
-from k2vec.digests import IntegrityError, check_record, sha256_file, verify_kdtr, write_record
+from k2vec.digests import (IntegrityError, check_keyed_record, check_record, integrity_key_path, load_or_create_key,
+                           read_key, sha256_file, verify_kdtr, write_keyed_record, write_record)
 from k2vec.engines.contract.expectations import Expectations
+from k2vec.engines.isolation import sandbox_problem
 from k2vec.engines.runner import run_engine
 from k2vec.model.int4_checkpoint import open_int4
 from k2vec.stages.quantize import quantize_checkpoint
@@ -202,6 +205,52 @@ def test_result_without_record_is_changed(tmp_path, goldens):
     assert rows_of(m)["reason"].str.contains("no sha256 record").all()
 
 
+def test_keyed_record_catches_a_result_rewritten_with_a_fresh_sha256_record(tmp_path, goldens):
+    """The runner's keyed record (HMAC-SHA256 under the results directory's key): rewriting the result
+    and its sha256 record is `changed`; so is a result whose key is gone. Without a key the report
+    checks sha256 records and says no verdict is tamper-proof."""
+    key_file = integrity_key_path(tmp_path / "results")
+    key = load_or_create_key(key_file)
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and load_or_create_key(key_file) == key
+    golden = goldens[("tiny", "fp32")]
+    path = Path(write_result(tmp_path / "e.json", {**perfect_result(golden, "greedy"), "sandbox": True}))
+    write_keyed_record(path, key)
+    runs = [{"engine": "e", "model": "tiny", "precision": "fp32", "mode": "greedy", "result": str(path)}]
+    rows = rows_of(compute_metrics(runs, {("tiny", "fp32"): golden}, integrity_key=key_file))
+    assert (rows["class"] == "exact").all() and rows["tamper_proof"].all()
+    unkeyed = rows_of(compute_metrics(runs, {("tiny", "fp32"): golden}))
+    assert (unkeyed["class"] == "exact").all() and not unkeyed["tamper_proof"].any()
+    assert unkeyed["tamper_note"].str.contains("given no integrity key").all()
+
+    res = json.loads(path.read_text())
+    res["runs"][0]["prompts"][0]["tokens"][0] += 1
+    path.write_text(json.dumps(res))
+    write_record(path)   # the forger's fresh sha256 record
+    rows = rows_of(compute_metrics(runs, {("tiny", "fp32"): golden}, integrity_key=key_file))
+    assert (rows["class"] == "changed").all()
+    assert rows["reason"].str.contains("its HMAC-SHA256 under the integrity key differs").all()
+    key_file.unlink()
+    rows = rows_of(compute_metrics(runs, {("tiny", "fp32"): golden}, integrity_key=key_file))
+    assert (rows["class"] == "changed").all() and rows["reason"].str.contains("integrity key .* is missing").all()
+
+
+def test_runner_writes_a_keyed_record_with_the_results_directory_key(tmp_path):
+    bundle = tiny_bundle(tmp_path / "b.kdtr")
+    out = tmp_path / "results" / "runs" / "e.json"
+    script = tmp_path / "engine.py"
+    script.write_text("import json, sys\nout = sys.argv[1]\n" + GOOD)
+    r = run_engine(engine="e", command=f"{sys.executable} {script} {{output}} {{bundle}}",
+                   bundle=bundle, mode="greedy", output=str(out), expect=Expectations(1, 2, 10), gpus=0, devices=[],
+                   lock_dir=str(tmp_path / "locks"), timeout_s=30, stderr_path=str(tmp_path / "stderr"),
+                   max_result_mb=1.0, scratch_dir=str(tmp_path / "scratch"), results_dir=str(tmp_path / "results"))
+    assert r["status"] == "ok", r
+    key_file = integrity_key_path(tmp_path / "results")
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert check_keyed_record(out, read_key(key_file)) and check_record(out)
+    with pytest.raises(IntegrityError, match="differs"):
+        check_keyed_record(out, b"x" * 32)
+
+
 def bundle_for(tmp_path, golden: Path, golden_sha256: str | None = None) -> dict:
     """A bundle as the bundle stage leaves it (its record, the golden's hash in its metadata), and the
     `inputs` entry the runner writes for a run on it."""
@@ -256,10 +305,14 @@ def test_golden_rewritten_with_valid_checksums_is_caught_by_its_record(tmp_path,
 # --------------------------------------------------------------------------- through Snakemake
 
 
-def engine(behaviour: str, target: str = "-", precisions=("fp32",)) -> dict:
-    return {"command": f"{{python}} {TAMPER} {behaviour} {target} --bundle {{bundle}} --mode {{mode}} "
-                       f"--output {{output}}",
-            "models": ["tiny"], "precisions": list(precisions), "modes": ["greedy"], "timeout_s": 60}
+def engine(behaviour: str, target: str = "-", precisions=("fp32",), sandbox: bool | None = None,
+           extra: str = "") -> dict:
+    e = {"command": f"{{python}} {TAMPER} {behaviour} {target} --bundle {{bundle}} --mode {{mode}} "
+                    f"--output {{output}} {extra}",
+         "models": ["tiny"], "precisions": list(precisions), "modes": ["greedy"], "timeout_s": 60}
+    if sandbox is not None:
+        e["sandbox"] = sandbox
+    return e
 
 
 def tiny_config(engines: dict) -> dict:
@@ -273,6 +326,7 @@ def tiny_config(engines: dict) -> dict:
 
 
 VICTIM = "results/runs/victim/tiny-fp32-greedy.json"
+VICTIM_INT4 = "results/runs/victim/tiny-int4-greedy.json"
 BUNDLE = "results/bundles/tiny-fp32.kdtr"
 BUNDLE_INT4 = "results/bundles/tiny-int4.kdtr"
 GOLDEN = "results/golden/tiny/fp32.kdtr"
@@ -300,8 +354,8 @@ def workdir(built, tmp_path, engines: dict | None = None) -> tuple[Path, dict]:
     return root, {"PYTHONPATH": str(root / "src")}
 
 
-def smk(root, env, *args):
-    return snakemake("--cores", "1", *args, snakefile=root / "Snakefile", cwd=root, env=env)
+def smk(root, env, *args, cores: int = 1):
+    return snakemake("--cores", str(cores), *args, snakefile=root / "Snakefile", cwd=root, env=env)
 
 
 def report_rows(root) -> pd.DataFrame:
@@ -340,18 +394,18 @@ def test_damaged_bundle_makes_a_failed_row(built, tmp_path):
 
 
 def test_engines_damaging_what_the_judge_reads_are_caught(built, tmp_path):
-    """One run, two hostile engines that keep the timestamps of what they damage: `evil` rewrites the
-    victim's fp32 result with a real divergence; `flipper` flips a byte of the int4 bundle, which the
-    victim's int4 run used before."""
-    root, env = workdir(built, tmp_path, {"evil": engine("rewrite", VICTIM),
-                                          "flipper": engine("flip", BUNDLE_INT4, ["int4"])})
+    """One run, two unsandboxed hostile engines that keep the timestamps of what they damage: `evil`
+    rewrites the victim's fp32 result with a real divergence; `flipper` flips a byte of the int4
+    bundle, which the victim's int4 run used before."""
+    root, env = workdir(built, tmp_path, {"evil": engine("rewrite", VICTIM, sandbox=False),
+                                          "flipper": engine("flip", BUNDLE_INT4, ["int4"], sandbox=False)})
     stamps = {p: os.stat(root / p).st_mtime_ns for p in (VICTIM, BUNDLE_INT4)}
     res = smk(root, env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert {p: os.stat(root / p).st_mtime_ns for p in stamps} == stamps   # Snakemake saw nothing
     rows = report_rows(root)
     assert rows.loc[("victim", "fp32"), "class"] == "changed"   # judged, it would be a real divergence
-    assert f"result changed after the engine runner wrote it, not judged: {VICTIM}: sha256" in \
+    assert f"result changed after the engine runner wrote it, not judged: {VICTIM}: its HMAC-SHA256" in \
         rows.loc[("victim", "fp32"), "reason"]
     assert rows.loc[("evil", "fp32"), "class"] == "exact"
     assert rows.loc[("flipper", "int4"), "class"] == "failed"
@@ -360,6 +414,75 @@ def test_engines_damaging_what_the_judge_reads_are_caught(built, tmp_path):
     assert f"input bundle {BUNDLE_INT4} changed since this run used it" in rows.loc[("victim", "int4"), "reason"]
     summary = (root / "results/report/summary.txt").read_text()
     assert "CHANGED: victim tiny/fp32 greedy" in summary and "CHANGED: victim tiny/int4 greedy" in summary
+    assert not rows["tamper_proof"].any() and "NOT TAMPER-PROOF" in summary
+
+
+def engine_log(root, name: str, precision: str = "fp32") -> dict:
+    """What the tamper engine tried and what came of it (its last stderr line)."""
+    return json.loads((root / f"results/logs/runs/{name}/tiny-{precision}-greedy.engine.log").read_text()
+                      .strip().splitlines()[-1])
+
+
+needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None, reason="bubblewrap cannot sandbox here")
+
+
+@needs_sandbox
+def test_sandboxed_root_forger_cannot_reach_another_engines_result(built, tmp_path):
+    """The attack of issue 28, as root (like CI): umount results/ and /proc, remount / read-write,
+    then rewrite the victim's result with a divergence and its records. Sandboxed, every step fails:
+    the victim's result is untouched and judged exact, every verdict tamper-proof."""
+    root, env = workdir(built, tmp_path, {"forger": engine("forge", VICTIM, sandbox=True)})
+    before = {p: (root / p).read_bytes() for p in (VICTIM, VICTIM + ".sha256", VICTIM + ".hmac") if (root / p).exists()}
+    res = smk(root, env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    tried = engine_log(root, "forger")
+    assert tried["umount -l"] != 0 and tried["mount -o"] != 0 and tried["forge"] != "done", tried
+    assert {p: (root / p).read_bytes() for p in before} == before
+    rows = report_rows(root)
+    assert rows.loc[("victim", "fp32"), "class"] == "exact" and rows.loc[("forger", "fp32"), "class"] == "exact"
+    assert rows["tamper_proof"].all(), rows["tamper_note"].tolist()
+    assert "tamper-proof: all 3 runs" in (root / "results/report/summary.txt").read_text()
+
+
+def test_unsandboxed_forgers_make_every_row_not_tamper_proof(built, tmp_path):
+    """Unsandboxed, an engine runs as the pipeline's user. `naive` rewrites the victim's fp32 result and
+    its sha256 record (the issue's forger): the keyed record catches it. `keyed` also reads the
+    integrity key and writes a valid keyed record for the int4 result: nothing can tell, so the report
+    says on every row that its verdict is not tamper-proof, and why."""
+    root, env = workdir(built, tmp_path, {"naive": engine("forge", VICTIM, sandbox=False, extra="--no-key"),
+                                          "keyed": engine("forge", VICTIM_INT4, sandbox=False)})
+    res = smk(root, env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert engine_log(root, "naive")["forge"] == "done" and engine_log(root, "keyed")["key"] == "read"
+    rows = report_rows(root)
+    victim = rows.loc[("victim", "fp32")]
+    assert victim["class"] == "changed" and "its HMAC-SHA256 under the integrity key differs" in victim["reason"]
+    assert rows.loc[("victim", "int4"), "class"] not in ("exact", "changed")   # fooled: judged on the forgery
+    assert not rows["tamper_proof"].any()
+    assert "engine(s) keyed, naive ran unsandboxed" in rows.loc[("victim", "int4"), "tamper_note"]
+    assert "it ran unsandboxed (sandbox: false)" in rows.loc[("naive", "fp32"), "tamper_note"]
+    summary = (root / "results/report/summary.txt").read_text()
+    assert "NOT TAMPER-PROOF: 4 of 4 runs" in summary
+
+
+@needs_sandbox
+def test_sandboxed_engine_cannot_swap_the_bundle_under_a_concurrent_run(built, tmp_path):
+    """Issue 28's bundle swap: `swapper` replaces the fp32 bundle in place by one whose golden tokens
+    differ, holds it while `waiter` (started with it, `--cores 2`) reads, then restores every byte and
+    the timestamps, so the hashes before and after both runs match. Sandboxed, the bundle is bound
+    read-only and the escape fails: the swap never happens and the waiter is exact."""
+    root, env = workdir(built, tmp_path, {
+        "waiter": engine("exact", sandbox=True, extra="--after swapped.marker"),
+        "swapper": engine("swap", BUNDLE, sandbox=True, extra="--hold 4 --marker swapped.marker")})
+    before = sha256_file(root / BUNDLE)
+    res = smk(root, env, cores=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    tried = engine_log(root, "swapper")
+    assert tried["swap"] != "done", tried
+    assert engine_log(root, "waiter")["after"] is False   # no marker: nothing was swapped
+    assert sha256_file(root / BUNDLE) == before
+    rows = report_rows(root)
+    assert rows.loc[("waiter", "fp32"), "class"] == "exact" and rows["tamper_proof"].all()
 
 
 def test_engine_flipping_the_golden_stops_the_report(built, tmp_path):

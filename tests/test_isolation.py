@@ -2,6 +2,7 @@
 import json
 import os
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from k2vec.kdtr.writer import write_bundle
 GOOD = f"json.dump({good_result()!r}, open(out, 'w'))\n"
 
 
-def run(tmp_path, body, timeout_s=20.0, sandbox=False, bundle=None):
+def run(tmp_path, body, timeout_s=20.0, sandbox=False, bundle=None, required=True):
     """Run a fake engine the way the pipeline lays out results/ (bundle, runs, scratch)."""
     results = tmp_path / "results"
     if bundle is None:
@@ -32,7 +33,7 @@ def run(tmp_path, body, timeout_s=20.0, sandbox=False, bundle=None):
                    mode="greedy", output=str(out), expect=EXPECT, gpus=0, devices=[],
                    lock_dir=str(tmp_path / "locks"), timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"),
                    max_result_mb=1.0, scratch_dir=str(results / "scratch" / "fake" / "r"), sandbox=sandbox,
-                   results_dir=str(results))
+                   results_dir=str(results), **({} if required else {"sandbox_required": False}))
     assert json.loads(out.read_text()) == r
     return r
 
@@ -159,10 +160,80 @@ def test_sandboxed_engine_cannot_write_outside_its_output_directory(tmp_path, sa
     # what the engine saw, from its log
     seen = json.loads((tmp_path / "stderr.log").read_text().strip().splitlines()[-1])
     assert seen["repository file"] == "Read-only file system" and seen["home"] == "Read-only file system"
-    assert seen["the bundle"] == "Read-only file system" == seen["new file in results"]
+    # the bundle's write bits are cleared, and the engine is no longer root: refused before the mount is asked
+    assert seen["the bundle"] in ("Read-only file system", "Permission denied")
+    assert seen["new file in results"] == "Read-only file system"
     assert not (results / "new.json").exists()
     assert seen["other engine's result"] != "written" and seen["sees other results"] is False
     assert seen["reads bundle"] == (results / "bundles" / "b.kdtr").stat().st_size
+
+
+PROBE = """
+import subprocess
+def pids():
+    return sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+def cmdlines():
+    out = []
+    for p in pids():
+        try:
+            out.append(open(f'/proc/{p}/cmdline', 'rb').read().replace(b'\\0', b' ').decode())
+        except OSError:
+            pass
+    return out
+status = dict(line.split(':', 1) for line in open('/proc/self/status').read().splitlines() if ':' in line)
+res = {k: status[k].split()[0] for k in ('CapEff', 'CapPrm', 'CapBnd', 'CapAmb', 'Uid', 'NoNewPrivs')}
+res['cmdlines'] = cmdlines()
+for name, cmd in {'umount results': ['umount', '-l', RESULTS], 'umount proc': ['umount', '-l', '/proc'],
+                  'remount rw': ['mount', '-o', 'remount,bind,rw', '/'],
+                  'new userns': ['unshare', '-Urm', 'true']}.items():
+    res[name] = subprocess.run(cmd, capture_output=True).returncode
+res['cmdlines after'] = cmdlines()
+res['sees other results'] = os.path.exists(OTHER)
+try:
+    open(OTHER, 'a').write('forged')
+    res['write other'] = 'written'
+except OSError as e:
+    res['write other'] = e.strerror
+print(json.dumps(res), file=sys.stderr)
+"""
+
+
+def test_sandboxed_engine_has_no_privilege_and_sees_no_other_process(tmp_path, sandbox_ok):
+    """As root (the CI container) too: no capability, uid 65534, no_new_privs; the mounts cannot be
+    undone (umount, remount read-write, a new user namespace all fail); its /proc holds its own
+    processes only, before and after trying to unmount it."""
+    results = tmp_path / "results"
+    other = results / "runs" / "other" / "victim.json"
+    other.parent.mkdir(parents=True)
+    other.write_text('{"untouched": true}')
+    marker = f"1000.{time.time_ns() % 10**9:09d}"
+    host = subprocess.Popen(["sleep", marker])   # a process of the host, visible in the host's /proc
+    try:
+        body = f"RESULTS, OTHER = {str(results)!r}, {str(other)!r}\n" + PROBE + GOOD
+        r = run(tmp_path, body, sandbox=True)
+    finally:
+        host.kill()
+        host.wait()
+    assert r["status"] == "ok" and r["sandbox"] is True, r.get("stderr_tail")
+    seen = json.loads((tmp_path / "stderr.log").read_text().strip().splitlines()[-1])
+    assert {k: int(seen[k], 16) for k in ("CapEff", "CapPrm", "CapBnd", "CapAmb")} == \
+        {"CapEff": 0, "CapPrm": 0, "CapBnd": 0, "CapAmb": 0}, seen
+    assert seen["Uid"] == "65534" and seen["NoNewPrivs"] == "1"
+    for step in ("umount results", "umount proc", "remount rw", "new userns"):
+        assert seen[step] != 0, (step, seen)
+    for when in ("cmdlines", "cmdlines after"):
+        # bwrap's init, bash, the engine: nothing of the host (pytest, Snakemake, the runner, `sleep`)
+        assert len(seen[when]) <= 4 and not any(marker in c for c in seen[when]), seen[when]
+    assert seen["sees other results"] is False and seen["write other"] != "written"
+    assert other.read_text() == '{"untouched": true}'
+
+
+def test_runner_is_not_dumpable(tmp_path):
+    """PR_SET_DUMPABLE 0: a process of the pipeline's uid cannot ptrace the runner nor read its memory
+    (root still can: the sandbox is what stops a root engine)."""
+    import ctypes
+    run(tmp_path, GOOD)
+    assert ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 0   # PR_GET_DUMPABLE
 
 
 def test_sandboxed_engine_processes_die_with_the_run(tmp_path, sandbox_ok):
@@ -179,6 +250,8 @@ def test_sandbox_where_bubblewrap_cannot_run_is_a_failed_row(tmp_path, monkeypat
 
 
 def test_sandbox_without_bubblewrap_is_a_config_error(monkeypatch, config):
+    """An explicit sandbox: true is refused where bwrap cannot run; engines left at the default (true)
+    fall back, named for the notice; sandbox: false never probes."""
     from k2vec.errors import ConfigError
     from k2vec.config.engines import check_sandboxes, resolve_engines
     from conftest import REPO
@@ -186,8 +259,22 @@ def test_sandbox_without_bubblewrap_is_a_config_error(monkeypatch, config):
     def absent():
         return "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
 
+    config["engines"] = {"numpy": config["engines"]["numpy"]}
+    config["engines"]["numpy"].pop("sandbox", None)
+    engines = resolve_engines(config, str(REPO))
+    assert engines["numpy"]["sandbox"] is True and engines["numpy"]["sandbox_required"] is False
+    assert check_sandboxes(engines, absent) == ["numpy"]
+    assert check_sandboxes(engines, lambda: None) == []
     config["engines"]["numpy"]["sandbox"] = True
     with pytest.raises(ConfigError, match=r"engines\.numpy\.sandbox.*bwrap\) is not installed.*or set sandbox: false"):
         check_sandboxes(resolve_engines(config, str(REPO)), absent)
     config["engines"]["numpy"]["sandbox"] = False
-    check_sandboxes(resolve_engines(config, str(REPO)), lambda: pytest.fail("probed with no sandboxed engine"))
+    assert check_sandboxes(resolve_engines(config, str(REPO)),
+                           lambda: pytest.fail("probed with no sandboxed engine")) == []
+
+
+def test_default_sandbox_where_bubblewrap_cannot_run_falls_back_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr("k2vec.engines.runner.sandbox_problem", lambda: "bubblewrap (bwrap) is not installed")
+    r = run(tmp_path, GOOD, sandbox=True, required=False)
+    assert r["status"] == "ok" and r["sandbox"] is False
+    assert r["sandbox_problem"] == "bubblewrap (bwrap) is not installed"

@@ -10,6 +10,7 @@ from k2vec.pipeline.code_digest import code_digest, module_sources, script_modul
 from k2vec.errors import ConfigError
 from k2vec.engines.gpus import device_pool
 from k2vec.engines.isolation import sandbox_problem
+from k2vec.digests import integrity_key_path
 from k2vec.config.engines import (
     check_sandboxes,
     noise_models,
@@ -27,7 +28,7 @@ try:
     validate(config, schema=CONFIG_SCHEMA)
     check_finite(config)  # .nan and .inf pass the schema's bounds
     ENGINES = resolve_engines(config, workflow.basedir, defined_engines(CONFIG_FILES))
-    check_sandboxes(ENGINES, sandbox_problem)
+    UNSANDBOXED = check_sandboxes(ENGINES, sandbox_problem)
     # Resource budget (k2vec.config.resources): a config whose memory, disk or file count cannot fit here stops
     # now, before expand_config lists every tensor of every model and before any job.
     check_config(config, engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"]), os.path.abspath("results"))
@@ -38,6 +39,13 @@ except (WorkflowError, ConfigError) as err:
         err = schema_error(config, workflow.source_path(CONFIG_SCHEMA)) or err
     raise WorkflowError(f"Invalid configuration: {err}") from None
 
+if UNSANDBOXED and workflow.is_main_process:
+    # engines left at the default sandbox: true run unsandboxed here; their results say why
+    print(
+        f"k2vec: engine(s) {', '.join(UNSANDBOXED)} run unsandboxed: {sandbox_problem()}; the report flags "
+        f"their rows (and every row judged beside them) as not tamper-proof; set sandbox: false to opt out",
+        file=sys.stderr,
+    )
 MODELS = sorted(CASES)
 # Models whose weights are a slice of the user's checkpoint (rule import_checkpoint), not synthetic.
 IMPORTED_MODELS = [m for m in MODELS if "source" in CASES[m]["model"]]

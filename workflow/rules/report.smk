@@ -45,6 +45,8 @@ rule report:
         noise_rule=config["report"].get("noise", {}),
         left_out=LEFT_OUT,
         fail_on_left_out=config["report"]["fail_on_left_out"],
+        # made by the first engine run (k2vec.engines.runner); not an input: nothing reruns on it
+        integrity_key=str(integrity_key_path("results")),
     script:
         "../scripts/report.py"
 

@@ -22,6 +22,7 @@ with stage_logging(snakemake.log.runner, "engine_run") as log:
         max_result_mb=engine["max_result_mb"],
         scratch_dir=snakemake.params.scratch,
         sandbox=engine["sandbox"],
+        sandbox_required=engine.get("sandbox_required", True),
         results_dir="results",
         stderr_path=snakemake.log.engine,
         python=sys.executable,

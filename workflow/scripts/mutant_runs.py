@@ -25,6 +25,7 @@ with stage_logging(snakemake.log.runner, "mutant_runs") as log, atomic_directory
             max_result_mb=engine["max_result_mb"],
             scratch_dir=f"{snakemake.params.scratch}/{mode}",
             sandbox=engine["sandbox"],
+            sandbox_required=engine.get("sandbox_required", True),
             results_dir="results",
             stderr_path=str(mode_log),
             python=sys.executable,

@@ -15,10 +15,13 @@ from k2vec.config.expand import require
 # greedy: 4 prompts x 24 steps of full fingerprints), so a 100-prompt config writes about 51 MB
 # compact or 71 MB indented; anything larger is refused before it is read (docs/engine-contract.md
 # section 5). Configs with wider models or longer decodes raise it per engine.
+# sandbox: on by default; an engine left at the default runs unsandboxed where bubblewrap cannot run
+# (with a notice, and its report rows flagged not tamper-proof), an explicit `sandbox: true` is refused
+# there (check_sandboxes), an explicit `sandbox: false` opts out.
 ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "timeout_s": 600.0,
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
                                    "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
-                                   "sandbox": False, "precision": "float32", "requires": [],
+                                   "sandbox": True, "precision": "float32", "requires": [],
                                    "ddtree_budgets": None}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 # The largest value of each numeric limit (the schema's maxima, kept equal by a test): a run or build
@@ -135,17 +138,27 @@ def resolve_engines(config: dict[str, Any], basedir: str, defined: Iterable[str]
         for pattern in e["sources"]:
             files.extend(source_glob(pattern, basedir, f"{key}.sources"))
         e["source_files"] = sorted(set(files))
+        # asked for by name: a host that cannot sandbox must refuse it, not fall back
+        e["sandbox_required"] = entry.get("sandbox") is True
         engines[name] = e
     return engines
 
 
-def check_sandboxes(engines: dict[str, dict[str, Any]], sandbox_problem: Callable[[], str | None]) -> None:
-    """Refuse `sandbox: true` where this host cannot sandbox (`sandbox_problem`: the engines' own probe,
-    k2vec.engines.isolation, asked only when an engine wants the sandbox)."""
+def check_sandboxes(engines: dict[str, dict[str, Any]], sandbox_problem: Callable[[], str | None]) -> list[str]:
+    """Refuse an explicit `sandbox: true` where this host cannot sandbox (`sandbox_problem`: the
+    engines' own probe, k2vec.engines.isolation, asked only when an engine wants the sandbox). Returns
+    the engines left at the default (sandboxed) that will run unsandboxed here, for a notice: their
+    runs record why, and the report flags their rows as not tamper-proof."""
     wanted = [name for name, e in engines.items() if e["sandbox"]]
-    if wanted:
-        problem = sandbox_problem()
-        require(problem is None, f"engines.{wanted[0]}.sandbox", f"{problem}; or set sandbox: false")
+    if not wanted:
+        return []
+    problem = sandbox_problem()
+    if problem is None:
+        return []
+    required = [name for name in wanted if engines[name].get("sandbox_required", True)]
+    if required:
+        require(False, f"engines.{required[0]}.sandbox", f"{problem}; or set sandbox: false")
+    return wanted
 
 
 def engines_short_of_gpus(engines: dict[str, dict[str, Any]], n_devices: int) -> list[str]:

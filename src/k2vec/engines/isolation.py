@@ -7,9 +7,16 @@
   the engine detaches (double fork, `setsid`, daemon) is re-parented to the runner instead of init;
   when the engine exits or is killed at its time limit, every process below the runner that was not
   there before the run is killed and reaped.
-- Sandbox (opt-in, bubblewrap): the whole filesystem read-only (/tmp and HOME included), `results/`
-  hidden behind an empty tmpfs except the run's bundle (read-only) and its scratch directory
-  (writable), a fresh /dev with the GPU device nodes passed through, its own PID namespace.
+- Sandbox (bubblewrap; on by default where it works): an unprivileged uid (65534) in a user
+  namespace of its own, with no capabilities and no_new_privs, even when the pipeline runs as root,
+  so the engine can neither undo the mounts below (they are locked) nor make new ones; the whole
+  filesystem read-only (/tmp and HOME included), `results/` hidden behind an empty tmpfs except the
+  run's bundle (read-only) and its scratch directory (writable), a fresh /dev with the GPU device
+  nodes passed through, its own PID namespace with its own /proc (no other process of the host is
+  visible), its own IPC and UTS namespaces, a new session (no TIOCSTI into the runner's terminal),
+  and no further user namespaces.
+- The runner itself is made non-dumpable (PR_SET_DUMPABLE 0): a process of the same user cannot
+  ptrace it or read its /proc/<pid>/mem and environ (root still can).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 REAP_TIMEOUT_S = 10.0
 
@@ -167,33 +175,56 @@ def gpu_device_nodes() -> list[str]:
     return sorted(glob.glob("/dev/nvidia*")) + sorted(glob.glob("/dev/dri/*"))
 
 
+# The uid and gid an engine runs as inside the sandbox ("nobody"). Mapped, in the user namespace that
+# bwrap creates, onto the pipeline's own uid (the only one an unprivileged process may map): files the
+# engine writes in its scratch directory belong to the pipeline's user on the host, while the engine
+# holds no capability in the host's namespaces, whatever uid the pipeline runs as.
+SANDBOX_UID = 65534
+# Namespaces and privileges, shared by the probe and the real command: a host that cannot give one
+# of them (no user namespaces, say) cannot sandbox.
+_SANDBOX_BASE = ("bwrap", "--die-with-parent", "--new-session", "--unshare-user", "--uid", str(SANDBOX_UID),
+                 "--gid", str(SANDBOX_UID), "--disable-userns", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                 "--unshare-cgroup-try", "--cap-drop", "ALL", "--ro-bind", "/", "/", "--dev", "/dev",
+                 "--proc", "/proc", "--tmpfs", "/dev/shm")
+
+
 def sandbox_command(command: str, *, bundle: Path, scratch: Path, hidden: Path, home: Path) -> list[str]:
-    """bubblewrap around `bash -c command`: read-only root, `hidden` (the results directory) replaced
-    by an empty tmpfs except `bundle` (read-only) and `scratch` (writable), fresh /dev and /proc, a
-    private /dev/shm. /tmp stays read-only like the rest: TMPDIR points into the scratch directory."""
-    args = ["bwrap", "--die-with-parent", "--unshare-pid", "--new-session",
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/dev/shm"]
+    """bubblewrap around `bash -c command` (_SANDBOX_BASE: uid 65534 without capabilities, own PID, IPC,
+    UTS and user namespaces): read-only root, `hidden` (the results directory) replaced by an empty
+    tmpfs except `bundle` (read-only) and `scratch` (writable), fresh /dev and /proc, a private
+    /dev/shm. /tmp stays read-only like the rest: TMPDIR points into the scratch directory."""
+    args = list(_SANDBOX_BASE)
     for node in gpu_device_nodes():
         args += ["--dev-bind", node, node]
     # the tmpfs over `hidden` is made read-only once the two binds are on it: writes there fail too,
     # instead of landing in a throw-away tmpfs
     args += ["--tmpfs", str(hidden), "--ro-bind", str(bundle), str(bundle), "--bind", str(scratch), str(scratch),
-             "--remount-ro", str(hidden), "--setenv", "HOME", str(home), "--chdir", str(scratch / "work"),
-             "bash", "-c", command]
+             "--remount-ro", str(hidden), "--setenv", "HOME", str(home), "--setenv", "USER", "nobody",
+             "--setenv", "LOGNAME", "nobody", "--chdir", str(scratch / "work"), "bash", "-c", command]
     return args
 
 
 @lru_cache(maxsize=None)
 def sandbox_problem() -> str | None:
-    """Why the sandbox cannot run here (bwrap missing, or unable to create namespaces), else None."""
+    """Why the sandbox cannot run here (bwrap missing, or unable to create its namespaces), else None."""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
     try:
-        probe = subprocess.run(["bwrap", "--die-with-parent", "--unshare-pid", "--ro-bind", "/", "/", "--dev", "/dev",
-                                "--proc", "/proc", "true"],
-                               capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        probe = subprocess.run([*_SANDBOX_BASE, "true"], capture_output=True, text=True, timeout=30,
+                               stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError) as err:
         return f"bwrap could not run: {err}"
     if probe.returncode != 0:
         return f"bwrap cannot create its namespaces here: {probe.stderr.strip() or f'exit code {probe.returncode}'}"
     return None
+
+
+def make_undumpable() -> bool:
+    """PR_SET_DUMPABLE 0 for this process (the runner): processes of the same uid can no longer
+    ptrace it or read its /proc/<pid>/mem, environ or fds, where the integrity key sits while an
+    engine runs. Root (CAP_SYS_PTRACE) still can. The engine, once exec'd, is dumpable again.
+    False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_DUMPABLE, ctypes.c_ulong(0), 0, 0, 0) == 0

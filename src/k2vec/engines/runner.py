@@ -24,14 +24,15 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from k2vec.atomic import claim_directory
-from k2vec.digests import IntegrityError, sha256_file, verify_kdtr
+from k2vec.digests import IntegrityError, integrity_key_path, load_or_create_key, sha256_file, verify_kdtr
 from k2vec.engines.contract.checks import check_result
 from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.expectations import Expectations, expectations_from_bundle
 from k2vec.engines.contract.files import read_result, write_result
 from k2vec.engines.contract.modes import parse_mode
 from k2vec.engines.gpus import GpuError, identify, lease
-from k2vec.engines.isolation import Reaper, fresh_scratch, make_read_only, remove_tree, sandbox_command, sandbox_problem
+from k2vec.engines.isolation import (Reaper, fresh_scratch, make_read_only, make_undumpable, remove_tree,
+                                     sandbox_command, sandbox_problem)
 
 PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 STDERR_TAIL_LINES = 20
@@ -148,19 +149,27 @@ def check_bundle_unchanged(bundle: str, sha256: str) -> None:
 
 def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str,
                gpus: int, devices: Sequence[str], lock_dir: str, timeout_s: float, stderr_path: str,
-               max_result_mb: float, scratch_dir: str, sandbox: bool = False, results_dir: str | None = None,
-               expect: Expectations | None = None, extra_env: dict[str, str] | None = None,
-               python: str = sys.executable) -> dict[str, Any]:
+               max_result_mb: float, scratch_dir: str, sandbox: bool = False, sandbox_required: bool = True,
+               results_dir: str | None = None, expect: Expectations | None = None,
+               extra_env: dict[str, str] | None = None, python: str = sys.executable) -> dict[str, Any]:
     """Run the engine and write the final result (ok or failed) atomically to `output`.
 
     The engine runs in `scratch_dir` (wiped first; removed after an ok run, kept after a failed one
     for inspection) and writes its result there; no process it starts outlives the run. `sandbox`:
-    under bubblewrap, with `results_dir` hidden but for the bundle and the scratch directory.
-    `max_result_mb`: larger result files are refused before they are read. `expect`: what a valid
-    result holds; None (the pipeline) reads it from the bundle after verifying the bundle's checksums."""
+    under bubblewrap, with `results_dir` hidden but for the bundle and the scratch directory; where
+    bubblewrap cannot run, the run fails (`sandbox_required`, an explicit `sandbox: true`) or runs
+    unsandboxed and its result says why (`sandbox_problem`: an engine left at the default).
+    `results_dir`: also where the integrity key lives (digests.integrity_key_path), read before the
+    engine starts; the result then gets a keyed record beside it. `max_result_mb`: larger result files
+    are refused before they are read. `expect`: what a valid result holds; None (the pipeline) reads it
+    from the bundle after verifying the bundle's checksums."""
     kind, budget = parse_mode(mode)
     if sandbox and results_dir is None:
         raise ValueError("sandbox needs results_dir: the directory hidden from the engine")
+    # Before the engine exists: the key is in this process's memory while the engine runs, and a
+    # process of the same uid must not read it there (a sandboxed engine sees no other process at all).
+    make_undumpable()
+    key = load_or_create_key(integrity_key_path(results_dir)) if results_dir is not None else None
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(scratch_dir).resolve()
@@ -173,14 +182,17 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
     stderr_file.parent.mkdir(parents=True, exist_ok=True)
     stderr_file.write_bytes(b"")
     record: dict[str, Any] = {"engine": engine, "bundle": str(bundle), "mode": mode, "budget": budget,
-                              "sandbox": sandbox}
+                              "sandbox": sandbox, "sandbox_problem": None}
     try:
         bundle_sha256 = verify_bundle(bundle)
         record["inputs"] = {"bundle": {"path": str(bundle), "sha256": bundle_sha256}}
         if expect is None:
             expect = expectations_from_bundle(bundle, verify=False)   # verify_bundle just checked every tensor
         if sandbox and (problem := sandbox_problem()) is not None:
-            raise InvalidResult(f"sandbox: true, but {problem}")
+            if sandbox_required:
+                raise InvalidResult(f"sandbox: true, but {problem}")
+            sandbox = False
+            record.update(sandbox=False, sandbox_problem=problem)
         if bundle_path.exists():
             make_read_only(bundle_path)
         with lease(gpus, devices, lock_dir) as assigned:
@@ -217,7 +229,7 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
         final = {"format": "k2vec-engine-result", "version": 1, **record, "status": "failed",
                  "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": [], "scratch_kept": str(scratch)}
         text = json.dumps(final, sort_keys=True)
-    write_result(out, text + "\n")
+    write_result(out, text + "\n", key)
     if final["status"] == "ok":
         remove_tree(scratch)
     else:

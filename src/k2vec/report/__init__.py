@@ -65,8 +65,10 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
                  fingerprint_rtol: float = 1e-3, budgets: Mapping[str, Mapping[str, Any]] | None = None,
                  noise: Mapping[tuple[str, str, str], str | Path] | None = None,
                  noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
-                 fail_on_left_out: bool = False) -> ReportResult:
+                 fail_on_left_out: bool = False, integrity_key: str | Path | None = None) -> ReportResult:
     """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
+    integrity_key: the results directory's integrity key file, with which results' keyed records are
+    checked (report/integrity.py); None checks their sha256 records and flags no verdict tamper-proof.
     budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml); noise:
     {(model, precision, precision class): noise-model path}; noise_rule: report.noise (report/noise.py);
     left_out: {engine: why} for each configured engine that got no run; fail_on_left_out: those fail the
@@ -75,7 +77,8 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     from k2vec.report.html import render_html, summary_text
 
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
-                                 fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, noise_rule=noise_rule)
+                                 fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, noise_rule=noise_rule,
+                                 integrity_key=integrity_key)
     m = dataclasses.replace(m, left_out=dict(left_out or {}), fail_on_left_out=fail_on_left_out)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,19 +145,20 @@ def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str |
                  router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
                  budgets: Mapping[str, Mapping[str, Any]] | None = None, strict: bool = False,
                  noise: Mapping[str, Any] | None = None, noise_rule: Mapping[str, Any] | None = None,
-                 left_out: Mapping[str, str] | None = None, fail_on_left_out: bool = False) -> ReportResult:
+                 left_out: Mapping[str, str] | None = None, fail_on_left_out: bool = False,
+                 integrity_key: str | Path | None = None) -> ReportResult:
     """Rule `report`: build_report, with its summary logged (run it inside the stage's stage_logging).
 
     runs: {"engine","model","precision","mode","result"} dicts (result = the JSON path); goldens:
     {(model, precision): path}, [{"model","precision","path"}] or {"model/precision": path} (the rule's
     params.goldens); budgets: report.budgets; noise: {"model/precision/class": noise-model path} (params.noise);
-    noise_rule: report.noise; left_out, fail_on_left_out: as build_report. strict: raise StrictFailure (report/gate.py) on a real
+    noise_rule: report.noise; left_out, fail_on_left_out, integrity_key: as build_report. strict: raise StrictFailure (report/gate.py) on a real
     divergence, an over-budget row or a failed run, after writing the outputs.
     """
     res = build_report(list(runs), _goldens_from(goldens), out_dir, near_tie=float(near_tie),
                        router_near_tie=float(router_near_tie), fingerprint_rtol=float(fingerprint_rtol),
                        budgets=budgets, noise=_noise_from(noise), noise_rule=noise_rule, left_out=left_out,
-                       fail_on_left_out=fail_on_left_out)
+                       fail_on_left_out=fail_on_left_out, integrity_key=integrity_key)
     logging.getLogger("k2vec.report").info("%s", res.summary)
     if strict and res.strict_problem:
         raise StrictFailure(res.strict_problem)
@@ -179,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a configured engine that got no run, named with its reason in the report")
     ap.add_argument("--fail-on-left-out", action="store_true",
                     help="with --strict, a left-out engine fails the verdict (report.fail_on_left_out)")
+    ap.add_argument("--integrity-key", metavar="PATH",
+                    help="the results directory's integrity key (results/.integrity.key): check each result's keyed "
+                         "record; without it, sha256 records only and no verdict is tamper-proof")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the strict verdict fails (report/gate.py): a real divergence, an over-budget row, a failed run or a DDTree tree that differs")
     a = ap.parse_args(argv)
     declared = dict(a.precision_class)
@@ -196,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = build_report(runs, goldens, a.out, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
                            fingerprint_rtol=a.fingerprint_rtol, budgets=budgets,
                            noise={(m, p, c): path for m, p, c, path in a.noise}, left_out=dict(a.left_out),
-                           fail_on_left_out=a.fail_on_left_out)
+                           fail_on_left_out=a.fail_on_left_out, integrity_key=a.integrity_key)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -139,6 +139,22 @@ def noise_lines(noise_table: pd.DataFrame, rows: pd.DataFrame) -> list[str]:
     return lines
 
 
+def tamper_lines(m: Metrics) -> list[str]:
+    """One line when some verdicts are not tamper-proof (report/integrity.py), with each distinct why."""
+    rows = m.rows
+    if not len(rows) or "tamper_proof" not in rows:
+        return []
+    bad = rows[rows["tamper_proof"] != True]  # noqa: E712
+    if not len(bad):
+        return [f"  tamper-proof: all {plural(rows['run'].nunique(), 'run')} (sandboxed, keyed records intact)"]
+    runs = bad.drop_duplicates("run")
+    notes = sorted({str(n) for n in runs["tamper_note"].dropna()})
+    lines = [f"  NOT TAMPER-PROOF: {runs['run'].nunique()} of {plural(rows['run'].nunique(), 'run')} "
+             f"({plural(len(bad), 'row')}, column tamper_proof); why:"]
+    lines += [f"    - {n}" for n in notes[:MAX_TEXT_LINES]]
+    return lines
+
+
 def summary_text(m: Metrics) -> str:
     rows, lines = m.rows, []
     n_runs = rows["run"].nunique() if len(rows) else 0
@@ -147,6 +163,7 @@ def summary_text(m: Metrics) -> str:
                  f"{plural(rows['engine'].nunique() if len(rows) else 0, 'engine')}, {plural(len(rows), 'prompt row')}")
     lines.append("  " + " | ".join(f"{c} {int(counts.get(c, 0))}" for c in CLASSES))
     lines.append("  " + verdict_line(m))
+    lines.extend(tamper_lines(m))
     for name, why in sorted(m.left_out.items()):
         lines.append(f"  LEFT OUT: {name}: {why}")
     for cls in ("real", "over-budget", "router-near-tie", "precision-tie", "near-tie"):

@@ -2,9 +2,14 @@
 
 - A golden must pass every KDTR checksum and match its sha256 record; otherwise the report stops
   with the file and tensor (or byte offset) named: no run is judged against a damaged golden.
-- An engine result must match the sha256 record the runner wrote beside it. A result rewritten
-  afterwards (by another engine, say) is shown as `changed`, not judged: its engine is not blamed
-  for what another process wrote into it.
+- An engine result must match the keyed record (HMAC-SHA256 under the results directory's integrity
+  key) the runner wrote beside it; without a key (a report run by hand without `--integrity-key`),
+  its sha256 record. A result rewritten afterwards (by another engine, say) is shown as `changed`,
+  not judged: its engine is not blamed for what another process wrote into it. Rewriting the
+  record too does not help without the key, which sandboxed engines never see.
+- Whether a verdict is tamper-proof (tamper_verdict): only if the report had the key, the run was
+  sandboxed, and no engine judged beside it ran unsandboxed (an unsandboxed engine runs as the
+  pipeline's user: it can read the key and rewrite any result, bundle or golden).
 - The bundle a result records (path and sha256, checked by the runner before and after the run)
   must still have that hash and record, and must have been built from the golden the report uses;
   otherwise the run is `changed` too: its input changed under it.
@@ -16,9 +21,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-from k2vec.digests import IntegrityError, check_record, recorded, sha256_file, verify_kdtr
+from k2vec.digests import IntegrityError, check_keyed_record, check_record, read_key, recorded, sha256_file, verify_kdtr
 from k2vec.kdtr import KdtrError, open_bundle
 
 CHANGED = "changed"  # the row status and class of a run whose result or inputs changed after it ran
@@ -34,12 +39,56 @@ def verify_golden(model: str, precision: str, path: str | Path) -> str:
                              f"Snakemake") from None
 
 
-class RunChecks:
-    """The integrity of each run's result and bundle, bundles hashed once per report."""
+NO_KEY = ("the report was given no integrity key, so results were checked against their sha256 records, which "
+          "whoever rewrites a result can rewrite too")
 
-    def __init__(self, golden_sha256: Mapping[tuple[str, str], str]):
+
+class RunChecks:
+    """The integrity of each run's result and bundle, bundles hashed once per report. `key_file`: the
+    results directory's integrity key (digests.integrity_key_path); None checks sha256 records only."""
+
+    def __init__(self, golden_sha256: Mapping[tuple[str, str], str], key_file: str | Path | None = None):
         self.golden_sha256 = golden_sha256
         self._bundles: dict[str, str] = {}
+        self.key_file = key_file
+        self.key: bytes | None = None
+        self.key_problem: str | None = None
+        if key_file is not None:
+            try:
+                self.key = read_key(key_file)
+            except IntegrityError as err:
+                self.key_problem = str(err)
+
+    def _check_result_record(self, spec: Mapping[str, Any]) -> None:
+        if spec.get("reference") or self.key_file is None:
+            check_record(spec["result"])   # a stage's output (the int4-format run), or no key given
+        elif self.key is None:
+            raise IntegrityError(f"cannot be verified: {self.key_problem}")
+        else:
+            check_keyed_record(spec["result"], self.key)
+
+    def tamper_verdict(self, spec: Mapping[str, Any], result: Mapping[str, Any] | None, status: str,
+                       unsandboxed: Sequence[str]) -> str | None:
+        """Why this run's verdict is not tamper-proof, or None when it is. `unsandboxed`: the engines of
+        this report that ran (at least once) without the sandbox."""
+        why = []
+        if self.key_file is None:
+            why.append(NO_KEY)
+        if status == CHANGED:
+            why.append("its result or input changed after the run")
+        elif result is None:
+            why.append("its result could not be read")
+        elif not spec.get("reference") and result.get("sandbox") is not True:
+            problem = result.get("sandbox_problem")
+            why.append("it ran unsandboxed" + (f" (the sandbox could not run: {problem})" if problem else
+                                                " (sandbox: false)") +
+                       ": as the pipeline's user it could rewrite its own inputs and records")
+        others = [e for e in unsandboxed if e != spec["engine"]]
+        if others:
+            why.append(f"engine(s) {', '.join(others)} ran unsandboxed as the pipeline's user and could have rewritten "
+                       f"this run's result with a valid record (the integrity key is readable to them), its bundle, "
+                       f"or the golden")
+        return "; ".join(why) or None
 
     def problem(self, spec: Mapping[str, Any], result: Mapping[str, Any] | None) -> str | None:
         """Why this run cannot be judged, or None when its result and inputs are as they were written.
@@ -49,7 +98,7 @@ class RunChecks:
         if not Path(spec["result"]).is_file() or spec.get("contract") is not None:
             return None   # a missing result is a failed run; one straight from an engine has no records
         try:
-            check_record(spec["result"])
+            self._check_result_record(spec)
         except IntegrityError as err:
             return f"result changed after the engine runner wrote it, not judged: {err}"
         if result is None or result.get("status", "ok") != "ok":

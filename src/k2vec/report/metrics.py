@@ -65,7 +65,7 @@ ROW_COLUMNS = [
     "router_diff_step", "router_diff_layer",
     "tree_match", "first_tree_diff_round", "first_tree_diff_node", "tree_diff_what",
     "accept_mean_engine", "accept_mean_golden", "tokens_per_s", "decode_tokens_per_s", "wall_s",
-    "device", "gpu", "gpu_uuid", "reason", "result",
+    "device", "gpu", "gpu_uuid", "reason", "tamper_proof", "tamper_note", "result",
 ]
 OBJECT_COLUMNS = ("class", "tree_diff_what", "tree_match", "router_evidence")
 
@@ -160,6 +160,9 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
             "mode": spec["mode"], "kind": kind, "budget": budget if kind == "ddtree" else None,
             "result": str(spec["result"]), "device": (res or {}).get("device")}
     base["gpu"], base["gpu_uuid"] = gpu_identity(res)
+    # for the tamper verdict, once every run is loaded (_tamper_columns)
+    base["ran_unsandboxed"] = (res is not None and status != CHANGED and not spec.get("reference")
+                               and res.get("sandbox") is not True)
     accs: list[float | None] = list(g.accuracies) if kind == "ddtree" else [None]
     items: list[_Item] = []
 
@@ -196,12 +199,13 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
     wall = (res or {}).get("wall_s")
     decode = ((res or {}).get("timing") or {}).get("decode_s")
     facts = {
+        "result_json": res,
         "tokens_per_s": tokens / wall if wall and tokens else np.nan,
         "decode_tokens_per_s": tokens / decode if decode and tokens else np.nan,
         "wall_s": np.nan if wall is None else float(wall), "stderr_tail": (res or {}).get("stderr_tail"),
     }
     for it in items:
-        it.base.update({k: v for k, v in facts.items() if k != "stderr_tail"})
+        it.base.update({k: v for k, v in facts.items() if k not in ("stderr_tail", "result_json")})
     return items, facts
 
 
@@ -219,14 +223,16 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                     near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
                     budgets: Mapping[str, Mapping[str, Any]] | None = None,
                     noise: Mapping[tuple[str, str, str], str | Path] | None = None,
-                    noise_rule: Mapping[str, Any] | None = None) -> Metrics:
+                    noise_rule: Mapping[str, Any] | None = None, integrity_key: str | Path | None = None) -> Metrics:
     """All report data for `runs` ({"engine","model","precision","mode","result"}, optional
     "precision_class" (default float32), "reference" (the int4-format row: scored, not judged), and for
     the judge (report/judge.py) "bundle" (integrity.RunChecks) and "contract" (the bundle's Expectations:
     a result straight from an engine, checked as the runner checks one) each) against `goldens`
     ({(model, precision): golden KDTR path, or the bundle that carries the golden}). `budgets`: per precision class,
     laid over classify.DEFAULT_BUDGETS. `noise`: {(model, precision, precision class): noise-model
-    path} (k2vec.stages.noise), judged by `noise_rule` (report/noise.py, laid over NOISE_RULE)."""
+    path} (k2vec.stages.noise), judged by `noise_rule` (report/noise.py, laid over NOISE_RULE).
+    `integrity_key`: the results directory's integrity key file (digests.integrity_key_path), with which
+    engine results' keyed records are checked; None: their sha256 records, every row not tamper-proof."""
 
     try:
         budgets = resolve_budgets(budgets)
@@ -263,7 +269,8 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                 models[(m, p, c)] = NoiseModel(path, opened[(m, p)], c)
         th = {"near_tie": near_tie, "router_near_tie": router_near_tie, "fingerprint_rtol": fingerprint_rtol}
         rows, runs_df, steps, acceptance, score_runs, ref_steps = _engine_metrics(
-            runs, opened, th, budgets, RunChecks({k: g.sha256 for k, g in opened.items()}), models, rule)
+            runs, opened, th, budgets, RunChecks({k: g.sha256 for k, g in opened.items()}, integrity_key), models,
+            rule)
         fe, fe_steps, fe_models = format_effect(opened, th, budgets)
         strength, prompt_strength = golden_strength(opened, near_tie, router_near_tie)
         calibration = pd.DataFrame([{"model": m, "precision": p, "precision_class": c, **rec}
@@ -299,10 +306,14 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
                           checks: RunChecks, noise_models: dict[tuple[str, str, str], NoiseModel], rule: Rule):
     items: list[_Item] = []
     stderr: dict[int, str | None] = {}
+    loaded: dict[int, tuple[Mapping[str, Any], Mapping[str, Any] | None, str]] = {}
     for r_i, spec in enumerate(runs):
         its, facts = _run_items(r_i, spec, opened[(spec["model"], spec["precision"])], checks)
         items.extend(its)
         stderr[r_i] = facts["stderr_tail"]
+        if its:
+            loaded[r_i] = (spec, facts["result_json"], its[0].base["status"])
+    _tamper_columns(items, loaded, checks)
     if not items:   # no engine runs: the report still shows the format effect
         empty = finish_frame(pd.DataFrame(columns=ROW_COLUMNS), ROW_COLUMNS)
         return empty, pd.DataFrame(), pd.DataFrame(columns=["row"] + STEP_COLUMNS[1:]), acceptance_hist([]), \
@@ -408,6 +419,16 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
         ref[["model", "prompt", "step", "kl"]].reset_index(drop=True)
 
 
+def _tamper_columns(items: list[_Item], loaded, checks: RunChecks) -> None:
+    """tamper_proof and tamper_note of every row (report/integrity.py, RunChecks.tamper_verdict): a run
+    is tamper-proof only if nothing that ran unsandboxed was judged beside it."""
+    unsandboxed = sorted({it.base["engine"] for it in items if it.base.pop("ran_unsandboxed", False)})
+    verdicts = {r_i: checks.tamper_verdict(spec, res, status, unsandboxed) for r_i, (spec, res, status) in loaded.items()}
+    for it in items:
+        note = verdicts.get(it.base["run"])
+        it.base["tamper_proof"], it.base["tamper_note"] = note is None, note
+
+
 def _take_score_routing(base: pd.DataFrame, score_routing, opened: dict[tuple[str, str], Golden]) -> None:
     """Router evidence for greedy / DDTree divergences from the same engine's score run (routing.py):
     kept where it is a nearer tie than the row's own evidence. A Python loop, but over the divergent
@@ -455,6 +476,7 @@ def _run_summary(rows: pd.DataFrame, stderr: dict[int, str | None]) -> pd.DataFr
         accept_mean_engine=("accept_mean_engine", "mean"), accept_mean_golden=("accept_mean_golden", "mean"),
         tokens_per_s=("tokens_per_s", "first"), decode_tokens_per_s=("decode_tokens_per_s", "first"),
         wall_s=("wall_s", "first"), device=("device", "first"), gpu=("gpu", "first"), reason=("reason", "first"), result=("result", "first"),
+        tamper_proof=("tamper_proof", "first"), tamper_note=("tamper_note", "first"),
     )
     agg = agg.join(counts[list(CLASSES)]).reset_index()
     agg["worst"] = np.asarray(CLASSES, dtype=object)[agg["worst"].to_numpy()]

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from k2vec.atomic import write_text_atomic
-from k2vec.digests import sha256_bytes, write_record
+from k2vec.digests import sha256_bytes, write_keyed_record, write_record
 from k2vec.engines.contract.errors import InvalidResult
 
 # A valid result nests 8 deep ({runs: [{prompts: [{fingerprints: [[[ ... ); the limit leaves room for
@@ -114,8 +114,12 @@ def read_result(path: Path, max_bytes: int) -> Any:
         raise InvalidResult(f"result file holds a number the JSON reader refuses: {err}") from None
 
 
-def write_result(output: Path, text: str) -> None:
-    """The final result and its sha256 record `<output>.sha256`, by which the report notices a result
-    rewritten after the runner wrote it."""
+def write_result(output: Path, text: str, key: bytes | None = None) -> None:
+    """The final result, its sha256 record `<output>.sha256` and, with the integrity `key`, its keyed
+    record `<output>.hmac`, by which the report notices a result rewritten after the runner wrote it
+    (the sha256 record alone is rewritten as easily as the result)."""
+    data = text.encode("utf-8")
     write_text_atomic(output, text)
-    write_record(output, sha256_bytes(text.encode("utf-8")))
+    write_record(output, sha256_bytes(data))
+    if key is not None:
+        write_keyed_record(output, key, data)
