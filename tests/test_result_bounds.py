@@ -15,6 +15,8 @@ from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.expectations import Expectations, expectations_from_bundle
 from k2vec.engines.runner import run_engine
 from k2vec.kdtr.writer import write_bundle
+from k2vec.report.ddtree import compare_tree
+from k2vec.report.arrays import stack_rows
 
 MAX_REASON = 300
 HUGE = int("9" * 4000)   # 4000 digits: under Python's 4300-digit limit, so the JSON reader takes it
@@ -161,3 +163,19 @@ def test_fingerprint_width_comes_from_the_bundle(tmp_path):
                           "num_experts_per_tok": 2, "hidden_size": 4}}
     write_bundle(tmp_path / "b.kdtr", {"prompt.p0.tokens": np.arange(5, dtype=np.int32)}, meta)
     assert expectations_from_bundle(tmp_path / "b.kdtr") == EXPECT
+
+
+# ------------------------------------------------------------------- the report's second line of defence
+
+def test_the_report_survives_rounds_it_would_never_be_given():
+    """Values past int64 and ragged rounds (the runner refuses both) give a differing tree, not a crash."""
+    g = {"node_offsets": np.array([0, 2]), "accepted_offsets": np.array([0, 1]), "node_tokens": np.array([1, 2]),
+         "node_parents": np.array([-1, 0]), "node_depths": np.array([0, 1]), "accepted": np.array([0]),
+         "round_start": np.array([5]), "round_bonus": np.array([3])}
+    good = {"start": 5, "tokens": [1, 2], "parents": [-1, 0], "depths": [0, 1], "accepted": [0], "bonus": 3}
+    assert compare_tree([good], g)[0] is True
+    for key, value in [("start", 2**70), ("bonus", 2**64), ("tokens", [1, 2**70]), ("parents", [-1])]:
+        same, rnd, node, what, lengths = compare_tree([{**good, key: value}], g)
+        assert not same and rnd == 0 and "unreadable" in what and lengths.size == 0
+    rows = stack_rows([[1, 2], [1, 2**70], [[1], 2]], (), 2, -1, np.int64)
+    assert rows.tolist() == [[1, 2], [-1, -1], [-1, -1]]
