@@ -3,20 +3,33 @@
 positions), fingerprint widths, and the ids of greedy and score results. A violation is a failed run with
 a short reason naming the field, the round or step and the prompt; a result the check accepts never
 crashes the report. The fuzz test injects hostile integers at every integer field of real results."""
+import copy
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
+from conftest import REPO
+from test_report_metrics import make_goldens
 from test_runner import fake_engine
 
+from k2vec.config.expand import expand_config
 from k2vec.digests import write_record
 from k2vec.engines.contract.checks import check_result
 from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.expectations import Expectations, expectations_from_bundle
 from k2vec.engines.runner import run_engine
+from k2vec.kdtr import open_bundle
 from k2vec.kdtr.writer import write_bundle
+from k2vec.model.architecture import hf_config
+from k2vec.report import build_report
 from k2vec.report.ddtree import compare_tree
 from k2vec.report.arrays import stack_rows
+from support.synthetic import perfect_result, write_result
 
 MAX_REASON = 300
 HUGE = int("9" * 4000)   # 4000 digits: under Python's 4300-digit limit, so the JSON reader takes it
@@ -179,3 +192,146 @@ def test_the_report_survives_rounds_it_would_never_be_given():
         assert not same and rnd == 0 and "unreadable" in what and lengths.size == 0
     rows = stack_rows([[1, 2], [1, 2**70], [[1], 2]], (), 2, -1, np.int64)
     assert rows.tolist() == [[1, 2], [-1, -1], [-1, -1]]
+
+
+# ------------------------------------------------------------------------------------------ the fuzz
+
+HOSTILE = [("2**64", 2**64), ("2**70", 2**70), ("-1", -1), ("10**9", 10**9), ("vocab_size", "V"),
+           ("vocab_size-1", "V-1"), ("0", 0), ("2**31", 2**31), ("2**63", 2**63), ("4000 digits", HUGE)]
+SAMPLES_PER_FIELD = 3   # locations drawn per integer field, each with every hostile value
+
+
+@dataclass
+class Fuzz:
+    name: str
+    mode: str
+    path: tuple
+    value: Any
+    result: dict
+    reason: str | None = None   # None: accepted
+
+
+def _leaves(node, path=()):
+    """Every (path, value) of an integer in `node`."""
+    if type(node) is int:
+        yield path, node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, path + (i,))
+
+
+def _field(path: tuple) -> str:
+    """The field an integer belongs to, without its indices: runs.prompts.rounds.parents."""
+    return ".".join(str(p) for p in path if not isinstance(p, int))
+
+
+def _set(doc: dict, path: tuple, value) -> dict:
+    out = copy.deepcopy(doc)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def fuzz_setup(tmp_path_factory):
+    """The tiny goldens, and the expectations of a bundle of the fp32 golden (its metadata and prompts, and
+    the model's hf_config) read as the runner reads them."""
+    root = tmp_path_factory.mktemp("bounds")
+    goldens = make_goldens(root / "goldens")
+    cfg = yaml.safe_load((REPO / "config.yaml").read_text())
+    model = expand_config({**cfg, "models": {"tiny": {"preset": "tiny"}}})["tiny"]["model"]
+    golden = goldens[("tiny", "fp32")]
+    with open_bundle(golden) as b:
+        md = b.metadata
+        prompts = {f"prompt.p{i}.tokens": np.asarray(b[f"prompt.p{i}.tokens"]) for i in range(md["prompts"])}
+    meta = {"golden": md, "decoding": {"max_new_tokens": md["max_new_tokens"]}, "model": model,
+            "hf_config": hf_config(model)}
+    write_bundle(root / "b.kdtr", prompts, meta)
+    expect = expectations_from_bundle(root / "b.kdtr")
+    assert expect.hidden == model["hidden_size"] and expect.vocab_size == model["vocab_size"]
+    return root, goldens, expect
+
+
+def _cases(goldens, expect: Expectations) -> list[Fuzz]:
+    rng = random.Random(28)
+    golden = goldens[("tiny", "fp32")]
+    cases = []
+    for mode in ("greedy", "score", "ddtree-b4"):
+        full = perfect_result(golden, mode)
+        result = {k: v for k, v in full.items() if k not in ("engine", "mode", "budget", "status", "reason", "wall_s")}
+        check_result(result, mode, expect)            # the untouched result passes
+        with_fingerprints = result
+        # the integer fields are fuzzed without the fingerprints (floats, 9 in 10 of the values): each case
+        # is copied, and jsonschema walks every value of a refused one
+        result = copy.deepcopy(result)
+        for run in result["runs"]:
+            for p in run["prompts"]:
+                del p["fingerprints"]
+        by_field: dict[str, list[tuple]] = {}
+        for path, _ in _leaves(result["runs"]):
+            if path[-1] != "version":
+                by_field.setdefault(_field(path), []).append(("runs",) + path)
+        for field, paths in sorted(by_field.items()):
+            for path in rng.sample(paths, min(SAMPLES_PER_FIELD, len(paths))):
+                for label, value in HOSTILE:
+                    v = {"V": expect.vocab_size, "V-1": expect.vocab_size - 1}.get(value, value)
+                    where = "/".join(map(str, path[1:]))
+                    cases.append(Fuzz(f"{mode} {where} = {label}", mode, path, v, _set(result, path, v)))
+        # the fingerprints: empty vectors, and one value short
+        for label, fp in [("empty vectors", lambda f: [[[] for _ in s] for s in f]),
+                          ("one value short", lambda f: [[v[:-1] for v in s] for s in f])]:
+            r = copy.deepcopy(with_fingerprints)
+            p = rng.randrange(len(r["runs"][0]["prompts"]))
+            r["runs"][0]["prompts"][p]["fingerprints"] = fp(r["runs"][0]["prompts"][p]["fingerprints"])
+            cases.append(Fuzz(f"{mode} prompt {p} fingerprints: {label}", mode, ("fingerprints",), label, r))
+    return cases
+
+
+def test_hostile_integers_fail_the_check_briefly_or_the_report_builds(fuzz_setup):
+    root, goldens, expect = fuzz_setup
+    cases = _cases(goldens, expect)
+    assert len(cases) > 300
+    problems = []   # (case, what is wrong): all of them are listed at the end
+    for c in cases:
+        try:
+            check_result(c.result, c.mode, expect)
+        except InvalidResult as err:
+            c.reason = str(err)
+            if len(c.reason) >= MAX_REASON:
+                problems.append((c.name, f"a reason of {len(c.reason)} characters: {c.reason[:120]}..."))
+            # the reason points at the integer: its prompt (and round or step) by index or by path
+            elif not re.search(r"prompt[ s/]", c.reason):
+                problems.append((c.name, f"the reason names no prompt: {c.reason}"))
+    accepted = [c for c in cases if c.reason is None]
+    # every value the contract forbids is refused wherever it is put (-1 is the root's parent)
+    forbidden = (2**64, 2**70, 2**63, 2**31, HUGE, 10**9, -1, expect.vocab_size)
+    problems += [(c.name, "accepted") for c in accepted if c.value in forbidden
+                 and not (c.value == -1 and c.path[-2:] == ("parents", 0))]
+    problems += [(c.name, "accepted") for c in accepted if c.path == ("fingerprints",)]
+    # every accepted result builds the report (one report for all of them, each a run of its own engine)
+    runs = []
+    for i, c in enumerate(accepted):
+        path = write_result(root / f"accepted{i}.json", {**c.result, "engine": f"e{i}", "mode": c.mode,
+                                                         "status": "ok", "reason": None, "wall_s": 1.0})
+        runs.append({"engine": f"e{i}", "model": "tiny", "precision": "fp32", "mode": c.mode, "result": path})
+    gold = {k: v for k, v in goldens.items() if k[1] == "fp32"}
+    try:
+        res = build_report(runs, gold, root / "report")
+    except Exception as err:   # name the cases that break it
+        for run, c in zip(runs, accepted):
+            try:
+                build_report([run], gold, root / "one")
+            except Exception as one:
+                problems.append((c.name, f"accepted, yet the report raised {one!r}"))
+        problems.append(("all accepted cases", f"the report raised {err!r}"))
+    else:
+        assert (root / "report" / "divergence.csv").exists()
+        assert set(res.rows["engine"]) == {f"e{i}" for i in range(len(accepted))}
+        assert (res.rows["status"] == "ok").all()
+    assert problems == []
+    assert 0 < len(accepted) < len(cases) // 2   # the cases reach both the refusals and the report
