@@ -109,6 +109,8 @@ def test_valid_results_are_not_sent_to_jsonschema(monkeypatch):
     ({"items": {"type": "integer"}}, ["abc", {"x": 1}, 5, [1, 2], [1, True]]),   # items: arrays only
     ({"items": {"type": "string"}}, [["a", "b"], ["a", 1], []]),   # items of a type without a quick path
     ({"items": {"type": "number", "minimum": 0}}, [[0, 0.5], [-1e-9], [float("inf")], []]),
+    ({"items": {"type": "integer", "minimum": -1, "maximum": 7}}, [[-1, 7], [8], [-2], [2**70], [], [0, 2**64]]),
+    ({"type": "integer", "maximum": 7}, [7, 8, 2**70, -(2**70), 7.0, "9"]),
 ])
 def test_small_schemas_get_the_answer_jsonschema_gives(schema, instances):
     import jsonschema

@@ -61,7 +61,8 @@ def greedy(edit):
     (prompt1(lambda p: p.update(topk_ids=[[9]] * 3)), "score",
      "prompt 1: topk_ids [3, 1] and topk_logits [3, 2] must both be [max_new_tokens = 3][k >= 1]"),
     (prompt1(lambda p: p.update(topk_ids=[[2**70]] * 3, topk_logits=[[1.0]] * 3)), "score",
-     "prompt 1 topk_ids: an integer does not fit in 64 bits"),
+     "result does not match the schema at runs/0/prompts/1/topk_ids/0/0: 1180591620717411303424 is greater than "
+     "the maximum of 2147483647 (integers of the contract fit in int32)"),
     (prompt1(lambda p: p.update(topk_logits=[[2.0, 1.5], [3.0, 3.0], [1.0, 1.5]])), "score",
      "prompt 1 step 2: topk_logits are not in descending order"),
     (prompt1(lambda p: p.update(topk_logits=[[2.0, 1.0], [3.0, 3.5], [1.0, 1.5]])), "score",
@@ -80,7 +81,8 @@ def greedy(edit):
     (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[2, 1], [1, 2]], [[0, 1], [7, 2]], [[1, 2], [0, 2]]])),
      "score", None),   # experts listed in any order; sorting across layers would see a repeat
     (prompt1(lambda p: p.update(router_experts=[[[0, 2**70], [7, 2]]] * 4)), "score",
-     "prompt 1 router_experts: an integer does not fit in 64 bits"),
+     "result does not match the schema at runs/0/prompts/1/router_experts/0/0/1: 1180591620717411303424 is "
+     "greater than the maximum of 2147483647 (integers of the contract fit in int32)"),
     (greedy(lambda r: r["runs"][0]["prompts"][0].update(topk_ids=[[1]] * 3)), "greedy",
      "prompt 0: topk_ids [3, 1] and topk_logits [0] must both be [max_new_tokens = 3][k >= 1]"),
     (greedy(lambda r: r["runs"][0]["prompts"][0].update(topk_logits=[[1.0]] * 3)), "greedy",
@@ -108,12 +110,15 @@ def test_edges_of_accepted_results():
     with pytest.raises(InvalidResult, match=re.escape("prompt 1 step 0: topk_logits are not in descending order")):
         check_result(prompt1(lambda p: p.update(topk_logits=[[2.0, 2.5], [3.0, 3.0], [1.0, 1.0]])), "score",
                      SCORE_EXPECT)
-    # ddtree results carry no per-step arrays to check (section 4 is greedy and score only)
+    # a DDTree prompt's per-step arrays are checked as greedy's: one row per generated token
     r = good_result("ddtree")
     for run in r["runs"]:
         for p in run["prompts"]:
-            p.update(topk_ids=[[1]], topk_logits=[[1.0]])
+            p.update(topk_ids=[[p["tokens"][0]]] * 3, topk_logits=[[1.0]] * 3)
     check_result(r, "ddtree-b4", EXPECT)
+    r["runs"][1]["prompts"][0].update(topk_ids=[[1]], topk_logits=[[1.0]])
+    with pytest.raises(InvalidResult, match=re.escape("prompt 0: topk_ids [1, 1] and topk_logits [1, 1] must both")):
+        check_result(r, "ddtree-b4", EXPECT)
 
 
 def test_the_engine_sees_its_gpus_in_pci_order():

@@ -9,18 +9,22 @@ REL_EPS = 2.22e-16  # Polygraphy's guard for a zero reference value
 
 def stack_rows(values: list, shape_tail: tuple[int, ...], n: int, fill, dtype) -> np.ndarray:
     """Rows of possibly ragged nested lists -> one [rows, n, *tail] array (padded with `fill`).
-    The common case (every row complete and same-shaped) is a single np.asarray."""
+    The common case (every row complete and same-shaped) is a single np.asarray. A row that does not
+    convert (ragged inside, or an integer past int64: the runner refuses both) stays `fill`."""
     out = None
     try:
         arr = np.asarray(values, dtype=dtype)
         if arr.ndim == 2 + len(shape_tail) and arr.shape[1:] == (n, *shape_tail):
             out = arr
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         pass
     if out is None:
         out = np.full((len(values), n, *shape_tail), fill, dtype=dtype)
         for i, v in enumerate(values):
-            a = np.asarray(v, dtype=dtype)
+            try:
+                a = np.asarray(v, dtype=dtype)
+            except (ValueError, TypeError, OverflowError):
+                continue
             if a.ndim != 1 + len(shape_tail) or a.size == 0:
                 continue
             sl = tuple(slice(0, min(s, t)) for s, t in zip(a.shape, (n, *shape_tail)))

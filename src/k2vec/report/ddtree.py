@@ -9,7 +9,22 @@ import numpy as np
 import pandas as pd
 
 
+class _Unreadable(Exception):
+    """Rounds the runner would have refused (docs/engine-contract.md section 5): the report shows them as
+    a differing tree rather than stopping."""
+
+
 def _flat_rounds(rounds: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray | None]:
+    try:
+        flat = _flat(rounds)
+    except (OverflowError, TypeError, ValueError, KeyError) as err:
+        raise _Unreadable(f"{type(err).__name__}") from None
+    if any(len(r[key]) != len(r["tokens"]) for r in rounds for key in ("parents", "depths") if key in r):
+        raise _Unreadable("a round's parents or depths differ in length from its tokens")
+    return flat
+
+
+def _flat(rounds: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray | None]:
     def cat(key):
         return np.fromiter(chain.from_iterable(r[key] for r in rounds), np.int64)
 
@@ -31,7 +46,10 @@ def compare_tree(rounds: Sequence[Mapping[str, Any]], tr: Mapping[str, np.ndarra
     The node is the first index within the round whose token, parent or depth differs, or the
     smaller tree size when one tree is a prefix of the other; a round whose nodes agree but whose
     accepted path, bonus or start differ has node None."""
-    e = _flat_rounds(rounds)
+    try:
+        e = _flat_rounds(rounds)
+    except _Unreadable as err:   # values past int64, ragged rounds: the runner refuses them; a stray file may not
+        return False, 0, None, f"rounds unreadable ({err}): not a valid result", np.zeros(0, np.int64)
     g_sizes, g_acc_sizes = np.diff(tr["node_offsets"]), np.diff(tr["accepted_offsets"])
     same = (np.array_equal(e["sizes"], g_sizes) and np.array_equal(e["tokens"], tr["node_tokens"])
             and np.array_equal(e["parents"], tr["node_parents"])

@@ -25,6 +25,7 @@ class Expectations:
     moe_layers: int | None = None
     experts: int | None = None            # n_routed_experts
     experts_per_token: int | None = None  # num_experts_per_tok
+    hidden: int | None = None             # hidden_size: the width of a fingerprint row; None where not stated
 
 
 def expectations_from_bundle(path: str | os.PathLike, verify: bool = True) -> Expectations:
@@ -68,6 +69,8 @@ def _shapes(meta: dict, tensor_sizes: dict[str, int], path: Any, n_prompts: int)
     if absent:
         raise InvalidResult(f"bundle {path}: tensor {absent[0]} is missing (metadata golden.prompts = {n_prompts})")
     layers = c["num_hidden_layers"]
+    hidden = c.get("hidden_size")
     return {"prompt_lengths": tuple(tensor_sizes[n] for n in names), "layers": layers,
             "moe_layers": max(0, layers - c["first_k_dense_replace"]),
-            "experts": c["n_routed_experts"], "experts_per_token": c["num_experts_per_tok"]}
+            "experts": c["n_routed_experts"], "experts_per_token": c["num_experts_per_tok"],
+            "hidden": hidden if type(hidden) is int and hidden > 0 else None}

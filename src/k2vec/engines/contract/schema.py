@@ -14,7 +14,7 @@ import math
 from typing import Any, Mapping
 
 _ANNOTATIONS = frozenset({"$schema", "$id", "title", "description"})
-_SCALAR_ITEM_KEYS = frozenset({"type", "minimum"}) | _ANNOTATIONS
+_SCALAR_ITEM_KEYS = frozenset({"type", "minimum", "maximum"}) | _ANNOTATIONS
 
 
 class _Unsure(Exception):
@@ -58,9 +58,12 @@ def _equal(value: Any, want: Any) -> bool:
 
 
 def _scalar_items(values: list, schema: Mapping[str, Any]) -> bool:
-    """`items` of integers or numbers (with an optional minimum), over the whole list at once."""
+    """`items` of integers or numbers (with an optional minimum and maximum), over the whole list at once."""
     ok = all(map(_TYPES[schema["type"]], values))
-    return ok and ("minimum" not in schema or not values or min(values) >= schema["minimum"])
+    if not ok or not values:
+        return ok
+    return ("minimum" not in schema or min(values) >= schema["minimum"]) and \
+        ("maximum" not in schema or max(values) <= schema["maximum"])
 
 
 def _conforms(value: Any, schema: Mapping[str, Any]) -> bool:
@@ -88,6 +91,8 @@ def _conforms(value: Any, schema: Mapping[str, Any]) -> bool:
             ok = type(value) is not list or len(value) >= want
         elif key == "minimum":
             ok = not is_number(value) or value >= want
+        elif key == "maximum":
+            ok = not is_number(value) or value <= want
         elif key == "oneOf":
             ok = sum(_conforms(value, sub) for sub in want) == 1
         else:
