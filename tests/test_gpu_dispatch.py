@@ -65,7 +65,7 @@ def test_gpu_resource_capped_at_pool_size(tmp_path):
     cfg["models"] = {"tiny": cfg["models"]["tiny"]}
     cfg["engines"] = {"fakegpu": {
         "command": f"{{python}} {fake} ok {records} --bundle {{bundle}} --mode {{mode}} --budget {{budget}} --output {{output}}",
-        "sources": [str(fake)], "gpus": 1, "precisions": ["fp32"]}}
+        "sources": [str(fake)], "gpus": 1, "precisions": ["fp32"], "sandbox": False}}   # it records outside its scratch
     cfg["gpus"] = {"devices": [0, 1], "lock_dir": str(tmp_path / "locks")}
     path = write_config(tmp_path / "cap.yaml", cfg)
     targets = [f"results/runs/fakegpu/tiny-fp32-{m}.json" for m in ("greedy", "ddtree-b1", "ddtree-b4", "ddtree-b16")]

@@ -280,9 +280,10 @@ def test_hf_bf16_engine_with_a_real_bug_is_real_and_fails_the_gate(hf_bug_run, b
 
 def fake_engines(record_dir, kernel):
     cmd = f"{{python}} {FAKE} {{behaviour}} {record_dir} --bundle {{bundle}} --mode {{mode}} --budget {{budget}} --output {{output}}"
-    one = {"models": ["tiny"], "precisions": ["fp32"], "modes": ["greedy"]}
+    # unsandboxed: they record where and when they ran in `record_dir`, outside their scratch
+    one = {"models": ["tiny"], "precisions": ["fp32"], "modes": ["greedy"], "sandbox": False}
     return {
-        "fakegpu": {"command": cmd.replace("{behaviour}", "ok"), "gpus": 1, "sources": [str(kernel)],
+        "fakegpu": {"command": cmd.replace("{behaviour}", "ok"), "gpus": 1, "sources": [str(kernel)], "sandbox": False,
                     "build": f"echo compiling {kernel.name} && test -s {kernel}"},
         "crash": {"command": cmd.replace("{behaviour}", "crash"), **one},
         "hang": {"command": cmd.replace("{behaviour}", "hang"), "timeout_s": 2, **one},
