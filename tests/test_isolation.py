@@ -3,12 +3,14 @@ import json
 import os
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import REPO
 from test_runner import EXPECT, fake_engine, good_result
 
 from k2vec.engines.isolation import sandbox_problem
@@ -278,3 +280,47 @@ def test_default_sandbox_where_bubblewrap_cannot_run_falls_back_and_says_so(tmp_
     r = run(tmp_path, GOOD, sandbox=True, required=False)
     assert r["status"] == "ok" and r["sandbox"] is False
     assert r["sandbox_problem"] == "bubblewrap (bwrap) is not installed"
+
+
+def test_an_engine_orphaned_by_a_killed_pipeline_is_killed_at_the_next_start(tmp_path):
+    """kill -9 of the pipeline's process group leaves the engine (its own session) running, re-parented to
+    init, beside the rerun's engine on the same scratch path. The next start of the pipeline
+    (claim_working_directory, as the Snakefile calls it) kills it, found by the scratch directory it works in."""
+    from k2vec.pipeline.setup import claim_working_directory, release
+
+    started = tmp_path / "engine.pid"
+    runner = tmp_path / "runner.py"
+    runner.write_text(
+        "import sys\nsys.path[:0] = [sys.argv[1], sys.argv[2]]\nfrom pathlib import Path\n"
+        "from test_isolation import run\n"
+        f"run(Path(sys.argv[3]), \"open({str(started)!r}, 'w').write(str(os.getpid()))\\n"
+        f"while True: time.sleep(1)\\n\", timeout_s=600)\n")
+    proc = subprocess.Popen([sys.executable, str(runner), str(REPO / "src"), str(REPO / "tests"), str(tmp_path)],
+                            cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() or not started.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the engine never started"
+            time.sleep(0.1)
+        engine = int(started.read_text())
+        os.killpg(proc.pid, 9)   # the pipeline's process group: the runner; not the engine's own session
+        proc.wait()
+        assert alive(engine), "the engine should have outlived the killed runner"
+        cleanup = claim_working_directory(tmp_path)
+        release()
+        assert tmp_path / "results/scratch/fake/r" in cleanup.temporaries
+        deadline = time.monotonic() + 10
+        while alive(engine):
+            assert time.monotonic() < deadline, f"orphaned engine {engine} still running after the next start"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for init to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

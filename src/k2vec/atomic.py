@@ -156,9 +156,43 @@ def claim_directory(path: str | os.PathLike) -> Path:
     return marker
 
 
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory + os.sep)
+
+
+def kill_processes_in(directory: str | os.PathLike) -> list[int]:
+    """SIGKILL every process (of this user, or any as root) that works in `directory` or keeps its
+    temporary files there (cwd, or TMPDIR in its environment, below it), and return their pids.
+
+    A directory whose claimant died is a killed run's: an engine started in its own session outlives a
+    SIGKILL of the pipeline's process group, re-parented to init, and would go on writing beside the
+    rerun. The engine runner starts every engine in its scratch directory with TMPDIR there, which is
+    how such an orphan is found again."""
+    target = os.path.realpath(directory)
+    killed = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{entry.name}/cwd")
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                tmpdir = next((v[7:].decode("utf-8", "replace") for v in fh.read().split(b"\0")
+                               if v.startswith(b"TMPDIR=")), "")
+        except OSError:   # gone meanwhile, or another user's
+            continue
+        if _inside(cwd, target) or (tmpdir and _inside(os.path.realpath(tmpdir), target)):
+            try:
+                os.kill(int(entry.name), 9)
+                killed.append(int(entry.name))
+            except OSError:
+                pass
+    return killed
+
+
 def remove_dead_temporaries(root: str | os.PathLike) -> list[Path]:
     """Delete the temporaries under `root` whose writer process is gone, and the directories whose
-    in-use marker names a dead process; a live writer's are kept.
+    in-use marker names a dead process, after killing what still works in them (kill_processes_in);
+    a live writer's are kept.
 
     A reused pid keeps a dead writer's temporary until a later sweep: never the other way round.
     """
@@ -166,6 +200,7 @@ def remove_dead_temporaries(root: str | os.PathLike) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         in_use = [m for m in map(_IN_USE_NAME.match, filenames) if m]
         if in_use and not any(_process_alive(int(m["pid"])) for m in in_use):
+            kill_processes_in(dirpath)
             shutil.rmtree(dirpath, ignore_errors=True)
             dirnames.clear()
             removed.append(Path(dirpath))
