@@ -1,4 +1,5 @@
 """Engine isolation: its own scratch directory, no process outliving its run, and the opt-in sandbox."""
+import errno
 import json
 import os
 import stat
@@ -324,3 +325,35 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_full_disk_at_the_result_gives_a_failed_row(tmp_path, monkeypatch):
+    """No space left for the result (an engine that filled the disk with its scratch): a failed row that
+    says so, written after the scratch directory is removed to make room, never a runner crash."""
+    from k2vec.engines import runner
+
+    real, calls = runner.write_result, []
+
+    def full_at_first(path, text, key):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, text, key)
+
+    monkeypatch.setattr(runner, "write_result", full_at_first)
+    r = run(tmp_path, "open('filler', 'wb').write(b'0' * 4096)\n" + GOOD)
+    assert r["status"] == "failed" and len(calls) == 2
+    assert r["reason"].startswith("no space left on device for the result (No space left on device)"), r["reason"]
+    assert r["scratch_kept"] is None and not (tmp_path / "results/scratch/fake/r").exists()
+
+
+def test_an_engine_log_past_its_cap_keeps_its_tail(tmp_path, monkeypatch):
+    from k2vec.engines import runner
+
+    monkeypatch.setattr(runner, "LOG_LIMIT_BYTES", 10_000)
+    monkeypatch.setattr(runner, "LOG_KEEP_BYTES", 1_000)
+    r = run(tmp_path, "sys.stderr.write('x' * 50_000 + 'the last words\\n')\n" + GOOD)
+    log = (tmp_path / "stderr.log").read_bytes()
+    assert r["status"] == "ok"
+    assert log.startswith(b"[k2vec: the first 49015 bytes of the engine's output were cut") and len(log) < 1_200
+    assert log.endswith(b"the last words\n")

@@ -10,6 +10,7 @@ FAILED row.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -37,6 +38,9 @@ from k2vec.engines.isolation import (Reaper, fresh_scratch, make_read_only, make
 PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 STDERR_TAIL_LINES = 20
 KILL_GRACE_S = 5.0
+# An engine log (its stdout and stderr) past 64 MiB keeps its last 4 MiB.
+LOG_LIMIT_BYTES = 64 << 20
+LOG_KEEP_BYTES = 4 << 20
 
 
 
@@ -226,15 +230,47 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
         except ValueError:   # 1e999 read as inf in a key the schema leaves free
             raise InvalidResult("result holds a number too large for a float (read as infinity)") from None
     except (InvalidResult, GpuError) as err:   # no devices for it: a failed row too, not a crash
-        final = {"format": "k2vec-engine-result", "version": 1, **record, "status": "failed",
-                 "reason": str(err), "stderr_tail": _tail(stderr_file), "runs": [], "scratch_kept": str(scratch)}
+        final = _failed(record, str(err), stderr_file, scratch)
         text = json.dumps(final, sort_keys=True)
-    write_result(out, text + "\n", key)
+    cap_log(stderr_file)
+    try:
+        write_result(out, text + "\n", key)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        # The engine's own output is the likeliest thing that filled the disk: make room, then say so.
+        remove_tree(scratch)
+        final = _failed(record, f"no space left on device for the result ({err.strerror}); its scratch directory "
+                        f"was removed to make room", stderr_file, None)
+        write_result(out, json.dumps(final, sort_keys=True) + "\n", key)
     if final["status"] == "ok":
         remove_tree(scratch)
-    else:
+    elif final["scratch_kept"]:
         in_use.unlink(missing_ok=True)   # kept for inspection until this run's next attempt
     return final
+
+
+def _failed(record: dict[str, Any], reason: str, stderr_file: Path, scratch: Path | None) -> dict[str, Any]:
+    """A failed run's result: what the runner knows of the run, the reason and the engine's last words."""
+    return {"format": "k2vec-engine-result", "version": 1, **record, "status": "failed", "reason": reason,
+            "stderr_tail": _tail(stderr_file), "runs": [], "scratch_kept": str(scratch) if scratch else None}
+
+
+def cap_log(path: Path) -> None:
+    """Cut an engine log past LOG_LIMIT_BYTES down to its last LOG_KEEP_BYTES, under a line saying how
+    much went: an engine's output is not bounded by anything else, and the tail is what explains a failure."""
+    limit, keep = LOG_LIMIT_BYTES, LOG_KEEP_BYTES
+    try:
+        size = path.stat().st_size
+        if size <= limit:
+            return
+        with open(path, "rb") as fh:
+            fh.seek(size - keep)
+            tail = fh.read()
+        path.write_bytes(f"[k2vec: the first {size - len(tail)} bytes of the engine's output were cut (logs are "
+                         f"kept to the last {keep} bytes past {limit})]\n".encode() + tail)
+    except OSError:
+        pass   # the log is the engine's; a failure to cut it must not cost the run its result
 
 
 HOW_IT_RUNS = """\
