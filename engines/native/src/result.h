@@ -1,0 +1,20 @@
+// Result writing: the contract's JSON (docs/engine-contract.md §4, src/k2vec/engines/contract/result.schema.json).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "decode.h"
+
+namespace k2n {
+
+// One prompt entry of a greedy or score run: tokens, top-k ids and logits, fingerprints, router experts.
+nlohmann::json prompt_json(const PromptResult &r);
+
+// The whole result object around `runs`; written to `path` (nothing else is written anywhere).
+void write_result(const std::string &path, const nlohmann::json &runs, const std::string &device, double load_s,
+                  const Timing &timing);
+
+}  // namespace k2n
