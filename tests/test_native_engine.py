@@ -67,8 +67,9 @@ def show(rows):
     print("\n" + rows[cols].to_string())
 
 
-def test_pipeline_runs_of_the_native_engine_are_exact(pipeline_native, tmp_path):
+def test_pipeline_runs_of_the_native_engine_are_exact(pipeline_native, tmp_path, monkeypatch):
     root, _ = pipeline_native
+    monkeypatch.chdir(root)  # where the report rule runs: the results name their bundles relative to it
     results = [(*rel.rsplit("/", 1)[1][:-5].split("-", 2), root / rel) for rel in NATIVE_RUNS]
     rows = judge(root, results, tmp_path / "report")
     show(rows)

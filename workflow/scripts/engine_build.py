@@ -7,4 +7,5 @@ from k2vec.pipeline.stage import stage_logging
 with stage_logging(snakemake.log[0], "engine_build"):
     build_engine(snakemake.wildcards.engine, snakemake.params.command, list(snakemake.params.sources),
                  snakemake.output[0], log_path=snakemake.log[0], timeout_s=snakemake.params.timeout_s,
-                 repo=os.path.dirname(os.path.dirname(snakemake.scriptdir)))  # workflow/scripts -> checkout
+                 # scriptdir: the directory of the rule's file, workflow/rules
+                 repo=os.path.normpath(os.path.join(snakemake.scriptdir, "..", "..")))

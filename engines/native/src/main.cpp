@@ -5,9 +5,11 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 
 #include "bundle.h"
+#include "ddtree.h"
 #include "decode.h"
 #include "model.h"
 #include "result.h"
@@ -15,7 +17,7 @@
 namespace {
 
 int usage(const char *why) {
-    std::fprintf(stderr, "k2vec_native: %s\nusage: k2vec_native --bundle B.kdtr --mode greedy|score --budget N "
+    std::fprintf(stderr, "k2vec_native: %s\nusage: k2vec_native --bundle B.kdtr --mode greedy|score|ddtree --budget N "
                          "--output R.json\n", why);
     return 2;
 }
@@ -36,7 +38,6 @@ int main(int argc, char **argv) {
         else return usage(("unknown option " + a).c_str());
     }
     if (bundle_path.empty() || mode.empty() || output.empty()) return usage("--bundle, --mode and --output are required");
-    (void)budget;
     try {
         auto t0 = std::chrono::steady_clock::now();
         k2n::Bundle bundle(bundle_path);
@@ -49,7 +50,7 @@ int main(int argc, char **argv) {
         const int k = meta.at("decoding").at("top_k").get<int>();
         const int n_prompts = meta.at("golden").at("prompts").get<int>();
         k2n::Timing timing;
-        nlohmann::json prompts = nlohmann::json::array();
+        nlohmann::json prompts = nlohmann::json::array(), runs = nlohmann::json::array();
         if (mode == "greedy" || mode == "score") {
             for (int i = 0; i < n_prompts; ++i) {
                 std::vector<int> prompt = bundle.ints("prompt.p" + std::to_string(i) + ".tokens");
@@ -59,10 +60,33 @@ int main(int argc, char **argv) {
                 prompts.push_back(k2n::prompt_json(
                     k2n::decode(model, prompt, n_new, k, mode == "score" ? &forced : nullptr, timing)));
             }
+            runs.push_back({{"drafter", nullptr}, {"prompts", prompts}});
+        } else if (mode == "ddtree") {
+            // one run per drafter accuracy, in the bundle's order, each from its recorded drafts (docs/ddtree.md §5)
+            const nlohmann::json &accuracies = meta.at("golden").at("ddtree").at("accuracies");
+            for (size_t a = 0; a < accuracies.size(); ++a) {
+                nlohmann::json ps = nlohmann::json::array();
+                for (int i = 0; i < n_prompts; ++i) {
+                    std::string pre = "drafts.a" + std::to_string(a) + ".p" + std::to_string(i) + ".";
+                    const kdtr_tensor &t = bundle.tensor(pre + "ids");
+                    if (t.rank != 3) throw std::runtime_error(pre + "ids must be [starts, depth, k]");
+                    k2n::Drafts d;
+                    d.n_starts = static_cast<int64_t>(t.dims[0]);
+                    d.depth = static_cast<int64_t>(t.dims[1]);
+                    d.k = static_cast<int64_t>(t.dims[2]);
+                    d.ids = bundle.ints(pre + "ids");
+                    if (bundle.numel(pre + "logprobs") != d.ids.size())
+                        throw std::runtime_error(pre + "logprobs must have the shape of " + pre + "ids");
+                    const float *lp = static_cast<const float *>(bundle.data(pre + "logprobs", KDTR_F32));
+                    d.logprobs.assign(lp, lp + d.ids.size());
+                    std::vector<int> prompt = bundle.ints("prompt.p" + std::to_string(i) + ".tokens");
+                    ps.push_back(k2n::ddtree_json(k2n::ddtree_decode(model, prompt, d, budget, n_new, timing)));
+                }
+                runs.push_back({{"drafter", {{"accuracy", accuracies[a]}}}, {"prompts", ps}});
+            }
         } else {
-            return usage(("mode " + mode + " is not implemented by this engine").c_str());
+            return usage(("unknown mode " + mode).c_str());
         }
-        nlohmann::json runs = nlohmann::json::array({{{"drafter", nullptr}, {"prompts", prompts}}});
         k2n::write_result(output, runs, "cpu (k2vec native engine, C++17, float32)", load_s, timing);
     } catch (const std::exception &e) {
         std::fprintf(stderr, "k2vec_native: %s\n", e.what());

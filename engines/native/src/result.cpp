@@ -14,6 +14,14 @@ nlohmann::json prompt_json(const PromptResult &r) {
             {"router_experts", r.router}};
 }
 
+nlohmann::json ddtree_json(const DDTreeResult &r) {
+    nlohmann::json rounds = nlohmann::json::array();
+    for (const Round &x : r.rounds)
+        rounds.push_back({{"start", x.start}, {"tokens", x.tokens}, {"parents", x.parents}, {"depths", x.depths},
+                          {"accepted", x.accepted}, {"bonus", x.bonus}});
+    return {{"tokens", r.tokens}, {"rounds", rounds}};
+}
+
 void write_result(const std::string &path, const nlohmann::json &runs, const std::string &device, double load_s,
                   const Timing &timing) {
     nlohmann::json out = {{"format", "k2vec-engine-result"},
