@@ -86,8 +86,9 @@ if COMMANDS_LEFT_OUT and workflow.is_main_process:
         file=sys.stderr,
     )
 # Every configured engine that gets no run, with its reason: the report names them all.
-LEFT_OUT = left_out_engines(config["engines"], GPU_LEFT_OUT, len(GPU_DEVICES), MODULES_LEFT_OUT, sys.executable,
-                            COMMANDS_LEFT_OUT)
+LEFT_OUT = left_out_engines(
+    config["engines"], GPU_LEFT_OUT, len(GPU_DEVICES), MODULES_LEFT_OUT, sys.executable, COMMANDS_LEFT_OUT
+)
 RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], list(LEFT_OUT))
 # (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
 NOISE_MODELS = noise_models(ENGINES, RUNS)
@@ -223,7 +224,9 @@ def engine_settings(engine):
     to (declared by engine_sources and engine_code): a moved or copied checkout with its results/ reruns nothing."""
     # ddtree_budgets and requires_commands only say which runs exist: adding a budget (or the key, to every
     # engine's defaults) must not rerun the others
-    return {k: v for k, v in ENGINES[engine].items() if k not in ("source_files", "ddtree_budgets", "requires_commands")}
+    return {
+        k: v for k, v in ENGINES[engine].items() if k not in ("source_files", "ddtree_budgets", "requires_commands")
+    }
 
 
 def slurm_partition(gpus):
