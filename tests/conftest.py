@@ -26,7 +26,7 @@ def snakemake(*args: str, cwd: Path, snakefile: Path | None = None, env: dict | 
 
 def copy_workflow(dest: Path) -> Path:
     """A private copy of the workflow and package, so a test may edit sources without touching the repo."""
-    for item in ("Snakefile", "config.yaml", "profiles", "workflow", "src"):
+    for item in ("Snakefile", "config.yaml", "profiles", "workflow", "src", "engines", "include"):
         src = REPO / item
         if src.is_dir():
             shutil.copytree(src, dest / item, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))

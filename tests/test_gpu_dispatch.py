@@ -18,7 +18,7 @@ def test_gpu_engines_left_out_of_runs_without_devices():
     assert engines_short_of_gpus(engines, 0) == GPU_ENGINES == ["gpu_fp32", "gpu_bf16"]
     assert engines_short_of_gpus(engines, 1) == []
     kept = engine_runs(engines, budgets, engines_short_of_gpus(engines, 0))
-    assert {r[0] for r in kept} == {"numpy", "hf_fp32", "hf_bf16"}
+    assert {r[0] for r in kept} == {"numpy", "hf_fp32", "hf_bf16", "native"}
     every = engine_runs(engines, budgets)
     assert sum(r[0] == "gpu_fp32" for r in every) == 2 * 2 * (2 + len(budgets))  # models x precisions x modes
 
@@ -28,7 +28,7 @@ def test_dry_run_without_devices_lists_no_gpu_job_and_one_notice(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stderr.count(NOTICE) == 1, res.stderr[-2000:]
     assert "results/runs/gpu_" not in res.stdout
-    assert scheduled_jobs(res.stdout)["engine_run"] == 24 + 16  # the numpy and transformers engines' runs only
+    assert scheduled_jobs(res.stdout)["engine_run"] == 24 + 16 + 24  # the numpy, transformers and native engines' runs only
 
 
 def test_dry_run_with_fake_devices_schedules_gpu_engines(tmp_path):
@@ -40,7 +40,7 @@ def test_dry_run_with_fake_devices_schedules_gpu_engines(tmp_path):
     outputs = re.findall(r"output: (results/runs/\S+)", res.stdout)
     assert sum(o.startswith("results/runs/gpu_fp32/") for o in outputs) == 24
     assert sum(o.startswith("results/runs/gpu_bf16/") for o in outputs) == 24
-    assert scheduled_jobs(res.stdout)["engine_run"] == 72 + 16  # with the transformers engines
+    assert scheduled_jobs(res.stdout)["engine_run"] == 72 + 16 + 24  # with the transformers and native engines
 
 
 def _max_running(log: str, rule: str) -> int:

@@ -85,7 +85,8 @@ def built_workflow(tmp_path_factory):
     root = copy_workflow(tmp_path_factory.mktemp("wf"))
     config = default_config()
     config["models"] = {"tiny": config["models"]["tiny"]}
-    for name in ("hf_fp32", "hf_bf16"):  # the transformers engine's runs are checked in test_pipeline.py
+    # the transformers engine's runs are checked in test_pipeline.py, the native engine's in test_native_engine.py
+    for name in ("hf_fp32", "hf_bf16", "native"):
         del config["engines"][name]
     write_config(root / "config.yaml", config)
     env = {"PYTHONPATH": str(root / "src")}

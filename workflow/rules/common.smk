@@ -15,6 +15,7 @@ from k2vec.config.engines import (
     check_sandboxes,
     noise_models,
     engine_runs,
+    engines_missing_commands,
     engines_missing_modules,
     engines_short_of_gpus,
     left_out_engines,
@@ -83,8 +84,20 @@ if MODULES_LEFT_OUT and workflow.is_main_process:
         f"{sys.executable} (engines.<name>.requires)",
         file=sys.stderr,
     )
+# Likewise an engine whose build or run needs a command that is not on PATH (its `requires_commands`: the
+# native engine without cmake or a C++ compiler).
+COMMANDS_LEFT_OUT = engines_missing_commands(ENGINES)
+if COMMANDS_LEFT_OUT and workflow.is_main_process:
+    _absent = sorted({c for cs in COMMANDS_LEFT_OUT.values() for c in cs})
+    print(
+        f"k2vec: no run of engine(s) {', '.join(COMMANDS_LEFT_OUT)}: command(s) missing: {', '.join(_absent)} "
+        f"(engines.<name>.requires_commands)",
+        file=sys.stderr,
+    )
 # Every configured engine that gets no run, with its reason: the report names them all.
-LEFT_OUT = left_out_engines(config["engines"], GPU_LEFT_OUT, len(GPU_DEVICES), MODULES_LEFT_OUT, sys.executable)
+LEFT_OUT = left_out_engines(
+    config["engines"], GPU_LEFT_OUT, len(GPU_DEVICES), MODULES_LEFT_OUT, sys.executable, COMMANDS_LEFT_OUT
+)
 RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], list(LEFT_OUT))
 # (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
 NOISE_MODELS = noise_models(ENGINES, RUNS)
@@ -218,8 +231,11 @@ def engine_code(script, *modules):
 def engine_settings(engine):
     """An engine's settings as its runs' params, without the absolute paths its source globs resolved
     to (declared by engine_sources and engine_code): a moved or copied checkout with its results/ reruns nothing."""
-    # ddtree_budgets only says which runs exist: adding a budget must not rerun the others
-    return {k: v for k, v in ENGINES[engine].items() if k not in ("source_files", "ddtree_budgets")}
+    # ddtree_budgets and requires_commands only say which runs exist: adding a budget (or the key, to every
+    # engine's defaults) must not rerun the others
+    return {
+        k: v for k, v in ENGINES[engine].items() if k not in ("source_files", "ddtree_budgets", "requires_commands")
+    }
 
 
 def slurm_partition(gpus):

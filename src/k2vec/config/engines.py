@@ -22,7 +22,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "tim
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
                                    "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
                                    "sandbox": True, "precision": "float32", "requires": [],
-                                   "ddtree_budgets": None}
+                                   "requires_commands": [], "ddtree_budgets": None}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 # The largest value of each numeric limit (the schema's maxima, kept equal by a test): a run or build
 # that may wait a week waits long enough; 64 GiB is far above any result file yet fits int64 bytes.
@@ -179,11 +179,26 @@ def engines_missing_modules(engines: dict[str, dict[str, Any]]) -> dict[str, lis
     return missing
 
 
+def engines_missing_commands(engines: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """Engine name -> the commands of its `requires_commands` not found on PATH (shutil.which; e.g. cmake or
+    a C++ compiler for the native engine's build); engines missing none are not listed."""
+    import shutil
+
+    missing = {}
+    for name, e in engines.items():
+        absent = [c for c in e.get("requires_commands", []) if shutil.which(c) is None]
+        if absent:
+            missing[name] = absent
+    return missing
+
+
 def left_out_engines(entries: dict[str, Any], gpu_left_out: list[str], n_devices: int,
-                     missing_modules: dict[str, list[str]], python: str) -> dict[str, str]:
+                     missing_modules: dict[str, list[str]], python: str,
+                     missing_commands: dict[str, list[str]] | None = None) -> dict[str, str]:
     """Each configured engine (`entries`: the config's `engines:`) that gets no run, with the reason the
-    report names it by: disabled, short of GPUs (`gpu_left_out`, engines_short_of_gpus), or a package
-    of its `requires` missing (`missing_modules`, engines_missing_modules)."""
+    report names it by: disabled, short of GPUs (`gpu_left_out`, engines_short_of_gpus), a package
+    of its `requires` missing (`missing_modules`, engines_missing_modules), or a command of its
+    `requires_commands` (`missing_commands`, engines_missing_commands)."""
     reasons = {}
     for name, entry in entries.items():
         why = [f"disabled (engines.{name}: null)"] if entry is None else []
@@ -193,6 +208,9 @@ def left_out_engines(entries: dict[str, Any], gpu_left_out: list[str], n_devices
         if name in missing_modules:
             why.append(f"package(s) missing: {', '.join(missing_modules[name])} not importable by {python} "
                        f"(engines.{name}.requires)")
+        if name in (missing_commands or {}):
+            why.append(f"command(s) missing: {', '.join(missing_commands[name])} not on PATH "
+                       f"(engines.{name}.requires_commands)")
         if why:
             reasons[name] = "; ".join(why)
     return reasons

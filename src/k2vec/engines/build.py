@@ -21,13 +21,16 @@ log = logging.getLogger("k2vec.engine_build")
 
 
 def build_engine(engine: str, command: str, sources: list[str], stamp: str, *, log_path: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, repo: str | None = None) -> None:
     """Run `engine`'s build command; BuildError naming the engine, the step and the log if it fails or
     runs past `timeout_s`. At the limit its whole process group is killed (make and its compilers,
-    not only the shell)."""
+    not only the shell). The command sees K2VEC_WORKDIR (the working directory it runs in, where results/
+    is) and, given `repo`, K2VEC_REPO: the checkout holding the workflow and the engines' sources, which
+    differs from the working directory under `snakemake --directory`."""
     log.info("build: %s", command)
+    env = {**os.environ, "K2VEC_WORKDIR": os.getcwd(), **({"K2VEC_REPO": repo} if repo else {})}
     with subprocess.Popen(["bash", "-c", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          stdin=subprocess.DEVNULL, start_new_session=True) as proc:
+                          stdin=subprocess.DEVNULL, start_new_session=True, env=env) as proc:
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
