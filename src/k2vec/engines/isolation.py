@@ -188,18 +188,22 @@ _SANDBOX_BASE = ("bwrap", "--die-with-parent", "--new-session", "--unshare-user"
                  "--proc", "/proc", "--tmpfs", "/dev/shm")
 
 
-def sandbox_command(command: str, *, bundle: Path, scratch: Path, hidden: Path, home: Path) -> list[str]:
+def sandbox_command(command: str, *, bundle: Path, scratch: Path, hidden: Path, home: Path,
+                    build: Path | None = None) -> list[str]:
     """bubblewrap around `bash -c command` (_SANDBOX_BASE: uid 65534 without capabilities, own PID, IPC,
     UTS and user namespaces): read-only root, `hidden` (the results directory) replaced by an empty
-    tmpfs except `bundle` (read-only) and `scratch` (writable), fresh /dev and /proc, a private
-    /dev/shm. /tmp stays read-only like the rest: TMPDIR points into the scratch directory."""
+    tmpfs except `bundle` (read-only), `build` (the engine's own build directory under it, read-only,
+    where it has one) and `scratch` (writable), fresh /dev and /proc, a private /dev/shm. /tmp stays
+    read-only like the rest: TMPDIR points into the scratch directory."""
     args = list(_SANDBOX_BASE)
     for node in gpu_device_nodes():
         args += ["--dev-bind", node, node]
-    # the tmpfs over `hidden` is made read-only once the two binds are on it: writes there fail too,
+    # the tmpfs over `hidden` is made read-only once the binds are on it: writes there fail too,
     # instead of landing in a throw-away tmpfs
-    args += ["--tmpfs", str(hidden), "--ro-bind", str(bundle), str(bundle), "--bind", str(scratch), str(scratch),
-             "--remount-ro", str(hidden), "--setenv", "HOME", str(home), "--setenv", "USER", "nobody",
+    args += ["--tmpfs", str(hidden), "--ro-bind", str(bundle), str(bundle)]
+    if build is not None:
+        args += ["--ro-bind", str(build), str(build)]
+    args += ["--bind", str(scratch), str(scratch), "--remount-ro", str(hidden), "--setenv", "HOME", str(home), "--setenv", "USER", "nobody",
              "--setenv", "LOGNAME", "nobody", "--chdir", str(scratch / "work"), "bash", "-c", command]
     return args
 
