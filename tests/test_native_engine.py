@@ -1,5 +1,5 @@
-"""The native C++ engine (engines/native): built by the pipeline and by hand, run on the four default bundles
-in every mode it implements, and judged `exact` by the report; under AddressSanitizer + UBSan it runs them
+"""The native C++ engine (engines/native): built by the pipeline (the default run, conftest's `pipeline`) and by
+hand, run on the four default bundles in every mode it implements, and judged `exact` by the report; under AddressSanitizer + UBSan it runs them
 clean; a source edit reruns its build and runs only; without cmake or a C++ compiler it is left out."""
 import os
 import shutil
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import REPO, copy_workflow, default_config, snakemake, write_config
+from conftest import REPO, default_config, snakemake, write_config
 from test_workflow import scheduled_job_wildcards, scheduled_jobs
 
 from k2vec.config.engines import engines_missing_commands, left_out_engines, resolve_engines
@@ -26,20 +26,6 @@ MODES = [m for m in ("greedy", "score") if m in ENGINE_MODES] + (
 CASES = [(m, p) for m in default_config()["models"] for p in ("fp32", "int4")]
 NATIVE_RUNS = [f"results/runs/native/{m}-{p}-{mode}.json" for m, p in CASES for mode in MODES]
 NUMPY_RUNS = ["results/runs/numpy/tiny-fp32-greedy.json", "results/runs/numpy/tiny-int4-score.json"]
-
-
-@pytest.fixture(scope="module")
-def pipeline_native(tmp_path_factory):
-    """A copy of the workflow that made the four default bundles, built the native engine (its build step)
-    and ran it in every mode it implements, plus two numpy runs: a minimal targeted run, not the default one."""
-    root = copy_workflow(tmp_path_factory.mktemp("native"))
-    env = {"PYTHONPATH": str(root / "src")}
-    start = time.monotonic()
-    res = snakemake("--cores", "2", *NATIVE_RUNS, *NUMPY_RUNS, snakefile=root / "Snakefile", cwd=root, env=env,
-                    timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    print(f"\nbundles, native build and {len(NATIVE_RUNS)} native runs: {time.monotonic() - start:.0f} s")
-    return root, env
 
 
 def build(dest, *options):
@@ -68,8 +54,8 @@ def show(rows):
     print("\n" + rows[cols].to_string())
 
 
-def test_pipeline_runs_of_the_native_engine_are_exact(pipeline_native, tmp_path, monkeypatch):
-    root, _ = pipeline_native
+def test_pipeline_runs_of_the_native_engine_are_exact(pipeline, tmp_path, monkeypatch):
+    root, _ = pipeline
     monkeypatch.chdir(root)  # where the report rule runs: the results name their bundles relative to it
     results = [(*rel.rsplit("/", 1)[1][:-5].split("-", 2), root / rel) for rel in NATIVE_RUNS]
     rows = judge(root, results, tmp_path / "report")
@@ -83,9 +69,9 @@ def test_pipeline_runs_of_the_native_engine_are_exact(pipeline_native, tmp_path,
     assert "engines/native/src/model.cpp" in stamp and "include/kdtr.h" in stamp
 
 
-def test_hand_built_engine_is_exact_in_every_mode(pipeline_native, native_binary, tmp_path):
+def test_hand_built_engine_is_exact_in_every_mode(pipeline, native_binary, tmp_path):
     """README's by-hand route: build, run on a bundle, judge with the report's Python API."""
-    root, _ = pipeline_native
+    root, _ = pipeline
     results = []
     for model, precision in CASES:
         for mode in MODES:
@@ -102,10 +88,10 @@ def test_hand_built_engine_is_exact_in_every_mode(pipeline_native, native_binary
 
 
 @pytest.mark.slow
-def test_sanitized_build_runs_every_default_bundle_clean(pipeline_native, tmp_path):
+def test_sanitized_build_runs_every_default_bundle_clean(pipeline, tmp_path):
     """-DK2VEC_SANITIZE=ON: AddressSanitizer + UndefinedBehaviorSanitizer, any finding fatal. DDTree at budget 4
     only (tree masks, node positions and KV compaction all happen there; larger trees only cost time)."""
-    root, _ = pipeline_native
+    root, _ = pipeline
     binary = build(tmp_path / "asan", "-DK2VEC_SANITIZE=ON")
     env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1", "UBSAN_OPTIONS": "halt_on_error=1"}
     for model, precision in CASES:
@@ -119,8 +105,8 @@ def test_sanitized_build_runs_every_default_bundle_clean(pipeline_native, tmp_pa
             assert out.stat().st_size > 0
 
 
-def test_source_edit_reruns_only_the_native_build_and_runs(pipeline_native):
-    root, env = pipeline_native
+def test_source_edit_reruns_only_the_native_build_and_runs(pipeline):
+    root, env = pipeline
     source = root / "engines/native/src/model.cpp"
     original = source.read_text()
     try:
