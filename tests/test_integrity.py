@@ -486,7 +486,8 @@ def test_sandboxed_engine_cannot_swap_the_bundle_under_a_concurrent_run(built, t
 
 
 def test_engine_flipping_the_golden_stops_the_report(built, tmp_path):
-    root, env = workdir(built, tmp_path, {"flipper": engine("flip", GOLDEN)})
+    # unsandboxed: a sandboxed engine sees no golden (results/ is hidden from it)
+    root, env = workdir(built, tmp_path, {"flipper": engine("flip", GOLDEN, sandbox=False)})
     res = smk(root, env)
     assert res.returncode != 0
     assert re.search(rf"{GOLDEN} is corrupted at byte offset \d+ \(dir\[\d+\]\.crc32\): tensor '",
