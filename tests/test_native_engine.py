@@ -133,3 +133,25 @@ def test_missing_commands_leave_the_engine_out(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stderr.count("k2vec: no run of engine(s) native: command(s) missing: k2vec_no_such_command") == 1
     assert "results/runs/native/" not in res.stdout and "engine_build" not in scheduled_jobs(res.stdout)
+
+
+def test_a_failing_requires_check_leaves_the_engine_out(tmp_path):
+    """The native engine's check that the JSON library's headers are there (its build needs them): where it
+    fails the engine is left out, named with the check, instead of a build failure stopping the pipeline."""
+    cfg = default_config()
+    assert failing_checks(cfg) == {}   # the default check passes where the tests run (the module's skipif)
+    cfg["engines"]["native"]["requires_check"] = cfg["engines"]["native"]["requires_check"].replace(
+        "nlohmann/json.hpp", "nlohmann/k2vec_no_such_header.hpp")
+    why = failing_checks(cfg)["native"]
+    assert why.startswith("\"echo '#include <nlohmann/k2vec_no_such_header.hpp>'") and "exit code 1" in why, why
+    res = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(write_config(tmp_path / "c.yaml", cfg)),
+                    cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.count("k2vec: no run of engine native: \"echo '#include <nlohmann/k2vec_no_such_header") == 1
+    assert "results/runs/native/" not in res.stdout and "engine_build" not in scheduled_jobs(res.stdout)
+
+
+def failing_checks(cfg):
+    from k2vec.config.engines import engines_failing_checks
+
+    return engines_failing_checks(resolve_engines(cfg, str(REPO)))

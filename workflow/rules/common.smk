@@ -15,6 +15,7 @@ from k2vec.config.engines import (
     check_sandboxes,
     noise_models,
     engine_runs,
+    engines_failing_checks,
     engines_missing_commands,
     engines_missing_modules,
     engines_short_of_gpus,
@@ -94,9 +95,20 @@ if COMMANDS_LEFT_OUT and workflow.is_main_process:
         f"(engines.<name>.requires_commands)",
         file=sys.stderr,
     )
+# And one whose `requires_check` fails (the native engine without the JSON library's headers).
+CHECKS_LEFT_OUT = engines_failing_checks({n: e for n, e in ENGINES.items() if n not in COMMANDS_LEFT_OUT})
+if CHECKS_LEFT_OUT and workflow.is_main_process:
+    for _name, _why in CHECKS_LEFT_OUT.items():
+        print(f"k2vec: no run of engine {_name}: {_why} (engines.{_name}.requires_check)", file=sys.stderr)
 # Every configured engine that gets no run, with its reason: the report names them all.
 LEFT_OUT = left_out_engines(
-    config["engines"], GPU_LEFT_OUT, len(GPU_DEVICES), MODULES_LEFT_OUT, sys.executable, COMMANDS_LEFT_OUT
+    config["engines"],
+    GPU_LEFT_OUT,
+    len(GPU_DEVICES),
+    MODULES_LEFT_OUT,
+    sys.executable,
+    COMMANDS_LEFT_OUT,
+    CHECKS_LEFT_OUT,
 )
 RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], list(LEFT_OUT))
 # (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
@@ -231,10 +243,12 @@ def engine_code(script, *modules):
 def engine_settings(engine):
     """An engine's settings as its runs' params, without the absolute paths its source globs resolved
     to (declared by engine_sources and engine_code): a moved or copied checkout with its results/ reruns nothing."""
-    # ddtree_budgets and requires_commands only say which runs exist: adding a budget (or the key, to every
+    # ddtree_budgets and the requirements only say which runs exist: adding a budget (or a key, to every
     # engine's defaults) must not rerun the others
     return {
-        k: v for k, v in ENGINES[engine].items() if k not in ("source_files", "ddtree_budgets", "requires_commands")
+        k: v
+        for k, v in ENGINES[engine].items()
+        if k not in ("source_files", "ddtree_budgets", "requires_commands", "requires_check")
     }
 
 

@@ -22,7 +22,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "tim
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
                                    "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
                                    "sandbox": True, "precision": "float32", "requires": [],
-                                   "requires_commands": [], "ddtree_budgets": None}
+                                   "requires_commands": [], "requires_check": None, "ddtree_budgets": None}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
 # The largest value of each numeric limit (the schema's maxima, kept equal by a test): a run or build
 # that may wait a week waits long enough; 64 GiB is far above any result file yet fits int64 bytes.
@@ -192,13 +192,37 @@ def engines_missing_commands(engines: dict[str, dict[str, Any]]) -> dict[str, li
     return missing
 
 
+def engines_failing_checks(engines: dict[str, dict[str, Any]], timeout_s: float = 30.0) -> dict[str, str]:
+    """Engine name -> why its `requires_check` (a shell command that must exit 0, e.g. that a library's
+    header is there for its build) failed; engines without one, or passing it, are not listed."""
+    import subprocess
+
+    failing = {}
+    for name, e in engines.items():
+        check = e.get("requires_check")
+        if not check:
+            continue
+        try:
+            res = subprocess.run(["bash", "-c", check], capture_output=True, text=True, timeout=timeout_s,
+                                 stdin=subprocess.DEVNULL)
+            said = (res.stderr.strip().splitlines() or [""])[-1][:200]
+            problem = None if res.returncode == 0 else f"exit code {res.returncode}" + (f": {said}" if said else "")
+        except (OSError, subprocess.TimeoutExpired) as err:
+            problem = str(err)
+        if problem:
+            failing[name] = f"{check!r} failed ({problem})"
+    return failing
+
+
 def left_out_engines(entries: dict[str, Any], gpu_left_out: list[str], n_devices: int,
                      missing_modules: dict[str, list[str]], python: str,
-                     missing_commands: dict[str, list[str]] | None = None) -> dict[str, str]:
+                     missing_commands: dict[str, list[str]] | None = None,
+                     failed_checks: dict[str, str] | None = None) -> dict[str, str]:
     """Each configured engine (`entries`: the config's `engines:`) that gets no run, with the reason the
     report names it by: disabled, short of GPUs (`gpu_left_out`, engines_short_of_gpus), a package
-    of its `requires` missing (`missing_modules`, engines_missing_modules), or a command of its
-    `requires_commands` (`missing_commands`, engines_missing_commands)."""
+    of its `requires` missing (`missing_modules`, engines_missing_modules), a command of its
+    `requires_commands` (`missing_commands`, engines_missing_commands), or its `requires_check`
+    failing (`failed_checks`, engines_failing_checks)."""
     reasons = {}
     for name, entry in entries.items():
         why = [f"disabled (engines.{name}: null)"] if entry is None else []
@@ -211,6 +235,8 @@ def left_out_engines(entries: dict[str, Any], gpu_left_out: list[str], n_devices
         if name in (missing_commands or {}):
             why.append(f"command(s) missing: {', '.join(missing_commands[name])} not on PATH "
                        f"(engines.{name}.requires_commands)")
+        if name in (failed_checks or {}):
+            why.append(f"requirement not met: {failed_checks[name]} (engines.{name}.requires_check)")
         if why:
             reasons[name] = "; ".join(why)
     return reasons
