@@ -357,3 +357,16 @@ def test_an_engine_log_past_its_cap_keeps_its_tail(tmp_path, monkeypatch):
     assert r["status"] == "ok"
     assert log.startswith(b"[k2vec: the first 49015 bytes of the engine's output were cut") and len(log) < 1_200
     assert log.endswith(b"the last words\n")
+
+
+@pytest.mark.skipif(sandbox_problem() is not None, reason="bubblewrap cannot sandbox here")
+def test_a_sandboxed_engine_keeps_its_own_cache_across_its_runs(tmp_path):
+    """XDG_CACHE_HOME and TRITON_CACHE_DIR: a directory of the engine's own under results/cache/, writable
+    and kept from one of its runs to the next (a GPU engine compiles its kernels once, not every run)."""
+    body = ("cache = os.environ['XDG_CACHE_HOME']\n"
+            "assert os.environ['TRITON_CACHE_DIR'] == os.path.join(cache, 'triton')\n"
+            "seen = open(os.path.join(cache, 'runs')).read() if os.path.exists(os.path.join(cache, 'runs')) else ''\n"
+            "open(os.path.join(cache, 'runs'), 'w').write(seen + 'x')\n" + GOOD)
+    for _ in range(2):
+        assert run(tmp_path, body, sandbox=True)["status"] == "ok"
+    assert (tmp_path / "results/cache/fake/runs").read_text() == "xx"

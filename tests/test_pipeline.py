@@ -332,7 +332,7 @@ def test_failing_engines_give_failed_results(fake_run, engine, reason):
     root = fake_run[0]
     out = root / f"results/runs/{engine}"
     # no partial files; the result and its sha256 record
-    assert sorted(p.name for p in out.iterdir()) == ["tiny-fp32-greedy.json", "tiny-fp32-greedy.json.sha256"]
+    assert sorted(p.name for p in out.iterdir()) == ["tiny-fp32-greedy.json", "tiny-fp32-greedy.json.hmac", "tiny-fp32-greedy.json.sha256"]
     r = json.loads((out / "tiny-fp32-greedy.json").read_text())
     assert r["status"] == "failed" and reason in r["reason"], r["reason"]
     if engine == "crash":

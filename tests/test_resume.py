@@ -15,7 +15,7 @@ import pytest
 
 from conftest import copy_workflow, default_config, write_config
 from k2vec.atomic import HOLD_ENV, HOLD_SIGNAL_ENV, remove_dead_temporaries
-from k2vec.digests import check_record
+from k2vec.digests import KEY_NAME, check_keyed_record, check_record, read_key
 
 HOLD_ENGINE_ENV = "K2VEC_TEST_HOLD_ENGINE"
 
@@ -30,6 +30,8 @@ def tiny_config() -> dict:
     engine = config["engines"]["numpy"]
     config["engines"] = {"numpy": engine}
     engine["precisions"] = ["int4"]
+    # unsandboxed: the held engine announces its pid in a file outside its scratch directory
+    engine["sandbox"] = False
     # With the variable set, the greedy run's engine stays alive after writing its result until killed.
     engine["command"] += (f' && if [ -n "${HOLD_ENGINE_ENV}" ] && [ {{mode}} = greedy ]; then echo $$ > "${HOLD_ENGINE_ENV}.tmp"'
                           f' && mv "${HOLD_ENGINE_ENV}.tmp" "${HOLD_ENGINE_ENV}"; exec sleep 600; fi')
@@ -139,6 +141,12 @@ def comparable(path: Path, rel: str) -> bytes | object:
     if rel.startswith("results/runs/") and rel.endswith(".sha256"):
         check_record(path.with_name(path.name[: -len(".sha256")]))   # raises unless it matches
         return "matches its result"
+    if rel == f"results/{KEY_NAME}":
+        return "a key"   # drawn at random per results tree; the keyed records are checked against it
+    if rel.startswith("results/runs/") and rel.endswith(".hmac"):
+        key = read_key(path.parents[rel.count("/") - 1] / KEY_NAME)
+        check_keyed_record(path.with_name(path.name[: -len(".hmac")]), key)   # raises unless it matches
+        return "matches its result under the tree's key"
     if rel.startswith("results/runs/"):
         result = json.loads(data)
         for timing in ("wall_s", "timing", "started_at", "ended_at"):

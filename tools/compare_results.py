@@ -4,7 +4,8 @@
 
 For a restructuring that must not change behaviour: every output file is byte-identical, except
 - run results (runs/**.json): their start/end times, wall_s, the engine's own timing, and the checkout
-  path in the recorded command; their .sha256 records follow the JSON;
+  path in the recorded command; their .sha256 records follow the JSON, and so do their keyed .hmac records,
+  each valid under its own tree's integrity key (.integrity.key: random per results tree, not compared);
 - divergence.csv: the tokens_per_s, decode_tokens_per_s and wall_s columns; summary.txt: the throughput
   line; divergence.html: the Runs table's tok/s column and the summary text's throughput line.
 Logs and benchmark tables (logs/, benchmarks/) are not outputs and are not compared. Prints one line per
@@ -19,6 +20,9 @@ import json
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from k2vec.digests import KEY_NAME, check_keyed_record, read_key  # noqa: E402
 
 SKIP_DIRS = ("logs", "benchmarks", "scratch")
 RUN_CLOCK = ("started_at", "ended_at", "wall_s", "timing")
@@ -67,6 +71,13 @@ def same(rel: str, a: Path, b: Path, roots: tuple[Path, Path]) -> bool:
     if a.read_bytes() == b.read_bytes():
         return True
     parts = Path(rel).parts
+    if rel == KEY_NAME:
+        return True   # drawn at random for each results tree: the records under it are what is compared
+    if parts[0] == "runs" and rel.endswith(".json.hmac"):
+        target = rel[: -len(".hmac")]
+        for root in roots:
+            check_keyed_record(root / target, read_key(root / KEY_NAME))   # IntegrityError unless it matches
+        return same(target, roots[0] / target, roots[1] / target, roots)
     if parts[0] == "runs" and rel.endswith(".json"):
         return run_json(a, roots[0]) == run_json(b, roots[1])
     if parts[0] == "runs" and rel.endswith(".json.sha256"):

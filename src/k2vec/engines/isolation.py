@@ -189,12 +189,14 @@ _SANDBOX_BASE = ("bwrap", "--die-with-parent", "--new-session", "--unshare-user"
 
 
 def sandbox_command(command: str, *, bundle: Path, scratch: Path, hidden: Path, home: Path,
-                    build: Path | None = None) -> list[str]:
+                    build: Path | None = None, cache: Path | None = None) -> list[str]:
     """bubblewrap around `bash -c command` (_SANDBOX_BASE: uid 65534 without capabilities, own PID, IPC,
     UTS and user namespaces): read-only root, `hidden` (the results directory) replaced by an empty
     tmpfs except `bundle` (read-only), `build` (the engine's own build directory under it, read-only,
-    where it has one) and `scratch` (writable), fresh /dev and /proc, a private /dev/shm. /tmp stays
-    read-only like the rest: TMPDIR points into the scratch directory."""
+    where it has one), `cache` (the engine's own cache directory, writable and kept across its runs:
+    XDG_CACHE_HOME and TRITON_CACHE_DIR point there, so compiled kernels are compiled once) and `scratch`
+    (writable), fresh /dev and /proc, a private /dev/shm. /tmp stays read-only like the rest: TMPDIR
+    points into the scratch directory."""
     args = list(_SANDBOX_BASE)
     for node in gpu_device_nodes():
         args += ["--dev-bind", node, node]
@@ -203,6 +205,9 @@ def sandbox_command(command: str, *, bundle: Path, scratch: Path, hidden: Path, 
     args += ["--tmpfs", str(hidden), "--ro-bind", str(bundle), str(bundle)]
     if build is not None:
         args += ["--ro-bind", str(build), str(build)]
+    if cache is not None:
+        args += ["--bind", str(cache), str(cache), "--setenv", "XDG_CACHE_HOME", str(cache),
+                 "--setenv", "TRITON_CACHE_DIR", str(cache / "triton")]
     args += ["--bind", str(scratch), str(scratch), "--remount-ro", str(hidden), "--setenv", "HOME", str(home), "--setenv", "USER", "nobody",
              "--setenv", "LOGNAME", "nobody", "--chdir", str(scratch / "work"), "bash", "-c", command]
     return args

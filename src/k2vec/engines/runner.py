@@ -204,10 +204,15 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
                    "TMPDIR": str(dirs["tmp"]), "K2VEC_WORKDIR": os.getcwd()}
             cmd = format_command(command, bundle=bundle_path, mode=kind, budget=budget, output=partial,
                                  gpus=",".join(assigned), python=python)
-            hidden = Path(str(results_dir)).resolve()
-            build = hidden / "engines" / engine   # what its build step made (rule engine_build), if anything
-            argv = sandbox_command(cmd, bundle=bundle_path, scratch=scratch, home=dirs["home"], hidden=hidden,
-                                   build=build if build.is_dir() else None) if sandbox else ["bash", "-c", cmd]
+            if sandbox:
+                hidden = Path(str(results_dir)).resolve()
+                build = hidden / "engines" / engine   # what its build step made (rule engine_build), if anything
+                cache = hidden / "cache" / engine     # its own, kept across its runs (compiled kernels)
+                cache.mkdir(parents=True, exist_ok=True)
+                argv = sandbox_command(cmd, bundle=bundle_path, scratch=scratch, home=dirs["home"], hidden=hidden,
+                                       build=build if build.is_dir() else None, cache=cache)
+            else:
+                argv = ["bash", "-c", cmd]
             record["gpus"] = assigned
             # asked before the engine starts, so that a run the GPU made fail still names the GPU
             record["gpu_devices"], record["gpu_identity_error"] = identify(assigned)
