@@ -118,12 +118,12 @@ TIMING_CSV_COLUMNS = ("tokens_per_s", "decode_tokens_per_s", "wall_s")
 
 
 def temporaries(results: Path) -> list[Path]:
-    """Every hidden entry under results/ other than Snakemake's directory timestamps (all of k2vec's
-    temporaries are hidden: `.{name}.{pid}.{random}.tmp`, a scratch directory's `.in-use.{pid}`), and
-    anything named like a temporary."""
+    """Every hidden entry under results/ other than Snakemake's directory timestamps and the integrity key
+    (all of k2vec's temporaries are hidden: `.{name}.{pid}.{random}.tmp`, a scratch directory's
+    `.in-use.{pid}`), and anything named like a temporary."""
     found = {p.parent if p.name.startswith(".in-use.") else p   # a killed run's scratch directory
              for p in results.rglob("*")
-             if (p.name.startswith(".") and p.name != ".snakemake_timestamp")
+             if (p.name.startswith(".") and p.name not in (".snakemake_timestamp", KEY_NAME))
              or p.name.endswith((".tmp", ".partial", ".part"))}
     return sorted(found)
 
