@@ -370,3 +370,18 @@ def test_a_sandboxed_engine_keeps_its_own_cache_across_its_runs(tmp_path):
     for _ in range(2):
         assert run(tmp_path, body, sandbox=True)["status"] == "ok"
     assert (tmp_path / "results/cache/fake/runs").read_text() == "xx"
+
+
+def test_a_scratch_directory_that_cannot_be_cleared_gives_a_failed_row(tmp_path, monkeypatch):
+    """What an earlier run left and nothing can remove (a file it made immutable with chattr +i, which
+    unlink and rmtree cannot touch, simulated by a removal that leaves everything in place): a failed row
+    naming the directory, never the runner's FileExistsError."""
+    from k2vec.engines import isolation
+
+    scratch = tmp_path / "results/scratch/fake/r"
+    scratch.mkdir(parents=True)
+    (scratch / "work").write_text("an immutable file where the run's working directory goes")
+    monkeypatch.setattr(isolation, "remove_tree", lambda path: None)
+    r = run(tmp_path, GOOD)
+    assert r["status"] == "failed" and r["reason"].startswith(f"cannot clear the scratch directory {scratch}")
+    assert "File exists" in r["reason"]

@@ -177,16 +177,24 @@ def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(scratch_dir).resolve()
-    dirs = fresh_scratch(scratch)
-    # A runner killed with its job leaves the marker behind: the next start removes the directory.
-    in_use = claim_directory(scratch)
-    partial = dirs["out"] / "result.json"
-    bundle_path = Path(bundle).resolve()   # the engine's working directory is its scratch directory
     stderr_file = Path(stderr_path)
     stderr_file.parent.mkdir(parents=True, exist_ok=True)
     stderr_file.write_bytes(b"")
     record: dict[str, Any] = {"engine": engine, "bundle": str(bundle), "mode": mode, "budget": budget,
                               "sandbox": sandbox, "sandbox_problem": None}
+    try:
+        dirs = fresh_scratch(scratch)
+    except OSError as err:
+        # What the last run left cannot be removed (a file it made immutable, chattr +i): a failed row
+        # that says where, and no engine run on top of it.
+        final = _failed(record, f"cannot clear the scratch directory {scratch} that an earlier run left: {err} "
+                        f"(remove it by hand, e.g. chattr -R -i, then rerun)", stderr_file, None)
+        write_result(out, json.dumps(final, sort_keys=True) + "\n", key)
+        return final
+    # A runner killed with its job leaves the marker behind: the next start removes the directory.
+    in_use = claim_directory(scratch)
+    partial = dirs["out"] / "result.json"
+    bundle_path = Path(bundle).resolve()   # the engine's working directory is its scratch directory
     try:
         bundle_sha256 = verify_bundle(bundle)
         record["inputs"] = {"bundle": {"path": str(bundle), "sha256": bundle_sha256}}
