@@ -64,18 +64,23 @@ def write_record(path: str | os.PathLike, digest: str | None = None) -> str:
 
 def recorded(path: str | os.PathLike) -> str:
     """The sha256 recorded beside `path`; IntegrityError when there is no valid record."""
-    rec = record_path(path)
+    return _read_record(path, record_path(path), _LINE, "sha256 record", "its stage",
+                        f" (expected one line '<64 hex digits>  {Path(path).name}')")
+
+
+def _read_record(path, rec: Path, line: re.Pattern, what: str, writer: str, expected: str = "") -> str:
+    """The digest in the record `rec` of `path` (one line: digest, two spaces, the file's name);
+    IntegrityError naming the record when it is missing, unreadable or not of `path`."""
     try:
         text = rec.read_text()
     except FileNotFoundError:
-        raise IntegrityError(f"{path}: no sha256 record ({rec}); it was not written by its stage, "
+        raise IntegrityError(f"{path}: no {what} ({rec}); it was not written by {writer}, "
                              f"or the record was removed") from None
     except (OSError, UnicodeDecodeError) as err:
-        raise IntegrityError(f"{rec}: unreadable sha256 record: {err}") from None
-    m = _LINE.fullmatch(text)
+        raise IntegrityError(f"{rec}: unreadable {what}: {err}") from None
+    m = line.fullmatch(text)
     if not m or m.group(2) != Path(path).name:
-        raise IntegrityError(f"{rec}: not a sha256 record of {Path(path).name} "
-                             f"(expected one line '<64 hex digits>  {Path(path).name}')")
+        raise IntegrityError(f"{rec}: not a {what} of {Path(path).name}{expected}")
     return m.group(1)
 
 
@@ -176,19 +181,9 @@ def write_keyed_record(path: str | os.PathLike, key: bytes, data: bytes | None =
 
 def check_keyed_record(path: str | os.PathLike, key: bytes) -> str:
     """HMAC-SHA256 of `path` under `key`, which must equal its keyed record; IntegrityError otherwise."""
-    rec = keyed_record_path(path)
-    try:
-        text = rec.read_text()
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: no keyed record ({rec.name}); it was not written by the engine runner, "
-                             f"or the record was removed") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise IntegrityError(f"{rec}: unreadable keyed record: {err}") from None
-    m = _KEYED_LINE.fullmatch(text)
-    if not m or m.group(2) != Path(path).name:
-        raise IntegrityError(f"{rec}: not a keyed record of {Path(path).name}")
+    expected = _read_record(path, keyed_record_path(path), _KEYED_LINE, "keyed record", "the engine runner")
     got = keyed_file_digest(path, key)
-    if not hmac.compare_digest(got, m.group(1)):
+    if not hmac.compare_digest(got, expected):
         raise IntegrityError(f"{path}: its HMAC-SHA256 under the integrity key differs from the one the engine "
-                             f"runner recorded in {rec.name}: the file, or the record, changed since")
+                             f"runner recorded in {keyed_record_path(path).name}: the file, or the record, changed since")
     return got

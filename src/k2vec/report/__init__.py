@@ -32,7 +32,7 @@ import pandas as pd
 from k2vec.atomic import write_bytes_atomic, write_text_atomic
 from k2vec.report import gate
 from k2vec.report.gate import StrictFailure
-from k2vec.report.metrics import ROW_COLUMNS, Metrics, ReportError, compute_metrics
+from k2vec.report.metrics import ROW_COLUMNS, Metrics, ReportError, compute_metrics, read_budgets
 
 __all__ = ["build_report", "ReportResult", "ReportError", "compute_metrics", "main", "write_report", "OUTPUTS"]
 
@@ -193,15 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              "precision_class": declared.get(r[0], "float32")} for r in a.run]
     goldens = {(m, p): path for m, p, path in a.golden}
     try:
-        budgets = None
-        if a.budgets:
-            import json
-            try:
-                budgets = json.loads(Path(a.budgets).read_text())
-            except (OSError, ValueError) as err:
-                raise ReportError(f"--budgets {a.budgets}: {err}") from None
         res = build_report(runs, goldens, a.out, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
-                           fingerprint_rtol=a.fingerprint_rtol, budgets=budgets,
+                           fingerprint_rtol=a.fingerprint_rtol, budgets=read_budgets(a.budgets),
                            noise={(m, p, c): path for m, p, c, path in a.noise}, left_out=dict(a.left_out),
                            fail_on_left_out=a.fail_on_left_out, integrity_key=a.integrity_key)
     except ReportError as err:

@@ -41,7 +41,7 @@ from k2vec.kdtr import KdtrError, open_bundle
 from k2vec.report import gate
 from k2vec.report.classify import PRECISION_CLASSES
 from k2vec.report.html import divergence_line, fmt, noise_lines, score_line
-from k2vec.report.metrics import CLASSES, Metrics, ReportError, compute_metrics
+from k2vec.report.metrics import CLASSES, Metrics, ReportError, compute_metrics, read_budgets
 from k2vec.report.words import plural
 
 __all__ = ["Judgement", "judge", "main"]
@@ -267,12 +267,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m k2vec.report.
     ap.add_argument("--budgets", help="JSON file: per precision, budgets laid over the defaults (report.budgets)")
     a = ap.parse_args(argv)
     try:
-        budgets = None
-        if a.budgets:
-            try:
-                budgets = json.loads(Path(a.budgets).read_text())
-            except (OSError, ValueError) as err:
-                raise ReportError(f"--budgets {a.budgets}: {err}") from None
+        budgets = read_budgets(a.budgets)
         j = judge(a.bundle, a.result, mode=a.mode, precision_class=a.precision_class, noise=a.noise,
                   golden=a.golden, alone=a.alone, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
                   fingerprint_rtol=a.fingerprint_rtol, budgets=budgets)

@@ -219,6 +219,16 @@ def _check_golden(goldens: Mapping[tuple[str, str], Any], key: tuple[str, str], 
                           f"goldens given: {have}")
 
 
+def read_budgets(path: str | Path | None) -> dict[str, Any] | None:
+    """A command line's --budgets FILE: per precision, budgets laid over the defaults (report.budgets)."""
+    if not path:
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ReportError(f"--budgets {path}: {err}") from None
+
+
 def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, str], str | Path], *,
                     near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
                     budgets: Mapping[str, Mapping[str, Any]] | None = None,
