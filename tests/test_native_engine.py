@@ -128,11 +128,7 @@ def test_missing_commands_leave_the_engine_out(tmp_path):
     why = left_out_engines(cfg["engines"], [], 0, {}, "python", missing)
     assert why == {"native": "command(s) missing: k2vec_no_such_command not on PATH "
                               "(engines.native.requires_commands)"}
-    res = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(write_config(tmp_path / "c.yaml", cfg)),
-                    cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stderr.count("k2vec: no run of engine(s) native: command(s) missing: k2vec_no_such_command") == 1
-    assert "results/runs/native/" not in res.stdout and "engine_build" not in scheduled_jobs(res.stdout)
+    assert_left_out(tmp_path, cfg, "k2vec: no run of engine(s) native: command(s) missing: k2vec_no_such_command")
 
 
 def test_a_failing_requires_check_leaves_the_engine_out(tmp_path):
@@ -144,10 +140,15 @@ def test_a_failing_requires_check_leaves_the_engine_out(tmp_path):
         "nlohmann/json.hpp", "nlohmann/k2vec_no_such_header.hpp")
     why = failing_checks(cfg)["native"]
     assert why.startswith("\"echo '#include <nlohmann/k2vec_no_such_header.hpp>'") and "exit code 1" in why, why
+    assert_left_out(tmp_path, cfg, "k2vec: no run of engine native: \"echo '#include <nlohmann/k2vec_no_such_header")
+
+
+def assert_left_out(tmp_path, cfg, notice):
+    """A dry run with `cfg`: the notice once on stderr, and no build or run of the native engine scheduled."""
     res = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(write_config(tmp_path / "c.yaml", cfg)),
                     cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stderr.count("k2vec: no run of engine native: \"echo '#include <nlohmann/k2vec_no_such_header") == 1
+    assert res.stderr.count(notice) == 1, res.stderr[-2000:]
     assert "results/runs/native/" not in res.stdout and "engine_build" not in scheduled_jobs(res.stdout)
 
 
