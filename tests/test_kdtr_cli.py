@@ -296,3 +296,21 @@ def test_dump_usage(dumpable, capsys):
     assert e.value.code == 2 and "one of the arguments --meta --tensor is required" in capsys.readouterr().err
     assert main(["dump", str(dumpable[0]), "--tensor", "f", "--format", "npy"], out=_Terminal()) == 2
     assert "not writing .npy bytes to a terminal" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["list"], ["inspect"], ["dump", "--meta"], ["diff", "OTHER"]],
+                         ids=lambda c: c[0])
+def test_a_sha256_record_given_for_a_bundle_is_named_as_such(tmp_path, capsys, command):
+    """`kdtr list results/bundles/x.kdtr.sha256` (tab completion): not "magic is b'1e22'", but what it is."""
+    from k2vec.digests import write_record
+    from k2vec.kdtr.cli import main
+    from k2vec.kdtr.writer import write_bundle
+
+    bundle = tmp_path / "b.kdtr"
+    write_bundle(bundle, [("w", np.arange(4, dtype=np.float32))], {"x": 1})
+    write_record(bundle)
+    record = f"{bundle}.sha256"
+    argv = [command[0], record, *[str(bundle) if a == "OTHER" else a for a in command[1:]]]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"error: {record} is a sha256 record, not a bundle: give the bundle it "
+                                       f"describes, {bundle}\n")

@@ -209,6 +209,11 @@ def main(argv: list[str] | None = None, out=None) -> int:
     add_parser(sub)
     args = p.parse_args(argv)
     commands = {"list": cmd_list, "inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff, "dump": cmd_dump}
+    records = [f for f in (getattr(args, k, None) for k in ("file", "a", "b")) if f and f.endswith(SUFFIX)]
+    if records:   # verify says so file by file; the others read one bundle each and stop here
+        print(f"error: {records[0]} is a sha256 record, not a bundle: give the bundle it describes, "
+              f"{records[0][: -len(SUFFIX)]}", file=sys.stderr)
+        return 2
     try:
         return commands[args.cmd](args, out)
     except BrokenPipeError:
