@@ -43,7 +43,11 @@ def sha256_bytes(data) -> str:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
+    return _file_digest(path, hashlib.sha256())
+
+
+def _file_digest(path: str | os.PathLike, h) -> str:
+    """`h` (a hashlib or hmac object) fed the file at `path` in chunks: its hex digest."""
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(_CHUNK), b""):
             h.update(chunk)
@@ -160,11 +164,7 @@ def keyed_digest(data: bytes, key: bytes) -> str:
 
 
 def keyed_file_digest(path: str | os.PathLike, key: bytes) -> str:
-    h = hmac.new(key, digestmod=hashlib.sha256)
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return _file_digest(path, hmac.new(key, digestmod=hashlib.sha256))
 
 
 def keyed_record_path(path: str | os.PathLike) -> Path:
