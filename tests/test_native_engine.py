@@ -68,6 +68,7 @@ def test_pipeline_runs_of_the_native_engine_are_exact(pipeline, tmp_path, monkey
     assert "engines/native/src/model.cpp" in stamp and "include/kdtr.h" in stamp
 
 
+@pytest.mark.slow   # the pipeline's own build and runs are judged exact in CI (above); this is README's route
 def test_hand_built_engine_is_exact_in_every_mode(pipeline, native_binary, tmp_path):
     """README's by-hand route: build, run on a bundle, judge with the report's Python API."""
     root, _ = pipeline
@@ -97,7 +98,8 @@ def test_sanitized_build_runs_the_default_bundles_clean(pipeline, tmp_path, case
     """-DK2VEC_SANITIZE=ON: AddressSanitizer + UndefinedBehaviorSanitizer, any finding fatal. DDTree at budget 4
     only (tree masks, node positions and KV compaction all happen there; larger trees only cost time)."""
     root, _ = pipeline
-    binary = build(tmp_path / "asan", "-DK2VEC_SANITIZE=ON")
+    # unoptimised: the sanitizers see the same code, and it builds in less than half the time
+    binary = build(tmp_path / "asan", "-DK2VEC_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug")
     env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1", "UBSAN_OPTIONS": "halt_on_error=1"}
     for model, precision in cases:
         for mode in [m for m in MODES if not m.startswith("ddtree") or m == "ddtree-b4"]:
