@@ -94,6 +94,22 @@ def test_default_config_fits_and_a_small_disk_is_refused(monkeypatch, tmp_path):
     resources.check_config(config, runs, tmp_path / "results")
 
 
+def test_disk_estimate_counts_only_the_runs_that_run(monkeypatch, tmp_path):
+    """A left-out engine's runs (engine_runs with left_out) are not in the estimate: a disk that holds the
+    numpy engine's outputs but not those of ten more engines refuses the config only when they run."""
+    config = default_config()
+    numpy_runs = [("numpy", m, p, mode) for m in config["models"] for p in ("fp32", "int4")
+                  for mode in ("greedy", "score")]
+    many = numpy_runs + [(f"e{i}", *r[1:]) for i in range(10) for r in numpy_runs]
+    models = {n: resolve_model(n, e) for n, e in config["models"].items()}
+    need = {n: resources.output_disk(m, config, [r[3] for r in numpy_runs if r[1] == n]).amount
+            for n, m in models.items()}
+    monkeypatch.setattr(resources, "free_disk", lambda path: sum(need.values()) + (1 << 20))
+    resources.check_config(config, numpy_runs, tmp_path / "results")
+    with pytest.raises(ConfigError, match="of disk"):
+        resources.check_config(config, many, tmp_path / "results")
+
+
 def test_driver_is_the_overridden_key_that_grows_the_estimate():
     config = default_config()
     m = resolve_model("x", {"preset": "small", "vocab_size": 10**6, "num_attention_heads": 8})

@@ -77,6 +77,27 @@ def test_quantization_changes_small_model_tokens(pipeline):
     assert any(not np.array_equal(a[f"golden.p{i}.tokens"], b[f"golden.p{i}.tokens"]) for i in range(4))
 
 
+def test_disk_estimate_bounds_the_run_within_twice(pipeline):
+    """check_config's disk estimate, from the runs the default config made, is an upper bound of the bytes under
+    results/ and at most 2x of them; its file count bounds the files."""
+    from k2vec.config.expand import resolve_model
+    from k2vec.config.resources import output_disk, output_files
+
+    root, _ = pipeline
+    config = default_config()
+    estimate = files = 0
+    for name, entry in config["models"].items():
+        modes = [p.name[len(name) + 1:-len(".json")].split("-", 1)[1]
+                 for p in (root / "results/runs").glob(f"*/{name}-*.json")]
+        assert modes, name
+        m = resolve_model(name, entry)
+        estimate += output_disk(m, config, modes).amount
+        files += output_files(m, config, len(modes)).amount
+    written = [p.stat().st_size for p in (root / "results").rglob("*") if p.is_file()]
+    assert sum(written) <= estimate <= 2 * sum(written), (sum(written), estimate)
+    assert len(written) <= files, (len(written), files)
+
+
 # ------------------------------------------------------------------------------------- bundles
 
 def test_bundles_byte_identical_across_runs(pipeline, tmp_path):

@@ -31,10 +31,6 @@ try:
     check_finite(config)  # .nan and .inf pass the schema's bounds
     ENGINES = resolve_engines(config, workflow.basedir, defined_engines(CONFIG_FILES))
     UNSANDBOXED = check_sandboxes(ENGINES, sandbox_problem)
-    # Resource budget (k2vec.config.resources): a config whose memory, disk or file count cannot fit here stops
-    # now, before expand_config lists every tensor of every model and before any job.
-    check_config(config, engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"]), os.path.abspath("results"))
-    CASES = expand_config(config)
 except (WorkflowError, ConfigError) as err:
     # Name the offending key first, whichever check found it.
     if not isinstance(err, ConfigError):
@@ -48,9 +44,6 @@ if UNSANDBOXED and workflow.is_main_process:
         f"their rows (and every row judged beside them) as not tamper-proof; set sandbox: false to opt out",
         file=sys.stderr,
     )
-MODELS = sorted(CASES)
-# Models whose weights are a slice of the user's checkpoint (rule import_checkpoint), not synthetic.
-IMPORTED_MODELS = [m for m in MODELS if "source" in CASES[m]["model"]]
 # The report's plot files (k2vec.report.OUTPUTS; a test keeps the two lists equal).
 REPORT_PLOTS = ["match_grid", "logit_error", "first_bad_layer", "acceptance", "format_effect", "score_kl"]
 PRECISIONS = ["fp32", "int4"]
@@ -111,6 +104,17 @@ LEFT_OUT = left_out_engines(
     CHECKS_LEFT_OUT,
 )
 RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], list(LEFT_OUT))
+try:
+    # Resource budget (k2vec.config.resources): a config whose memory, disk or file count cannot fit here stops
+    # now, counting only the runs that will run, before expand_config lists every tensor of every model and
+    # before any job.
+    check_config(config, RUNS, os.path.abspath("results"))
+    CASES = expand_config(config)
+except ConfigError as err:
+    raise WorkflowError(f"Invalid configuration: {err}") from None
+MODELS = sorted(CASES)
+# Models whose weights are a slice of the user's checkpoint (rule import_checkpoint), not synthetic.
+IMPORTED_MODELS = [m for m in MODELS if "source" in CASES[m]["model"]]
 # (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
 NOISE_MODELS = noise_models(ENGINES, RUNS)
 

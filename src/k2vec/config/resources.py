@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from k2vec.errors import ConfigError
-from k2vec.kdtr.format import ENTRY_SIZE, MAX_DIR_SIZE, align_up
+from k2vec.kdtr.format import DEFAULT_ALIGNMENT, ENTRY_SIZE, MAX_DIR_SIZE, align_up
 from k2vec.model.limits import CHUNK_VALUES, STREAM_BYTES, WEIGHT_CACHE_BYTES
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -184,24 +184,59 @@ def stage_memory(m: dict[str, Any], config: dict[str, Any]) -> list[Need]:
     ]
 
 
-def output_disk(m: dict[str, Any], config: dict[str, Any], n_runs: int) -> Need:
-    """Disk of every output of one model: checkpoints, INT4 files, goldens, bundles, run results."""
+# Every KDTR tensor starts at an aligned offset: a bundle pads each of its entries up to this.
+_BUNDLE_ALIGN = DEFAULT_ALIGNMENT
+_KiB = 1 << 10
+
+
+def _golden(m: dict[str, Any], config: dict[str, Any]) -> tuple[int, int]:
+    """(bytes, entries) of one golden file: fp32 fingerprints of every generated position, the recorded
+    DDTree drafts (ids and log-probabilities per accuracy, prompt, step, drafted position and width),
+    trees, top-k and routing records (small; bounded per entry)."""
+    n_prompts, _, new = _run_shape(config)
+    dd = config["decoding"]["ddtree"]
+    A, B = len(dd["accuracies"]), len(dd["budgets"])
+    fingerprints = 4 * n_prompts * new * m["num_hidden_layers"] * m["hidden_size"]
+    drafts = 8 * A * n_prompts * new * (dd["block_size"] - 1) * max(dd["budgets"])
+    entries = n_prompts * (8 + 2 * A + 8 * A * B) + 8
+    trees = 16 * A * n_prompts * new * sum(dd["budgets"])
+    return fingerprints + drafts + trees + entries * 4 * _KiB, entries
+
+
+def _result(m: dict[str, Any], config: dict[str, Any], mode: str) -> int:
+    """Bytes of one run's result (JSON text, ~20 B a number), its integrity records and log."""
+    n_prompts, _, new = _run_shape(config)
+    if mode.startswith("ddtree-b"):  # rounds of one tree each: a few numbers per node
+        return 16 * int(mode[len("ddtree-b"):]) * n_prompts * new + 32 * _KiB
+    return 20 * n_prompts * new * m["num_hidden_layers"] * m["hidden_size"] + 64 * _KiB  # fingerprints
+
+
+def output_disk(m: dict[str, Any], config: dict[str, Any], modes: list[str]) -> Need:
+    """Disk of every output of one model whose runs are `modes` (a mode per engine run): checkpoints, INT4
+    files, goldens, noise models, bundles, run results and the format-effect table. An upper bound within
+    about 2x of what a run writes (tests/test_pipeline.py measures the default config's)."""
     c = counts(m)
     q = config["quantization"]
     custom = "targets" in q or "ignore" in q
     quantized = 0 if custom else (c.expert_params if q["scheme"] == "k2-checkpoint" else c.mlp_params)
-    int4 = 4 * (c.params - quantized) + quantized * (0.5 + 4 / q["group_size"])
-    n_prompts, S, new = _run_shape(config)
-    golden = n_prompts * S * m["num_hidden_layers"] * m["hidden_size"] * 4 * 2 + 16 * MiB
-    result = n_prompts * new * m["num_hidden_layers"] * m["hidden_size"] * 20 + MiB  # JSON text
-    total = int(4 * c.params * 2 + 3 * int4 + 2 * golden * 2 + n_runs * result)
+    int4 = int(quantized * (0.5 + 4 / q["group_size"]))  # .qw codes and .sc scales
+    exported = 4 * (c.params - quantized) + int4          # compressed-tensors: the rest stays fp32
+    golden, golden_entries = _golden(m, config)
+    padding = (2 * c.tensors + golden_entries) * _BUNDLE_ALIGN
+    bundles = (4 * c.params + golden + padding) + (exported + golden + padding)
+    goldens = 2 * golden + 2 * (golden // 4)  # fp32 and int4, each with a noise model under a quarter of it
+    results = sum(_result(m, config, mode) for mode in modes)
+    format_effect = 2 * _result(m, config, "greedy")
+    total = 4 * c.params + int4 + exported + goldens + bundles + results + format_effect
     return Need("disk", total, f"fp32 checkpoint and bundle ({c.params:,} parameters x 4 B each), INT4 files, "
-                               f"compressed-tensors export and INT4 bundle, goldens, {n_runs} run results")
+                               f"compressed-tensors export and INT4 bundle, goldens, {len(modes)} run results")
 
 
 def output_files(m: dict[str, Any], config: dict[str, Any], n_runs: int) -> Need:
     c = counts(m)
-    files = 2 * (c.layers + 1) + 2 * c.tensors + 16 + 4 * n_runs
+    # a run writes its result, sha256 and HMAC records, log and benchmark; the stages' own files, logs
+    # and benchmarks (goldens, bundles, noise models, cases, the engines' builds) are the fixed 64
+    files = 2 * (c.layers + 1) + 2 * c.tensors + 64 + 6 * n_runs
     return Need("files", files, f"{c.layers + 1:,} safetensors shards x 2 (fp32, compressed-tensors), "
                                 f"a .qw and a .sc file per quantized weight (up to {c.tensors:,}), logs and "
                                 f"{n_runs} run results")
@@ -283,7 +318,7 @@ def _driver(estimate, m: dict[str, Any], config: dict[str, Any], prefix: str) ->
     return max(growth, key=growth.get)
 
 
-def check_budget(models: dict[str, dict[str, Any]], config: dict[str, Any], runs_per_model: dict[str, int],
+def check_budget(models: dict[str, dict[str, Any]], config: dict[str, Any], modes_per_model: dict[str, list[str]],
                  results_dir: str | Path) -> None:
     """Raise ConfigError when a model of `models` (name -> resolved architecture) cannot fit here.
 
@@ -303,7 +338,8 @@ def check_budget(models: dict[str, dict[str, Any]], config: dict[str, Any], runs
                 raise ConfigError(key, f"the {need.what} stage of model '{name}' needs ~{_fmt(need.amount)} of "
                                   f"memory ({need.because}); this machine has {_fmt(memory)} available "
                                   f"({memory_source}). Reduce {key}, or set {SKIP_ENV}=1 to run anyway")
-        n_runs = runs_per_model.get(name, 0)
+        modes = modes_per_model.get(name, [])
+        n_runs = len(modes)
         files = output_files(m, config, n_runs)
         if files.amount > MAX_FILES:
             key = _driver(lambda mm, cc: output_files(mm, cc, n_runs).amount, m, config, prefix)
@@ -316,26 +352,27 @@ def check_budget(models: dict[str, dict[str, Any]], config: dict[str, Any], runs
             raise ConfigError(key, f"model '{name}' has {counts(m).tensors:,} tensors: its KDTR bundles would need "
                               f"a ~{_fmt(directory.amount)} directory, more than the format's "
                               f"{_fmt(MAX_DIR_SIZE)} limit (docs/kdtr-format.md §7 rule 12). Reduce {key}")
-        disk = output_disk(m, config, n_runs)
+        disk = output_disk(m, config, modes)
         disk_total += disk.amount
         disk_free += _existing_bytes(results, name)
         if disk_total > disk_free:
-            key = _driver(lambda mm, cc: output_disk(mm, cc, n_runs).amount, m, config, prefix)
+            key = _driver(lambda mm, cc: output_disk(mm, cc, modes).amount, m, config, prefix)
             raise ConfigError(key, f"the outputs need ~{_fmt(disk_total)} of disk (model '{name}': "
                               f"{disk.because}); {results} has {_fmt(disk_free)} free. Reduce {key}, or set "
                               f"{SKIP_ENV}=1 to run anyway")
 
 
 def check_config(config: dict[str, Any], runs: list[tuple[str, str, str, str]], results_dir: str | Path) -> None:
-    """check_budget for a schema-valid config and its engine runs (k2vec.config.expand.engine_runs), before
-    expand_config: resolving the architectures is cheap, listing a huge model's tensors is not."""
+    """check_budget for a schema-valid config and the engine runs that will run (k2vec.config.engines.engine_runs,
+    left-out engines excluded), before expand_config: resolving the architectures is cheap, listing a huge
+    model's tensors is not."""
     from k2vec.config.expand import resolve_model
 
     models = config.get("models")
     if not isinstance(models, dict):
         return  # expand_config names the problem
     resolved = {name: resolve_model(name, entry) for name, entry in models.items()}
-    per_model: dict[str, int] = {}
-    for _, model, _, _ in runs:
-        per_model[model] = per_model.get(model, 0) + 1
+    per_model: dict[str, list[str]] = {}
+    for _, model, _, mode in runs:
+        per_model.setdefault(model, []).append(mode)
     check_budget(resolved, config, per_model, results_dir)
