@@ -91,18 +91,19 @@ def _set_subreaper(on: bool) -> bool:
     return libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(int(on)), 0, 0, 0) == 0
 
 
-def _process_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, state letter) of every process visible in /proc."""
+def _process_table() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state letter, command name) of every process visible in /proc."""
     table = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()   # the command name may hold spaces and ')'
-        except (OSError, IndexError):
+                head, tail = fh.read().rsplit(b")", 1)   # the command name may hold spaces and ')'
+            fields = tail.split()
+        except (OSError, ValueError):
             continue   # exited meanwhile
-        table[int(name)] = (int(fields[1]), fields[0].decode())
+        table[int(name)] = (int(fields[1]), fields[0].decode(), head.split(b"(", 1)[-1].decode("utf-8", "replace"))
     return table
 
 
@@ -117,18 +118,18 @@ class Reaper:
     def __enter__(self) -> "Reaper":
         self.active = _set_subreaper(True) and os.path.isdir("/proc")
         # children the runner already had (none in the pipeline) are not the engine's
-        self.before = {pid for pid, (ppid, _) in _process_table().items() if ppid == self.me} if self.active else set()
+        self.before = {pid for pid, (ppid, *_) in _process_table().items() if ppid == self.me} if self.active else set()
         return self
 
     def __exit__(self, *exc) -> None:
         if self.active:
             _set_subreaper(False)
 
-    def leftovers(self) -> dict[int, tuple[int, str]]:
+    def leftovers(self) -> dict[int, tuple[int, str, str]]:
         """Processes below the runner that were not there before the run (the engine's), zombies included."""
         table = _process_table()
         children: dict[int, list[int]] = {}
-        for pid, (ppid, _) in table.items():
+        for pid, (ppid, *_) in table.items():
             children.setdefault(ppid, []).append(pid)
         found, stack = {}, [c for c in children.get(self.me, []) if c not in self.before]
         while stack:
@@ -149,11 +150,15 @@ class Reaper:
             left = self.leftovers()
             if not left:
                 return len(killed), None
-            for pid, (ppid, state) in left.items():
+            for pid, (ppid, state, name) in left.items():
                 if state != "Z":
                     try:
                         os.kill(pid, signal.SIGKILL)
-                        killed.add(pid)
+                        # bubblewrap's own inner process, re-parented here when the outer one exits first,
+                        # may still be exiting: killing it is no news of the engine, and counting it would make
+                        # the count (a field of every result) differ from run to run
+                        if name != "bwrap":
+                            killed.add(pid)
                     except ProcessLookupError:
                         pass
                 elif ppid == self.me:
