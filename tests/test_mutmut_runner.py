@@ -220,7 +220,7 @@ def test_unknown_placeholder_lists_the_known_ones():
     with pytest.raises(ValueError) as e:
         format_command("run {nope}", bundle="b")
     assert str(e.value) == ("engine command 'run {nope}' uses an unknown placeholder 'nope'; "
-                            "known: {bundle}, {mode}, {budget}, {output}, {gpus}, {python}")
+                            "known: {bundle}, {mode}, {budget}, {output}, {batch}, {gpus}, {python}")
 
 
 def test_stderr_tail_is_bounded_and_survives_bad_bytes(tmp_path):

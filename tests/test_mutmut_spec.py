@@ -202,12 +202,12 @@ def test_command_template_errors_say_where():
     assert engine_error({"command": NEAR}) == (
         "engines.bad.command",
         "unknown placeholder {oops} at character 44 (near 'prefix {bundle} {output} {oops} "
-        "--and-a-long-suffi'); known: {bundle}, {mode}, {budget}, {output}, {gpus}, {python}; "
+        "--and-a-long-suffi'); known: {bundle}, {mode}, {budget}, {output}, {batch}, {gpus}, {python}; "
         "for a brace the shell should see, write it twice ({{ or }})")
     assert engine_error({"command": "awk '{print}' {bundle} {output}"}) == (
         "engines.bad.command",
         "unknown placeholder {print} at character 6 (near \"awk '{print}' {bundle} {output\"); known: {bundle}, {mode}, "
-        "{budget}, {output}, {gpus}, {python}; for a brace the shell should see, write it twice ({{ or }})")
+        "{budget}, {output}, {batch}, {gpus}, {python}; for a brace the shell should see, write it twice ({{ or }})")
     assert engine_error({"command": "run {bundle} {output} }"}) == (
         "engines.bad.command",
         "stray '}' at character 23 (near 'run {bundle} {output} }'); "
@@ -221,8 +221,14 @@ def test_command_template_errors_say_where():
         "placeholder {bundle!r} at character 5 (near 'run {bundle!r} {output}') has a conversion or format "
         "spec; write {bundle}: values are shell-quoted strings")
     assert engine_error({"command": "run {bundle:>9} {output}"})[1].startswith("placeholder {bundle:>9} at ch")
-    assert engine_error({"command": "run {bundle}"}) == ("engines.bad.command", "must use {bundle} and {output}")
-    assert engine_error({"command": "run {output}"}) == ("engines.bad.command", "must use {bundle} and {output}")
+    single = "must use {bundle} and {output} (or {bundle} and {batch}: several runs in one process)"
+    assert engine_error({"command": "run {bundle}"}) == ("engines.bad.command", single)
+    assert engine_error({"command": "run {output}"}) == ("engines.bad.command", single)
+    assert engine_error({"command": "run {batch}"}) == (
+        "engines.bad.command", "a batch command (one with {batch}) must use {bundle}")
+    assert engine_error({"command": "run {bundle} {batch} --mode {mode} {output}"}) == (
+        "engines.bad.command", "a batch command (one with {batch}) cannot use {mode}, {output}: each run's mode, "
+        "budget and output are in the batch listing")
 
 
 def test_escaped_braces_before_placeholders_are_skipped():

@@ -115,6 +115,11 @@ except ConfigError as err:
 MODELS = sorted(CASES)
 # Models whose weights are a slice of the user's checkpoint (rule import_checkpoint), not synthetic.
 IMPORTED_MODELS = [m for m in MODELS if "source" in CASES[m]["model"]]
+# Batch engines (a command with {batch}) run every mode of a bundle in one job (rules engine_batch_<engine>);
+# the modes of each, in the order its runs are listed to it.
+BATCH_ENGINES = [name for name, e in ENGINES.items() if e["batch"]]
+ENGINE_MODES = {name: [mode for e, m, p, mode in engine_runs({name: ENGINES[name]}, config["decoding"]["ddtree"]["budgets"])
+                       if (m, p) == (ENGINES[name]["models"][0], ENGINES[name]["precisions"][0])] for name in ENGINES}
 # (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
 NOISE_MODELS = noise_models(ENGINES, RUNS)
 
@@ -234,11 +239,11 @@ def engine_sources(engine):
     return [p for p in engine_source_paths(engine) if not p.endswith(".py")]
 
 
-def engine_code(script, *modules):
-    """stage_code per {engine}, with the meaning of the engine's own Python sources."""
+def engine_code(script, *modules, engine=None):
+    """stage_code per {engine} (or for `engine`), with the meaning of the engine's own Python sources."""
 
     def digest(wildcards):
-        python = [p for p in ENGINES[wildcards.engine]["source_files"] if p.endswith(".py")]
+        python = [p for p in ENGINES[engine or wildcards.engine]["source_files"] if p.endswith(".py")]
         return code_digest([*stage_files(script, *modules), *python], workflow.basedir)
 
     return digest
@@ -261,12 +266,17 @@ def slurm_partition(gpus):
     return (config["slurm"]["gpu_partition"] or config["slurm"]["partition"]) if gpus else config["slurm"]["partition"]
 
 
-def engine_run_inputs(wildcards):
+def engine_inputs(engine):
     """The engine's sources, and its build stamp when it has a build step."""
-    inputs = {"sources": engine_sources(wildcards.engine)}
-    if ENGINES[wildcards.engine]["build"]:
-        inputs["stamp"] = engine_stamp(wildcards.engine)
+    inputs = {"sources": engine_sources(engine)}
+    if ENGINES[engine]["build"]:
+        inputs["stamp"] = engine_stamp(engine)
     return inputs
+
+
+def engine_run_inputs(wildcards):
+    """engine_inputs of the {engine} wildcard."""
+    return engine_inputs(wildcards.engine)
 
 
 def import_sources(wildcards):

@@ -1,6 +1,7 @@
 # Engine runs (docs/engine-contract.md): an optional build per engine, then one run per
 # (engine, model, precision, mode), each wrapped by k2vec.engines.runner: time limit, GPU lease,
-# and a result file whatever happens. An engine's sources are declared by its own jobs only (other
+# and a result file whatever happens. A batch engine (a command with {batch}) makes every run of a
+# bundle in one job and one process (rule engine_batch_<engine>), each run still with its own limit and result. An engine's sources are declared by its own jobs only (other
 # files as inputs, Python files by meaning: common.smk engine_code), so editing a kernel reruns
 # exactly that engine's runs and the report.
 
@@ -27,6 +28,8 @@ rule engine_build:
 
 
 rule engine_run:
+    wildcard_constraints:
+        engine="|".join(e for e in ENGINES if e not in BATCH_ENGINES) or "^$",
     input:
         unpack(engine_run_inputs),
         bundle=bundle_kdtr(),
@@ -50,7 +53,47 @@ rule engine_run:
         code=engine_code("engine_run.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.pipeline.stage"),
         # The engine's own settings only: changing another engine's settings reruns nothing here.
         engine=lambda wc: engine_settings(wc.engine),
+        name="{engine}",
+        modes=[],   # one run: its {mode}
         # the engine's working directory, removed after an ok run (docs/engine-contract.md section 2)
         scratch="results/scratch/{engine}/{model}-{precision}-{mode}",
     script:
         "../scripts/engine_run.py"
+
+
+def _of_engine(function, engine):
+    """`function(engine)` as an input or params function of a rule made for one engine."""
+    return lambda wildcards: function(engine)
+
+
+for _engine in BATCH_ENGINES:
+
+    rule:
+        name:
+            f"engine_batch_{_engine}"
+        input:
+            unpack(_of_engine(engine_inputs, _engine)),
+            bundle=bundle_kdtr(),
+        output:
+            [run_result(_engine, mode=mode) for mode in ENGINE_MODES[_engine]],
+        log:
+            engine=f"results/logs/runs/{_engine}/{{model}}-{{precision}}.engine.log",
+            runner=f"results/logs/runs/{_engine}/{{model}}-{{precision}}.log",
+        benchmark:
+            f"results/benchmarks/runs/{_engine}/{{model}}-{{precision}}.tsv"
+        conda:
+            "../envs/pipeline.yaml"
+        resources:
+            gpu=ENGINES[_engine]["gpus"],
+            gpu_model=_of_engine(lambda e: config["slurm"]["gpu_model"] if ENGINES[e]["gpus"] else None, _engine),
+            slurm_partition=_of_engine(lambda e: slurm_partition(ENGINES[e]["gpus"]), _engine),
+        params:
+            code=engine_code("engine_run.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.pipeline.stage",
+                             engine=_engine),
+            engine=engine_settings(_engine),
+            name=_engine,
+            # the runs' modes, in the order of the outputs
+            modes=ENGINE_MODES[_engine],
+            scratch=f"results/scratch/{_engine}/{{model}}-{{precision}}",
+        script:
+            "../scripts/engine_run.py"

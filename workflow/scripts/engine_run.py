@@ -1,18 +1,20 @@
-"""Run one engine on one bundle through the contract; always writes a result (ok or failed)."""
+"""Run one engine on one bundle through the contract: one run (rule engine_run), or every run of the bundle
+in one process (rules engine_batch_<engine>); always writes a result per run (ok or failed)."""
 import sys
 
 from k2vec.engines.gpus import device_pool
-from k2vec.engines.runner import run_engine
+from k2vec.engines.runner import run_engine_batch
 from k2vec.pipeline.stage import stage_logging
 
 with stage_logging(snakemake.log.runner, "engine_run") as log:
     engine = snakemake.params.engine
-    result = run_engine(
-        engine=snakemake.wildcards.engine,
+    # rule engine_run: the {mode} wildcard; a batch rule: every mode of the engine, as its outputs are ordered
+    modes = snakemake.params.modes if snakemake.params.modes else [snakemake.wildcards.mode]
+    results = run_engine_batch(
+        engine=snakemake.params.name,
         command=engine["command"],
         bundle=snakemake.input.bundle,
-        mode=snakemake.wildcards.mode,
-        output=snakemake.output[0],
+        runs=list(zip(modes, snakemake.output)),
         gpus=engine["gpus"],
         # The pool (config `gpus`) is read here, not declared as params: which devices are visible is no
         # input of a result (the one used is recorded in it), so changing them must rerun nothing.
@@ -27,5 +29,6 @@ with stage_logging(snakemake.log.runner, "engine_run") as log:
         stderr_path=snakemake.log.engine,
         python=sys.executable,
     )
-    log.info("%s %s: %s%s (%.2f s)", result["engine"], result["mode"], result["status"],
-             f" - {result['reason']}" if result["reason"] else "", result.get("wall_s", 0.0))
+    for result in results:
+        log.info("%s %s: %s%s (%.2f s)", result["engine"], result["mode"], result["status"],
+                 f" - {result['reason']}" if result["reason"] else "", result.get("wall_s", 0.0))

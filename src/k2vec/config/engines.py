@@ -23,7 +23,9 @@ ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "tim
                                    "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
                                    "sandbox": True, "precision": "float32", "requires": [],
                                    "requires_commands": [], "requires_check": None, "ddtree_budgets": None}
-_PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
+_PLACEHOLDERS = ("bundle", "mode", "budget", "output", "batch", "gpus", "python")
+# What a single run's command names that a batch engine reads from its {batch} listing instead.
+_PER_RUN = ("mode", "budget", "output")
 # The largest value of each numeric limit (the schema's maxima, kept equal by a test): a run or build
 # that may wait a week waits long enough; 64 GiB is far above any result file yet fits int64 bytes.
 # (1e308 once reached int() in the runner: OverflowError, no result, the engine left running.)
@@ -123,8 +125,16 @@ def resolve_engines(config: dict[str, Any], basedir: str, defined: Iterable[str]
             require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v <= top,
                     f"{key}.{k}", f"must be a number above 0 and at most {top:g}, got {v!r}")
         fields = check_command_template(e["command"], f"{key}.command")
-        require("output" in fields and "bundle" in fields, f"{key}.command",
-                 "must use {bundle} and {output}")
+        # a batch engine (docs/engine-contract.md section 2) serves every run of a bundle in one process
+        e["batch"] = "batch" in fields
+        if e["batch"]:
+            per_run = [f"{{{f}}}" for f in _PER_RUN if f in fields]
+            require("bundle" in fields, f"{key}.command", "a batch command (one with {batch}) must use {bundle}")
+            require(not per_run, f"{key}.command", f"a batch command (one with {{batch}}) cannot use "
+                    f"{', '.join(per_run)}: each run's mode, budget and output are in the batch listing")
+        else:
+            require("output" in fields and "bundle" in fields, f"{key}.command",
+                    "must use {bundle} and {output} (or {bundle} and {batch}: several runs in one process)")
         for m in e["models"]:
             require(m in config["models"], f"{key}.models", f"unknown model {m!r}")
         budgets = config["decoding"]["ddtree"]["budgets"]

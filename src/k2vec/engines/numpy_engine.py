@@ -7,6 +7,7 @@ transformer math is the reference model's (k2vec.reference), as the engine contr
 
     python -m k2vec.engines.numpy_engine --bundle B.kdtr --mode greedy|ddtree|score --budget N --output R.json
         [--precision bfloat16|float16|fp8]
+    python -m k2vec.engines.numpy_engine --bundle B.kdtr --batch LISTING.json   (every run of the bundle)
 
 --precision emulates an engine of that precision (k2vec.model.precision: its values rounded to the format
 at the op boundaries of ENGINE_SCHEDULE, a schedule the noise model does not use); the default computes
@@ -24,12 +25,13 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
 from k2vec.ddtree.drafter import RecordedDrafts
-from k2vec.engines.cli import contract_parser, write_output
+from k2vec.engines.cli import contract_parser, contract_runs, write_output
 from k2vec.engines.contract.modes import CONTRACT_MODES
 from k2vec.engines.contract.serialize import ddtree_round, greedy_prompt, score_prompt
 from k2vec.errors import K2VecError
@@ -100,22 +102,45 @@ class BundleWeights(Mapping[str, np.ndarray]):
         return sum(1 for _ in self)
 
 
-def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceModel], None] | None = None,
-        precision: str | None = None) -> dict:
-    """The result object of one contract run; `install(model)`, when given, changes the model before it decodes;
+@dataclass
+class Loaded:
+    """A bundle opened and its reference model built, for any number of runs on it."""
+
+    bundle: object
+    meta: dict
+    prompts: list[np.ndarray]
+    model: ReferenceModel
+    load_s: float
+
+
+def load(bundle_path: str, install: Callable[[ReferenceModel], None] | None = None,
+         precision: str | None = None) -> Loaded:
+    """Open the bundle and build its model; `install(model)`, when given, changes the model before it decodes;
     `precision` (a k2vec.model.precision format) emulates an engine of it."""
     rounding = EXACT if precision is None else ENGINE_SCHEDULE.rounder(get_format(precision))
     t0 = time.perf_counter()
     bundle = open_bundle(bundle_path)
     meta = bundle.metadata
-    decoding = meta["decoding"]
-    n_prompts = meta["golden"]["prompts"]
-    prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"]) for i in range(n_prompts)]
+    prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"]) for i in range(meta["golden"]["prompts"])]
     model = ReferenceModel(meta["hf_config"], BundleWeights(bundle, meta["quantization"]), dtype=np.float64,
                            latent_norm_eps=meta["golden"]["reference"]["latent_norm_eps"],
                            weight_cache_bytes=WEIGHT_CACHE_BYTES, rounding=rounding)  # the golden stage's cache
     if install is not None:
         install(model)
+    return Loaded(bundle, meta, prompts, model, time.perf_counter() - t0)
+
+
+def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceModel], None] | None = None,
+        precision: str | None = None) -> dict:
+    """The result object of one contract run (load, then decode)."""
+    return decode(load(bundle_path, install, precision), mode, budget, precision)
+
+
+def decode(loaded: Loaded, mode: str, budget: int, precision: str | None = None, load_s: float | None = None) -> dict:
+    """The result object of one run on a loaded bundle; `load_s`: the load time to report (default: the load's)."""
+    bundle, meta, prompts, model = loaded.bundle, loaded.meta, loaded.prompts, loaded.model
+    decoding = meta["decoding"]
+    n_prompts = len(prompts)
     t_load = time.perf_counter()
     n_new = decoding["max_new_tokens"]
     if mode == "greedy":
@@ -145,7 +170,7 @@ def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceMo
     return {"format": "k2vec-engine-result", "version": 1,
             "device": f"cpu ({platform.machine()}, numpy {np.__version__}, "
                       f"{'float64' if precision is None else precision + ' emulated in float64'})",
-            "timing": {"load_s": t_load - t0, "decode_s": t_end - t_load},
+            "timing": {"load_s": loaded.load_s if load_s is None else load_s, "decode_s": t_end - t_load},
             "runs": runs}
 
 
@@ -153,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = contract_parser(__doc__.splitlines()[0])
     ap.add_argument("--precision", choices=list(FORMATS), help="emulate an engine of this precision (default: float64)")
     args = ap.parse_args(argv)
-    result = run(args.bundle, args.mode, args.budget, precision=args.precision)
-    write_output(args.output, result)
+    runs = contract_runs(ap, args)
+    loaded = load(args.bundle, precision=args.precision)
+    for i, r in enumerate(runs):   # the bundle is loaded once: the first result carries the load time
+        write_output(r.output, decode(loaded, r.mode, r.budget, args.precision, load_s=None if i == 0 else 0.0))
     return 0
 
 

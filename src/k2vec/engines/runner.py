@@ -1,10 +1,16 @@
-"""Run one engine on one bundle, under a time limit, and always leave a valid result file.
+"""Run one engine on one bundle, under a time limit, and always leave a valid result file per run.
 
 Whatever the engine does (crash, hang, no output, invalid or hostile JSON, wrong token counts) and
-whatever state its bundle is in, the run ends with a result JSON at the final path: the engine's own
+whatever state its bundle is in, each run ends with a result JSON at its final path: the engine's own
 result marked `status: ok`, or a result with `status: failed`, the reason and the tail of the
 engine's stderr. So one broken engine run never stops the others, and the report shows it as a
 FAILED row.
+
+A single-run engine (its command takes {mode}, {budget} and {output}) is started once per run. A batch
+engine (its command takes {batch}: docs/engine-contract.md section 2, "Several runs in one process") is
+started once for all the runs of a bundle and writes their results in order; each run keeps its own time
+limit, counted from the previous run's result, and a run that hangs or crashes fails alone: the engine is
+started again on the runs after it.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ from k2vec.engines.gpus import GpuError, identify, lease
 from k2vec.engines.isolation import (Reaper, fresh_scratch, make_read_only, make_undumpable, remove_tree,
                                      sandbox_command, sandbox_problem)
 
-PLACEHOLDERS = ("bundle", "mode", "budget", "output", "gpus", "python")
+PLACEHOLDERS = ("bundle", "mode", "budget", "output", "batch", "gpus", "python")
+# How often a batch engine's next result is looked for while it runs (it starts the next run's time limit).
+PROGRESS_POLL_S = 0.02
+BATCH_FORMAT = "k2vec-engine-batch"
 STDERR_TAIL_LINES = 20
 KILL_GRACE_S = 5.0
 # An engine log (its stdout and stderr) past 64 MiB keeps its last 4 MiB.
@@ -64,10 +73,16 @@ def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def is_batch_command(command: str) -> bool:
+    """A batch engine's command takes {batch}: every run of a bundle in one process."""
+    return "{batch}" in command
+
+
 @dataclass(frozen=True)
 class Finished:
     """How the engine process ended: rc None when killed at the time limit; epoch seconds around it;
-    how many processes it left behind (all killed), and why some could not be, if so."""
+    how many processes it left behind (all killed), and why some could not be, if so; `marks`: the
+    epoch seconds at which each watched result appeared, in order (as many as appeared)."""
 
     rc: int | None
     started_at: float
@@ -75,6 +90,7 @@ class Finished:
     wall_s: float
     leftovers: int | None
     leftover_problem: str | None
+    marks: tuple[float, ...] = ()
 
 
 def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
@@ -96,32 +112,55 @@ def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
     return proc.wait()
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the engine's process group, SIGKILL it KILL_GRACE_S later, and reap the engine."""
+    for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            _wait(proc, grace)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
 def _run_with_limit(argv: Sequence[str], env: dict[str, str], cwd: Path, stderr_path: Path,
-                    timeout_s: float) -> Finished:
+                    timeout_s: float, watch: Sequence[Path] = ()) -> Finished:
     """Run `argv` in its own process group; on timeout kill the whole group. Then kill every process
-    the engine left, in any session or group (the runner adopts them as child subreaper)."""
+    the engine left, in any session or group (the runner adopts them as child subreaper).
+
+    `watch`: the result paths of a batch, in order. Each one that appears starts the next run's
+    `timeout_s`; without them the limit is the process's."""
     with open(stderr_path, "ab") as err, Reaper() as reaper:
         started_at, start = time.time(), time.perf_counter()
         proc = subprocess.Popen(list(argv), stdout=err, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd,
                                 env=env, start_new_session=True)
-        try:
-            rc = _wait(proc, timeout_s)
-        except subprocess.TimeoutExpired:
-            for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    _wait(proc, grace)
-                    break
-                except subprocess.TimeoutExpired:
+        marks: list[float] = []
+        deadline = start + timeout_s
+        rc: int | None = None
+        while True:
+            step = deadline - time.perf_counter()
+            if len(marks) < len(watch):
+                step = min(step, PROGRESS_POLL_S)
+            try:
+                rc = _wait(proc, max(0.0, step))
+            except subprocess.TimeoutExpired:
+                while len(marks) < len(watch) and watch[len(marks)].exists():
+                    marks.append(time.time())
+                    deadline = time.perf_counter() + timeout_s
+                if time.perf_counter() < deadline:
                     continue
-            proc.wait()
-            rc = None
+                _kill_group(proc)
+                rc = None
+            break
         ended_at, wall = time.time(), time.perf_counter() - start
+        while len(marks) < len(watch) and watch[len(marks)].exists():   # written since the last look
+            marks.append(ended_at)
         leftovers, problem = reaper.kill_leftovers()
-    return Finished(rc, started_at, ended_at, wall, leftovers, problem)
+    return Finished(rc, started_at, ended_at, wall, leftovers, problem, tuple(marks))
 
 
 def _gpu_environment(assigned: Sequence[str]) -> dict[str, str]:
@@ -151,118 +190,205 @@ def check_bundle_unchanged(bundle: str, sha256: str) -> None:
                             f"after): the engine or another process wrote into it; the result is not trusted")
 
 
-def run_engine(*, engine: str, command: str, bundle: str, mode: str, output: str,
-               gpus: int, devices: Sequence[str], lock_dir: str, timeout_s: float, stderr_path: str,
-               max_result_mb: float, scratch_dir: str, sandbox: bool = False, sandbox_required: bool = True,
-               results_dir: str | None = None, expect: Expectations | None = None,
-               extra_env: dict[str, str] | None = None, python: str = sys.executable) -> dict[str, Any]:
-    """Run the engine and write the final result (ok or failed) atomically to `output`.
+def run_engine(*, mode: str, output: str, **kwargs: Any) -> dict[str, Any]:
+    """One run: run_engine_batch with a single (mode, output)."""
+    return run_engine_batch(runs=[(mode, output)], **kwargs)[0]
 
-    The engine runs in `scratch_dir` (wiped first; removed after an ok run, kept after a failed one
-    for inspection) and writes its result there; no process it starts outlives the run. `sandbox`:
-    under bubblewrap, with `results_dir` hidden but for the bundle and the scratch directory; where
-    bubblewrap cannot run, the run fails (`sandbox_required`, an explicit `sandbox: true`) or runs
-    unsandboxed and its result says why (`sandbox_problem`: an engine left at the default).
+
+@dataclass
+class _Run:
+    """One run of a job: its final result path, where the engine writes it, and what the runner knows."""
+
+    mode: str
+    output: Path
+    partial: Path
+    record: dict[str, Any]
+    final: dict[str, Any] | None = None
+    text: str = ""
+
+
+def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[tuple[str, str]],
+                     gpus: int, devices: Sequence[str], lock_dir: str, timeout_s: float, stderr_path: str,
+                     max_result_mb: float, scratch_dir: str, sandbox: bool = False, sandbox_required: bool = True,
+                     results_dir: str | None = None, expect: Expectations | None = None,
+                     extra_env: dict[str, str] | None = None, python: str = sys.executable) -> list[dict[str, Any]]:
+    """Run the engine on `runs` ((mode, output) pairs, all of one bundle) and write each final result (ok or
+    failed) atomically to its output; returns them in order.
+
+    The engine runs in `scratch_dir` (wiped first; removed after a job whose runs are all ok, kept otherwise
+    for inspection) and writes its results there; no process it starts outlives the job. A single-run
+    command is started once per run; a batch command ({batch}) once for all, and again on the runs after one
+    that hung or crashed. Each run has `timeout_s` (in a batch, from the previous run's result).
+    `sandbox`: under bubblewrap, with `results_dir` hidden but for the bundle and the scratch directory; where
+    bubblewrap cannot run, the job fails (`sandbox_required`, an explicit `sandbox: true`) or runs
+    unsandboxed and its results say why (`sandbox_problem`: an engine left at the default).
     `results_dir`: also where the integrity key lives (digests.integrity_key_path), read before the
-    engine starts; the result then gets a keyed record beside it. `max_result_mb`: larger result files
+    engine starts; each result then gets a keyed record beside it. `max_result_mb`: larger result files
     are refused before they are read. `expect`: what a valid result holds; None (the pipeline) reads it
     from the bundle after verifying the bundle's checksums."""
-    kind, budget = parse_mode(mode)
+    batch = is_batch_command(command)
     if sandbox and results_dir is None:
         raise ValueError("sandbox needs results_dir: the directory hidden from the engine")
     # Before the engine exists: the key is in this process's memory while the engine runs, and a
     # process of the same uid must not read it there (a sandboxed engine sees no other process at all).
     make_undumpable()
     key = load_or_create_key(integrity_key_path(results_dir)) if results_dir is not None else None
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(scratch_dir).resolve()
     stderr_file = Path(stderr_path)
     stderr_file.parent.mkdir(parents=True, exist_ok=True)
     stderr_file.write_bytes(b"")
-    record: dict[str, Any] = {"engine": engine, "bundle": str(bundle), "mode": mode, "budget": budget,
-                              "sandbox": sandbox, "sandbox_problem": None}
+    jobs: list[_Run] = []
+    for mode, output in runs:
+        kind, budget = parse_mode(mode)
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # a single run writes out/result.json, as it always has; a batch's runs one file each
+        partial = scratch / "out" / (f"{mode}.json" if batch else "result.json")
+        jobs.append(_Run(mode, out, partial, {"engine": engine, "bundle": str(bundle), "mode": mode,
+                                              "budget": budget, "sandbox": sandbox, "sandbox_problem": None}))
     try:
         dirs = fresh_scratch(scratch)
     except OSError as err:
-        # What the last run left cannot be removed (a file it made immutable, chattr +i): a failed row
-        # that says where, and no engine run on top of it.
-        final = _failed(record, f"cannot clear the scratch directory {scratch} that an earlier run left: {err} "
-                        f"(remove it by hand, e.g. chattr -R -i, then rerun)", stderr_file, None)
-        write_result(out, json.dumps(final, sort_keys=True) + "\n", key)
-        return final
+        # What the last run left cannot be removed (a file it made immutable, chattr +i): failed rows
+        # that say where, and no engine run on top of it.
+        for r in jobs:
+            r.final = _failed(r.record, f"cannot clear the scratch directory {scratch} that an earlier run left: "
+                              f"{err} (remove it by hand, e.g. chattr -R -i, then rerun)", stderr_file, None)
+            write_result(r.output, json.dumps(r.final, sort_keys=True) + "\n", key)
+        return [r.final for r in jobs]
     # A runner killed with its job leaves the marker behind: the next start removes the directory.
     in_use = claim_directory(scratch)
-    partial = dirs["out"] / "result.json"
     bundle_path = Path(bundle).resolve()   # the engine's working directory is its scratch directory
     try:
         bundle_sha256 = verify_bundle(bundle)
-        record["inputs"] = {"bundle": {"path": str(bundle), "sha256": bundle_sha256}}
+        shared: dict[str, Any] = {"inputs": {"bundle": {"path": str(bundle), "sha256": bundle_sha256}}}
         if expect is None:
             expect = expectations_from_bundle(bundle, verify=False)   # verify_bundle just checked every tensor
         if sandbox and (problem := sandbox_problem()) is not None:
             if sandbox_required:
                 raise InvalidResult(f"sandbox: true, but {problem}")
             sandbox = False
-            record.update(sandbox=False, sandbox_problem=problem)
+            shared.update(sandbox=False, sandbox_problem=problem)
         if bundle_path.exists():
             make_read_only(bundle_path)
         with lease(gpus, devices, lock_dir) as assigned:
             env = {**os.environ, **(extra_env or {}), **(_gpu_environment(assigned) if gpus else {}),
                    "TMPDIR": str(dirs["tmp"]), "K2VEC_WORKDIR": os.getcwd()}
-            cmd = format_command(command, bundle=bundle_path, mode=kind, budget=budget, output=partial,
-                                 gpus=",".join(assigned), python=python)
-            if sandbox:
-                hidden = Path(str(results_dir)).resolve()
-                build = hidden / "engines" / engine   # what its build step made (rule engine_build), if anything
-                cache = hidden / "cache" / engine     # its own, kept across its runs (compiled kernels)
-                cache.mkdir(parents=True, exist_ok=True)
-                argv = sandbox_command(cmd, bundle=bundle_path, scratch=scratch, home=dirs["home"], hidden=hidden,
-                                       build=build if build.is_dir() else None, cache=cache)
-            else:
-                argv = ["bash", "-c", cmd]
-            record["gpus"] = assigned
             # asked before the engine starts, so that a run the GPU made fail still names the GPU
-            record["gpu_devices"], record["gpu_identity_error"] = identify(assigned)
-            record["command"] = cmd
-            done = _run_with_limit(argv, env, dirs["work"], stderr_file, timeout_s)
-        record.update(started_at=done.started_at, ended_at=done.ended_at, wall_s=round(done.wall_s, 6),
-                      leftover_processes_killed=done.leftovers)
-        if done.leftover_problem is not None:
-            raise InvalidResult(done.leftover_problem)
-        rc = done.rc
-        check_bundle_unchanged(bundle, bundle_sha256)
-        if rc is None:
-            raise InvalidResult(f"timed out after {timeout_s:g} s (killed)")
-        if rc != 0:
-            how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-            raise InvalidResult(f"engine {how}")
-        result = read_result(partial, int(max_result_mb * 2**20))
-        check_result(result, mode, expect)
-        final = {**result, **record, "status": "ok", "reason": None}
-        try:
-            text = json.dumps(final, sort_keys=True, allow_nan=False)
-        except ValueError:   # 1e999 read as inf in a key the schema leaves free
-            raise InvalidResult("result holds a number too large for a float (read as infinity)") from None
-    except (InvalidResult, GpuError) as err:   # no devices for it: a failed row too, not a crash
-        final = _failed(record, str(err), stderr_file, scratch)
-        text = json.dumps(final, sort_keys=True)
+            shared["gpus"] = assigned
+            shared["gpu_devices"], shared["gpu_identity_error"] = identify(assigned)
+            for r in jobs:
+                r.record.update(shared)
+            pending = list(jobs)
+            while pending:
+                attempt = pending if batch else pending[:1]
+                pending = _attempt(attempt, batch=batch, engine=engine, command=command, bundle=bundle,
+                                   bundle_path=bundle_path, bundle_sha256=bundle_sha256, assigned=assigned,
+                                   python=python, sandbox=sandbox, results_dir=results_dir, dirs=dirs,
+                                   scratch=scratch, env=env, stderr_file=stderr_file, timeout_s=timeout_s,
+                                   max_result_mb=max_result_mb, expect=expect) + pending[len(attempt):]
+    except (InvalidResult, GpuError) as err:   # no devices for it: failed rows too, not a crash
+        for r in jobs:
+            if r.final is None:
+                r.final = _failed(r.record, str(err), stderr_file, scratch)
+                r.text = json.dumps(r.final, sort_keys=True)
     cap_log(stderr_file)
-    try:
-        write_result(out, text + "\n", key)
-    except OSError as err:
-        if err.errno != errno.ENOSPC:
-            raise
-        # The engine's own output is the likeliest thing that filled the disk: make room, then say so.
+    all_ok = all(r.final["status"] == "ok" for r in jobs)
+    for r in jobs:
+        if r.final["status"] != "ok":   # kept for inspection: what the engine wrote is there
+            r.final["scratch_kept"] = str(scratch)
+            r.text = json.dumps(r.final, sort_keys=True)
+        try:
+            write_result(r.output, r.text + "\n", key)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            # The engine's own output is the likeliest thing that filled the disk: make room, then say so.
+            remove_tree(scratch)
+            all_ok = False
+            r.final = _failed(r.record, f"no space left on device for the result ({err.strerror}); its scratch "
+                              f"directory was removed to make room", stderr_file, None)
+            write_result(r.output, json.dumps(r.final, sort_keys=True) + "\n", key)
+    if all_ok:
         remove_tree(scratch)
-        final = _failed(record, f"no space left on device for the result ({err.strerror}); its scratch directory "
-                        f"was removed to make room", stderr_file, None)
-        write_result(out, json.dumps(final, sort_keys=True) + "\n", key)
-    if final["status"] == "ok":
-        remove_tree(scratch)
-    elif final["scratch_kept"]:
-        in_use.unlink(missing_ok=True)   # kept for inspection until this run's next attempt
-    return final
+    elif scratch.exists():
+        in_use.unlink(missing_ok=True)   # kept for inspection until this job's next attempt
+    return [r.final for r in jobs]
+
+
+def _attempt(attempt: list[_Run], *, batch: bool, engine: str, command: str, bundle: str, bundle_path: Path,
+             bundle_sha256: str, assigned: Sequence[str], python: str, sandbox: bool, results_dir: str | None,
+             dirs: dict[str, Path], scratch: Path, env: dict[str, str], stderr_file: Path, timeout_s: float,
+             max_result_mb: float, expect: Expectations) -> list[_Run]:
+    """Start the engine once on `attempt` and settle every run of it that it finished or that made it stop;
+    returns the runs left to start it again on (a batch's runs after one that hung or crashed)."""
+    first = attempt[0]
+    if batch:
+        listing = dirs["out"] / "batch.json"
+        listing.write_text(json.dumps({"format": BATCH_FORMAT, "version": 1, "bundle": str(bundle_path),
+                                       "runs": [{"mode": parse_mode(r.mode)[0], "budget": r.record["budget"],
+                                                 "output": str(r.partial)} for r in attempt]}, indent=1))
+        cmd = format_command(command, bundle=bundle_path, batch=listing, gpus=",".join(assigned), python=python)
+    else:
+        cmd = format_command(command, bundle=bundle_path, mode=parse_mode(first.mode)[0],
+                             budget=first.record["budget"], output=first.partial, gpus=",".join(assigned),
+                             python=python)
+    if sandbox:
+        hidden = Path(str(results_dir)).resolve()
+        build = hidden / "engines" / engine   # what its build step made (rule engine_build), if anything
+        cache = hidden / "cache" / engine     # its own, kept across its runs (compiled kernels)
+        cache.mkdir(parents=True, exist_ok=True)
+        argv = sandbox_command(cmd, bundle=bundle_path, scratch=scratch, home=dirs["home"], hidden=hidden,
+                               build=build if build.is_dir() else None, cache=cache)
+    else:
+        argv = ["bash", "-c", cmd]
+    done = _run_with_limit(argv, env, dirs["work"], stderr_file, timeout_s,
+                           watch=[r.partial for r in attempt] if batch else ())
+    # each run's span: from the previous run's result (the first: the start) to its own (the last: the exit)
+    ends = [*done.marks[:len(attempt) - 1], *[done.ended_at] * (len(attempt) - min(len(done.marks), len(attempt) - 1))]
+    starts = [done.started_at, *ends[:-1]]
+    stop: str | None = None   # why the engine stopped before writing every result
+    if done.rc is None:
+        stop = f"timed out after {timeout_s:g} s (killed)"
+    elif done.rc != 0:
+        stop = f"engine {f'killed by signal {-done.rc}' if done.rc < 0 else f'exited with code {done.rc}'}"
+    # what makes every run of the attempt untrustworthy: a process that survived SIGKILL, a bundle changed
+    spoiled = done.leftover_problem
+    if spoiled is None:
+        try:
+            check_bundle_unchanged(bundle, bundle_sha256)
+        except InvalidResult as err:
+            spoiled = str(err)
+    retry: list[_Run] = []
+    blamed = False
+    for i, r in enumerate(attempt):
+        wall = (ends[i] - starts[i]) if batch else done.wall_s
+        r.record.update(command=cmd, started_at=starts[i], ended_at=ends[i], wall_s=round(wall, 6),
+                        leftover_processes_killed=done.leftovers)
+        present = r.partial.exists() or r.partial.is_symlink()
+        try:
+            if spoiled is not None:
+                raise InvalidResult(spoiled)
+            if stop is not None and (not present or not batch):
+                if blamed:   # a batch's run after the one that stopped it: not started or not finished
+                    retry.append(r)
+                    continue
+                blamed = True
+                raise InvalidResult(stop)
+            if not present and batch:
+                raise InvalidResult(f"engine exited 0 but wrote no result file at {r.partial} (batch run {i + 1} "
+                                    f"of {len(attempt)})")
+            result = read_result(r.partial, int(max_result_mb * 2**20))
+            check_result(result, r.mode, expect)
+            r.final = {**result, **r.record, "status": "ok", "reason": None}
+            try:
+                r.text = json.dumps(r.final, sort_keys=True, allow_nan=False)
+            except ValueError:   # 1e999 read as inf in a key the schema leaves free
+                raise InvalidResult("result holds a number too large for a float (read as infinity)") from None
+        except InvalidResult as err:
+            r.final = _failed(r.record, str(err), stderr_file, None)
+            r.text = json.dumps(r.final, sort_keys=True)
+    return retry
 
 
 def _failed(record: dict[str, Any], reason: str, stderr_file: Path, scratch: Path | None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from k2vec.engines import numpy_engine
-from k2vec.engines.cli import contract_parser, write_output
+from k2vec.engines.cli import contract_parser, contract_runs, write_output
 from k2vec.model.precision import FORMATS
 from k2vec.mutation.catalogue import injected
 
@@ -21,9 +21,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the fault of the mutant catalogue to inject (docs/mutants.md)")
     ap.add_argument("--precision", choices=list(FORMATS), help="the numpy engine's emulated precision (default: float64)")
     args = ap.parse_args(argv)
-    with injected(args.mutant) as install:
-        result = numpy_engine.run(args.bundle, args.mode, args.budget, install, precision=args.precision)
-    write_output(args.output, result)
+    for r in contract_runs(ap, args):   # a fresh model per run: a fault may keep state in it
+        with injected(args.mutant) as install:
+            result = numpy_engine.run(args.bundle, r.mode, r.budget, install, precision=args.precision)
+        write_output(r.output, result)
     return 0
 
 
