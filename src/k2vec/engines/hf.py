@@ -7,6 +7,7 @@ module's own code (docs/int4-format.md). Prompts run one at a time: prefill, the
 through transformers' KV cache (docs/engine-contract.md: greedy and score modes).
 
     python -m k2vec.engines.hf --bundle B.kdtr --mode greedy|score --budget 0 --output R.json
+    python -m k2vec.engines.hf --bundle B.kdtr --batch LISTING.json   (every run of the bundle)
         [--dtype float32|bfloat16] [--gpus {gpus}]
 
 `--gpus` empty (a `gpus: 0` entry) runs on the CPU; a device list runs on `cuda:0`, the first device the
@@ -20,6 +21,7 @@ import inspect
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -27,7 +29,8 @@ import torch
 import transformers
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from k2vec.engines.cli import contract_parser, write_output
+from k2vec.engines.cli import contract_parser, contract_runs, write_output
+from k2vec.errors import K2VecError
 from k2vec.kdtr import open_bundle
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -168,44 +171,67 @@ def score(model, recorder, prompt: np.ndarray, golden: np.ndarray, n_new: int, t
     return out
 
 
-def run(bundle_path: str, mode: str, dtype: str, device: str) -> dict:
+@dataclass
+class Loaded:
+    """A bundle's transformers model, for any number of runs on it."""
+
+    meta: dict
+    bundle: object
+    prompts: list[np.ndarray]
+    model: DeepseekV3ForCausalLM
+    recorder: Recorder
+    device: torch.device
+    started_at: float
+    load_s: float
+
+
+def load(bundle_path: str, dtype: str, device: str) -> Loaded:
     started_at = time.time()
     t0 = time.perf_counter()
     torch.set_float32_matmul_precision("highest")  # no TF32 on GPUs: float32 must mean float32
     dev = torch.device(device)
     bundle = open_bundle(bundle_path)
     meta = bundle.metadata
-    n_new, top_k = meta["decoding"]["max_new_tokens"], meta["decoding"]["top_k"]
-    n_prompts = meta["golden"]["prompts"]
-    prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"], dtype=np.int64) for i in range(n_prompts)]
+    prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"], dtype=np.int64) for i in range(meta["golden"]["prompts"])]
     model = load_model(bundle, meta, DTYPES[dtype], dev)
-    recorder = Recorder(model)
+    return Loaded(meta, bundle, prompts, model, Recorder(model), dev, started_at, time.perf_counter() - t0)
+
+
+def decode(loaded: Loaded, mode: str, dtype: str, first: bool = True) -> dict:
+    """One run on a loaded bundle; `first`: the process's first run, which reports the load (later ones: 0 s)."""
+    started_at = loaded.started_at if first else time.time()
     t_load = time.perf_counter()
+    meta, bundle, prompts, model, recorder, dev = (loaded.meta, loaded.bundle, loaded.prompts, loaded.model,
+                                                   loaded.recorder, loaded.device)
+    n_new, top_k = meta["decoding"]["max_new_tokens"], meta["decoding"]["top_k"]
     if mode == "greedy":
         results = [greedy(model, recorder, p, n_new, top_k) for p in prompts]
     elif mode == "score":  # golden.p{i}.tokens: the only golden tensor an engine may read, in score mode only
         results = [score(model, recorder, p, np.asarray(bundle[f"golden.p{i}.tokens"]), n_new, top_k)
                    for i, p in enumerate(prompts)]
     else:
-        raise SystemExit(f"k2vec.engines.hf: mode {mode!r} is not supported (greedy, score)")
+        raise K2VecError(f"k2vec.engines.hf: mode {mode!r} is not supported (greedy, score)")
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t_end = time.perf_counter()
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.machine()})"
     return {"format": "k2vec-engine-result", "version": 1,
             "device": f"{where}, transformers {transformers.__version__}, torch {torch.__version__}, {dtype}",
-            "timing": {"load_s": t_load - t0, "decode_s": t_end - t_load,
+            "timing": {"load_s": loaded.load_s if first else 0.0, "decode_s": t_end - t_load,
                        "started_at": started_at, "ended_at": time.time()},
             "runs": [{"drafter": None, "prompts": results}]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = contract_parser(__doc__.splitlines()[0], modes=("greedy", "score"))   # no DDTree mode
+    modes = ("greedy", "score")   # no DDTree mode
+    ap = contract_parser(__doc__.splitlines()[0], modes=modes)
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--gpus", default="", help="the runner's {gpus}: empty runs on the CPU, else on cuda:0")
     args = ap.parse_args(argv)
-    result = run(args.bundle, args.mode, args.dtype, "cuda:0" if args.gpus.strip() else "cpu")
-    write_output(args.output, result)
+    runs = contract_runs(ap, args, modes)
+    loaded = load(args.bundle, args.dtype, "cuda:0" if args.gpus.strip() else "cpu")   # once for every run
+    for i, r in enumerate(runs):
+        write_output(r.output, decode(loaded, r.mode, args.dtype, first=i == 0))
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python -m k2vec.engines.gpu_triton --bundle B.kdtr --mode greedy|ddtree|score --budget N --output R.json
         [--dtype float32|bfloat16] [--device cuda:0]
+    python -m k2vec.engines.gpu_triton --bundle B.kdtr --batch LISTING.json [...]   (every run of the bundle)
 
 Reads only the bundle, onto one device (`cuda:0`: the runner's CUDA_VISIBLE_DEVICES picks the GPU;
 `cpu` runs the same code under TRITON_INTERPRET=1 for tests). docs/gpu-engine.md describes it.
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from k2vec.ddtree.drafter import RecordedDrafts
-from k2vec.engines.cli import contract_parser, write_output
+from k2vec.engines.cli import contract_parser, contract_runs, write_output
 from k2vec.engines.gpu_triton.ddtree import ddtree_decode
 from k2vec.engines.gpu_triton.model import Segment, Transformer
 from k2vec.kdtr import open_bundle
@@ -77,7 +79,20 @@ def gpu_identity(device: torch.device) -> dict | None:
     return {"name": props.name, "uuid": f"GPU-{props.uuid}"}
 
 
-def run(bundle_path: str, mode: str, budget: int, dtype: str, device: str) -> dict:
+@dataclass
+class Loaded:
+    """A bundle's model on the device, for any number of runs on it."""
+
+    meta: dict
+    bundle: object
+    prompts: list[np.ndarray]
+    model: Transformer
+    device: torch.device
+    started_at: float
+    load_s: float
+
+
+def load(bundle_path: str, dtype: str, device: str) -> Loaded:
     started_at = time.time()
     t0 = time.perf_counter()
     torch.set_float32_matmul_precision("highest")  # no TF32: the float32 mode must match the golden
@@ -85,13 +100,25 @@ def run(bundle_path: str, mode: str, budget: int, dtype: str, device: str) -> di
     bundle = open_bundle(bundle_path)
     meta = bundle.metadata
     decoding = meta["decoding"]
-    n_new = decoding["max_new_tokens"]
     prompts = [np.asarray(bundle[f"prompt.p{i}.tokens"], dtype=np.int64) for i in range(meta["golden"]["prompts"])]
-    block = decoding["ddtree"]["block_size"]
-    model = Transformer(bundle, meta, DTYPES[dtype], dev, max(p.size for p in prompts) + n_new + block + 1)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    sync()
+    longest = max(p.size for p in prompts) + decoding["max_new_tokens"] + decoding["ddtree"]["block_size"] + 1
+    model = Transformer(bundle, meta, DTYPES[dtype], dev, longest)
+    _sync(dev)
+    return Loaded(meta, bundle, prompts, model, dev, started_at, time.perf_counter() - t0)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def decode(loaded: Loaded, mode: str, budget: int, dtype: str, first: bool = True) -> dict:
+    """One run on a loaded bundle; `first`: the process's first run, which reports the load (later ones: 0 s)."""
+    started_at = loaded.started_at if first else time.time()
     t_load = time.perf_counter()
+    meta, bundle, prompts, model, dev = loaded.meta, loaded.bundle, loaded.prompts, loaded.model, loaded.device
+    decoding = meta["decoding"]
+    n_new = decoding["max_new_tokens"]
     if mode == "greedy":
         runs = [{"drafter": None, "prompts": greedy_decode(model, prompts, n_new, decoding["top_k"])}]
     elif mode == "score":
@@ -109,11 +136,11 @@ def run(bundle_path: str, mode: str, budget: int, dtype: str, device: str) -> di
             out = ddtree_decode(model, prompts, drafts, budget, n_new)
             runs.append({"drafter": {"accuracy": accuracy},
                          "prompts": [{"tokens": t, "rounds": [r.to_json() for r in rounds]} for t, rounds in out]})
-    sync()
+    _sync(dev)
     t_end = time.perf_counter()
     return {"format": "k2vec-engine-result", "version": 1, "device": device_description(dev, dtype),
             "gpu": gpu_identity(dev),
-            "timing": {"load_s": t_load - t0, "decode_s": t_end - t_load,
+            "timing": {"load_s": loaded.load_s if first else 0.0, "decode_s": t_end - t_load,
                        "started_at": started_at, "ended_at": time.time()},
             "runs": runs}
 
@@ -123,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda:0", help="cuda:0 (default) or cpu (with TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
-    result = run(args.bundle, args.mode, args.budget, args.dtype, args.device)
-    write_output(args.output, result)
+    runs = contract_runs(ap, args)
+    loaded = load(args.bundle, args.dtype, args.device)   # once: every run of a batch shares the model
+    for i, r in enumerate(runs):
+        write_output(r.output, decode(loaded, r.mode, r.budget, args.dtype, first=i == 0))
     return 0
 
 
