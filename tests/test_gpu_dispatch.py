@@ -28,7 +28,11 @@ def test_dry_run_without_devices_lists_no_gpu_job_and_one_notice(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stderr.count(NOTICE) == 1, res.stderr[-2000:]
     assert "results/runs/gpu_" not in res.stdout
-    assert scheduled_jobs(res.stdout)["engine_run"] == 24 + 16 + 24  # the numpy, transformers and native engines' runs only
+    jobs = scheduled_jobs(res.stdout)
+    # the numpy and transformers engines' bundles (batch engines) and the native engine's runs only
+    assert {r: n for r, n in jobs.items() if r.startswith("engine_")} == {
+        "engine_batch_numpy": 4, "engine_batch_hf_fp32": 4, "engine_batch_hf_bf16": 4, "engine_build": 1,
+        "engine_run": 24}, jobs
 
 
 def test_dry_run_with_fake_devices_schedules_gpu_engines(tmp_path):
@@ -37,10 +41,11 @@ def test_dry_run_with_fake_devices_schedules_gpu_engines(tmp_path):
                     env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "k2vec: no run of GPU engine" not in res.stderr
-    outputs = re.findall(r"output: (results/runs/\S+)", res.stdout)
+    outputs = [o for line in re.findall(r"^\s+output: (.*)$", res.stdout, re.M) for o in line.split(", ")]
     assert sum(o.startswith("results/runs/gpu_fp32/") for o in outputs) == 24
     assert sum(o.startswith("results/runs/gpu_bf16/") for o in outputs) == 24
-    assert scheduled_jobs(res.stdout)["engine_run"] == 72 + 16 + 24  # with the transformers and native engines
+    jobs = scheduled_jobs(res.stdout)
+    assert jobs["engine_batch_gpu_fp32"] == jobs["engine_batch_gpu_bf16"] == 4, jobs   # one job per bundle
 
 
 def _max_running(log: str, rule: str) -> int:

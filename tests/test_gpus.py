@@ -42,6 +42,22 @@ def test_multi_gpu_lease_is_disjoint(tmp_path, monkeypatch):
                 pass
 
 
+def test_jobs_per_device_shares_a_device_up_to_its_count(tmp_path, monkeypatch):
+    """gpus.jobs_per_device: 3 leases of one device at once, a fourth waits; a 2-GPU lease still gets two
+    distinct devices."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with lease(1, ["0"], tmp_path, jobs_per_device=3) as a, lease(1, ["0"], tmp_path, jobs_per_device=3) as b, \
+            lease(1, ["0"], tmp_path, jobs_per_device=3) as c:
+        assert a == b == c == ["0"]
+        with pytest.raises(GpuError, match="no 1 free device"):
+            with lease(1, ["0"], tmp_path, timeout_s=0.2, jobs_per_device=3):
+                pass
+    with lease(2, ["0", "1"], tmp_path / "two", jobs_per_device=4) as both:
+        assert sorted(both) == ["0", "1"]
+        with lease(2, ["0", "1"], tmp_path / "two", jobs_per_device=4) as again:
+            assert sorted(again) == ["0", "1"]
+
+
 def _hold_then_die(lock_dir):
     with lease(1, ["0"], lock_dir):
         os.kill(os.getpid(), 9)

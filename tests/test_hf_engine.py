@@ -82,4 +82,7 @@ def test_dry_run_without_transformers_leaves_hf_engines_out_with_one_notice(tmp_
     assert "results/runs/hf_" not in res.stdout
     with_hf = snakemake("-n", "--directory", str(tmp_path), cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     assert "k2vec: no run of engine(s)" not in with_hf.stderr
-    assert scheduled_jobs(with_hf.stdout)["engine_run"] == scheduled_jobs(res.stdout)["engine_run"] + 16
+    # each transformers engine: one batch job per bundle (its greedy and score runs); none while left out
+    jobs = scheduled_jobs(with_hf.stdout)
+    assert jobs["engine_batch_hf_fp32"] == jobs["engine_batch_hf_bf16"] == 4, jobs
+    assert not any(rule.startswith("engine_batch_hf") for rule in scheduled_jobs(res.stdout))

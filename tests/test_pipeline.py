@@ -98,6 +98,40 @@ def test_disk_estimate_bounds_the_run_within_twice(pipeline):
     assert len(written) <= files, (len(written), files)
 
 
+# Single-run forms of the batch engines: the same engine, one process per run.
+SINGLE_RUN = {
+    "numpy": "OPENBLAS_NUM_THREADS=1 {python} -m k2vec.engines.numpy_engine --bundle {bundle} --mode {mode} "
+             "--budget {budget} --output {output}",
+    "hf_fp32": "OMP_NUM_THREADS=1 {python} -m k2vec.engines.hf --dtype float32 --gpus {gpus} --bundle {bundle} "
+               "--mode {mode} --budget {budget} --output {output}",
+}
+
+
+@pytest.mark.parametrize("engine", [e if e == "numpy" else pytest.param(e, marks=pytest.mark.slow) for e in SINGLE_RUN])
+def test_batch_results_equal_single_run_results(pipeline, tmp_path, engine):
+    """The default run's batch engine (every mode of a bundle in one process) and the same engine run once per
+    run write the same results, byte for byte, but for the command and the clock."""
+    root, env = pipeline
+    config = default_config()
+    single = f"{engine}_single"
+    config["engines"] = {single: {**config["engines"][engine], "command": SINGLE_RUN[engine]}}
+    overlay = write_config(tmp_path / "single.yaml", {"engines": config["engines"]})
+    batch = sorted((root / "results/runs" / engine).glob("*.json"))
+    assert batch
+    targets = [f"results/runs/{single}/{p.name}" for p in batch]
+    res = snakemake("--cores", "2", "--configfile", str(overlay), *targets, snakefile=root / "Snakefile", cwd=root,
+                    env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "engine_batch" not in res.stdout and f"engine_batch_{engine}" not in res.stderr
+    clock = {"engine", "command", "started_at", "ended_at", "wall_s", "timing", "scratch_kept"}
+    for p in batch:
+        a, b = (json.loads(q.read_text()) for q in (p, root / "results/runs" / single / p.name))
+        assert a["status"] == b["status"] == "ok", p.name
+        assert "--batch" in a["command"] and "--mode" in b["command"]
+        assert {k: v for k, v in a.items() if k not in clock} == {k: v for k, v in b.items() if k not in clock}, p.name
+    shutil.rmtree(root / "results/runs" / single)   # later tests count the default run's engines
+
+
 # ------------------------------------------------------------------------------------- bundles
 
 def test_bundles_byte_identical_across_runs(pipeline, tmp_path):

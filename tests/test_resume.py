@@ -30,6 +30,9 @@ def tiny_config() -> dict:
     engine = config["engines"]["numpy"]
     config["engines"] = {"numpy": engine}
     engine["precisions"] = ["int4"]
+    # one run per process (rule engine_run): the hold below follows the greedy run's {mode}
+    engine["command"] = ("OPENBLAS_NUM_THREADS=1 {python} -m k2vec.engines.numpy_engine --bundle {bundle} --mode {mode} "
+                         "--budget {budget} --output {output}")
     # unsandboxed: the held engine announces its pid in a file outside its scratch directory
     engine["sandbox"] = False
     # With the variable set, the greedy run's engine stays alive after writing its result until killed.

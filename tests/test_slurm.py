@@ -162,7 +162,8 @@ def test_every_job_went_through_sbatch_with_its_partition_and_gpus(runs):
     assert all(j["state"] == "COMPLETED" and j["partition"] == PARTITION for j in jobs.values()), jobs
     # config slurm.partition reached every rule, the trivial ones ran in the main process
     assert {re.search(r"rule_(\w+)/", line)[1] for line in re.findall(r"has been submitted with SLURM jobid.*", runs["log"])} \
-        == {"weights", "quantize", "export_compressed_tensors", "golden", "bundle", "format_effect", "engine_run", "report"}
+        == {"weights", "quantize", "export_compressed_tensors", "golden", "bundle", "format_effect", "engine_batch_numpy",
+            "engine_run", "report"}
     assert all(j["workdir"] == str(runs["remote"]) for j in jobs.values()), jobs
     # sbatch --gpus=fake:1 for each probe run, no GPU for anything else
     gpu_jobs = {p["slurm_job_id"] for p in probe_runs(runs["remote"])}

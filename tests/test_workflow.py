@@ -123,11 +123,11 @@ def test_copied_checkout_with_its_results_reruns_nothing(built_workflow, tmp_pat
 # Editing a package module's code schedules exactly the stages that run it, and what follows them.
 # On the one-model test config: 2 precisions, 6 modes (greedy, 4 DDTree budgets, score) for the numpy
 # engine, and the format-effect run (the int4 golden model forced on the fp32 golden).
-AFTER_GOLDEN = {"bundle": 2, "engine_run": 12, "report": 1, "all": 1}
+AFTER_GOLDEN = {"bundle": 2, "engine_batch_numpy": 2, "report": 1, "all": 1}
 # The int4 side of one model: its quantization, prompts (re-checked under int4), golden, bundle and 6
 # numpy runs, and the format effect.
-INT4_SIDE = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 1, "bundle": 1, "engine_run": 6,
-             "format_effect": 1, "report": 1, "all": 1}
+INT4_SIDE = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 1, "bundle": 1,
+             "engine_batch_numpy": 1, "format_effect": 1, "report": 1, "all": 1}
 # The prompts stage runs per precision (each re-draws prompts near-tied under its own weights).
 AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 2, "golden": 2, "format_effect": 1,
                  **AFTER_GOLDEN}
@@ -144,7 +144,7 @@ CODE_EDITS = [
     ("k2vec/reference/model.py", {"prompts": 2, "golden": 2, "format_effect": 1, **AFTER_GOLDEN}),
     ("k2vec/stages/bundle.py", AFTER_GOLDEN),
     # The numpy engine: its runs and the report (test_numpy_engine_code_change_reruns_only_its_runs).
-    ("k2vec/engines/numpy_engine.py", {"engine_run": 12, "report": 1, "all": 1}),
+    ("k2vec/engines/numpy_engine.py", {"engine_batch_numpy": 2, "report": 1, "all": 1}),
     # The report alone.
     ("k2vec/report/metrics.py", {"report": 1, "all": 1}),
     # A stage script: that stage and what follows.
@@ -196,7 +196,7 @@ def test_quantizer_code_change_schedules_nothing_on_the_fp32_side(built_workflow
     for rule, wildcards in jobs:
         by_rule.setdefault(rule, []).append(wildcards)
     assert sum(len(v) for v in by_rule.values()) == sum(scheduled_jobs(res.stdout).values())  # all parsed
-    for rule in ("prompts", "golden", "bundle", "engine_run"):
+    for rule in ("prompts", "golden", "bundle", "engine_batch_numpy"):
         assert by_rule[rule] and all(w["precision"] == "int4" for w in by_rule[rule]), (rule, by_rule[rule])
     assert "weights" not in by_rule
 
@@ -209,12 +209,16 @@ def test_numpy_engine_code_change_reruns_only_its_runs(built_workflow):
     res = dry_run_after_code_edit(built_workflow, "src/k2vec/engines/numpy_engine.py")
     jobs = scheduled_job_wildcards(res.stdout)
     assert len(jobs) == sum(scheduled_jobs(res.stdout).values())  # every job parsed
-    assert sorted({rule for rule, _ in jobs}) == ["all", "engine_run", "report"], scheduled_jobs(res.stdout)
+    assert sorted({rule for rule, _ in jobs}) == ["all", "engine_batch_numpy", "report"], scheduled_jobs(res.stdout)
     assert [rule for rule, _ in jobs].count("report") == 1
-    runs = sorted((w["engine"], w["model"], w["precision"], w["mode"]) for rule, w in jobs if rule == "engine_run")
-    # exactly the numpy engine's finished runs: both precisions, every mode
-    finished = sorted(("numpy", *p.stem.split("-", 2)) for p in (root / "results/runs/numpy").glob("*.json"))
-    assert len(finished) == 12 and runs == finished, runs
+    # one batch job per bundle: every mode of it in one process
+    bundles = sorted((w["model"], w["precision"]) for rule, w in jobs if rule == "engine_batch_numpy")
+    # exactly the bundles of the numpy engine's finished runs: both precisions, every mode
+    finished = [tuple(p.stem.split("-", 2)) for p in (root / "results/runs/numpy").glob("*.json")]
+    assert len(finished) == 12 and bundles == sorted({f[:2] for f in finished}), bundles
+    outputs = [o for line in re.findall(r"^\s+output: (.*)$", res.stdout, re.M) for o in line.split(", ")
+               if o.startswith("results/runs/numpy/")]
+    assert sorted(outputs) == sorted(f"results/runs/numpy/{'-'.join(f)}.json" for f in finished), outputs
 
 
 def test_comment_edit_upstream_reruns_nothing(built_workflow):
@@ -263,7 +267,7 @@ def test_quantization_change_reruns_quantization_not_weights(built_workflow, tmp
     # The fp32 side stays: weights, prompts, golden, bundle and runs. The int4 prompts are re-checked
     # against the new int4 weights, and the int4 side reruns from there.
     after_quantize = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 1, "bundle": 1,
-                      "engine_run": 6, "format_effect": 1, "report": 1, "all": 1}
+                      "engine_batch_numpy": 1, "format_effect": 1, "report": 1, "all": 1}
     assert jobs == {"case_section": 1, "case": 1, **after_quantize}
 
 
@@ -333,7 +337,7 @@ def test_deleted_files_are_rebuilt_by_a_plain_run(built_copy):
     for f in deleted:
         (root / f).unlink()
     jobs = dry_run(root, env)
-    assert {"engine_run", "golden", "bundle", "report"} <= set(jobs), jobs
+    assert {"engine_batch_numpy", "golden", "bundle", "report"} <= set(jobs), jobs
     res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     for f in ("results/golden/tiny/int4.kdtr", "results/bundles/tiny-fp32.kdtr"):
@@ -361,9 +365,9 @@ def test_visible_gpus_reschedule_no_finished_run(built_copy):
     for visible in ("0", "0,1"):
         res = snakemake("-n", snakefile=root / "Snakefile", cwd=root, env={**env, "CUDA_VISIBLE_DEVICES": visible})
         assert res.returncode == 0, res.stderr[-3000:]
-        runs = [w for rule, w in scheduled_job_wildcards(res.stdout) if rule == "engine_run"]
-        assert runs and {w["engine"] for w in runs} == {"gpu_fp32", "gpu_bf16"}, runs
-        scheduled[visible] = sorted(tuple(w.values()) for w in runs)
+        runs = [(rule, w) for rule, w in scheduled_job_wildcards(res.stdout) if rule.startswith("engine_")]
+        assert runs and {rule for rule, _ in runs} == {"engine_batch_gpu_fp32", "engine_batch_gpu_bf16"}, runs
+        scheduled[visible] = sorted((rule, *w.values()) for rule, w in runs)
     assert scheduled["0"] == scheduled["0,1"]
 
 

@@ -66,8 +66,10 @@ if workflow.local_exec:
     # (Only where GPU jobs remain: otherwise the limit is moot and stays as given.)
     _gpu_limit = workflow.global_resources.get("gpu").value
     _gpu_jobs = any(e["gpus"] for name, e in ENGINES.items() if name not in GPU_LEFT_OUT)
-    if _gpu_jobs and (_gpu_limit is None or _gpu_limit > len(GPU_DEVICES)):
-        workflow.register_resource("gpu", len(GPU_DEVICES))
+    # (gpus.jobs_per_device > 1 lets that many jobs share each device.)
+    _gpu_slots = len(GPU_DEVICES) * config["gpus"]["jobs_per_device"]
+    if _gpu_jobs and (_gpu_limit is None or _gpu_limit > _gpu_slots):
+        workflow.register_resource("gpu", _gpu_slots)
 # An engine whose packages (its `requires`) this interpreter cannot import could only fail: leave it
 # out too, in one line (the transformers engine where transformers or torch is not installed).
 MODULES_LEFT_OUT = engines_missing_modules(ENGINES)
@@ -118,8 +120,14 @@ IMPORTED_MODELS = [m for m in MODELS if "source" in CASES[m]["model"]]
 # Batch engines (a command with {batch}) run every mode of a bundle in one job (rules engine_batch_<engine>);
 # the modes of each, in the order its runs are listed to it.
 BATCH_ENGINES = [name for name, e in ENGINES.items() if e["batch"]]
-ENGINE_MODES = {name: [mode for e, m, p, mode in engine_runs({name: ENGINES[name]}, config["decoding"]["ddtree"]["budgets"])
-                       if (m, p) == (ENGINES[name]["models"][0], ENGINES[name]["precisions"][0])] for name in ENGINES}
+ENGINE_MODES = {
+    name: [
+        mode
+        for e, m, p, mode in engine_runs({name: ENGINES[name]}, config["decoding"]["ddtree"]["budgets"])
+        if (m, p) == (ENGINES[name]["models"][0], ENGINES[name]["precisions"][0])
+    ]
+    for name in ENGINES
+}
 # (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
 NOISE_MODELS = noise_models(ENGINES, RUNS)
 
@@ -272,6 +280,11 @@ def engine_inputs(engine):
     if ENGINES[engine]["build"]:
         inputs["stamp"] = engine_stamp(engine)
     return inputs
+
+
+def of_engine(function, engine):
+    """`function(engine)` as an input or resource function of a rule made for one engine (engine_batch_<engine>)."""
+    return lambda wildcards: function(engine)
 
 
 def engine_run_inputs(wildcards):

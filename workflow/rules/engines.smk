@@ -28,8 +28,6 @@ rule engine_build:
 
 
 rule engine_run:
-    wildcard_constraints:
-        engine="|".join(e for e in ENGINES if e not in BATCH_ENGINES) or "^$",
     input:
         unpack(engine_run_inputs),
         bundle=bundle_kdtr(),
@@ -40,6 +38,8 @@ rule engine_run:
         runner="results/logs/runs/{engine}/{model}-{precision}-{mode}.log",
     benchmark:
         "results/benchmarks/runs/{engine}/{model}-{precision}-{mode}.tsv"
+    wildcard_constraints:
+        engine="|".join(e for e in ENGINES if e not in BATCH_ENGINES) or "^$",
     conda:
         "../envs/pipeline.yaml"
     resources:
@@ -54,16 +54,11 @@ rule engine_run:
         # The engine's own settings only: changing another engine's settings reruns nothing here.
         engine=lambda wc: engine_settings(wc.engine),
         name="{engine}",
-        modes=[],   # one run: its {mode}
+        modes=[],  # one run: its {mode}
         # the engine's working directory, removed after an ok run (docs/engine-contract.md section 2)
         scratch="results/scratch/{engine}/{model}-{precision}-{mode}",
     script:
         "../scripts/engine_run.py"
-
-
-def _of_engine(function, engine):
-    """`function(engine)` as an input or params function of a rule made for one engine."""
-    return lambda wildcards: function(engine)
 
 
 for _engine in BATCH_ENGINES:
@@ -72,7 +67,7 @@ for _engine in BATCH_ENGINES:
         name:
             f"engine_batch_{_engine}"
         input:
-            unpack(_of_engine(engine_inputs, _engine)),
+            unpack(of_engine(engine_inputs, _engine)),
             bundle=bundle_kdtr(),
         output:
             [run_result(_engine, mode=mode) for mode in ENGINE_MODES[_engine]],
@@ -85,11 +80,12 @@ for _engine in BATCH_ENGINES:
             "../envs/pipeline.yaml"
         resources:
             gpu=ENGINES[_engine]["gpus"],
-            gpu_model=_of_engine(lambda e: config["slurm"]["gpu_model"] if ENGINES[e]["gpus"] else None, _engine),
-            slurm_partition=_of_engine(lambda e: slurm_partition(ENGINES[e]["gpus"]), _engine),
+            gpu_model=of_engine(lambda e: config["slurm"]["gpu_model"] if ENGINES[e]["gpus"] else None, _engine),
+            slurm_partition=of_engine(lambda e: slurm_partition(ENGINES[e]["gpus"]), _engine),
         params:
-            code=engine_code("engine_run.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.pipeline.stage",
-                             engine=_engine),
+            code=engine_code(
+                "engine_run.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.pipeline.stage", engine=_engine
+            ),
             engine=engine_settings(_engine),
             name=_engine,
             # the runs' modes, in the order of the outputs

@@ -20,6 +20,7 @@ with stage_logging(snakemake.log.runner, "engine_run") as log:
         # input of a result (the one used is recorded in it), so changing them must rerun nothing.
         devices=device_pool(snakemake.config["gpus"]["devices"]) if engine["gpus"] else [],
         lock_dir=snakemake.config["gpus"]["lock_dir"],
+        jobs_per_device=snakemake.config["gpus"]["jobs_per_device"],
         timeout_s=engine["timeout_s"],
         max_result_mb=engine["max_result_mb"],
         scratch_dir=snakemake.params.scratch,

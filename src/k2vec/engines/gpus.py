@@ -54,10 +54,15 @@ def device_pool(setting: str | Sequence[Any]) -> list[str]:
     return detect_devices() if setting == "auto" else [str(d) for d in setting]
 
 
+def _lock_name(dev: str, slot: int) -> str:
+    return f"gpu{dev}.lock" if slot == 0 else f"gpu{dev}.{slot}.lock"
+
+
 @contextlib.contextmanager
 def lease(count: int, devices: Sequence[str], lock_dir: str | os.PathLike,
-          timeout_s: float = 3600.0, poll_s: float = 0.05) -> Iterator[list[str]]:
-    """Hold `count` devices of `devices` exclusively for the duration of the `with` block.
+          timeout_s: float = 3600.0, poll_s: float = 0.05, jobs_per_device: int = 1) -> Iterator[list[str]]:
+    """Hold `count` distinct devices of `devices` for the duration of the `with` block, each shared with at most
+    `jobs_per_device - 1` other holders (one lock file per device and slot).
 
     Waits (polling) while fewer than `count` are free, up to `timeout_s`."""
     if count == 0:
@@ -82,13 +87,15 @@ def lease(count: int, devices: Sequence[str], lock_dir: str | os.PathLike,
     while True:
         held: list[tuple[str, int]] = []
         for dev in order:
-            fd = os.open(lock_dir / f"gpu{dev}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            held.append((dev, fd))
+            for slot in range(jobs_per_device):
+                fd = os.open(lock_dir / _lock_name(dev, slot), os.O_RDWR | os.O_CREAT, 0o666)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                held.append((dev, fd))
+                break
             if len(held) == count:
                 break
         if len(held) == count:

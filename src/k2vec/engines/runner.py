@@ -211,7 +211,8 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
                      gpus: int, devices: Sequence[str], lock_dir: str, timeout_s: float, stderr_path: str,
                      max_result_mb: float, scratch_dir: str, sandbox: bool = False, sandbox_required: bool = True,
                      results_dir: str | None = None, expect: Expectations | None = None,
-                     extra_env: dict[str, str] | None = None, python: str = sys.executable) -> list[dict[str, Any]]:
+                     extra_env: dict[str, str] | None = None, python: str = sys.executable,
+                     jobs_per_device: int = 1) -> list[dict[str, Any]]:
     """Run the engine on `runs` ((mode, output) pairs, all of one bundle) and write each final result (ok or
     failed) atomically to its output; returns them in order.
 
@@ -225,7 +226,8 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
     `results_dir`: also where the integrity key lives (digests.integrity_key_path), read before the
     engine starts; each result then gets a keyed record beside it. `max_result_mb`: larger result files
     are refused before they are read. `expect`: what a valid result holds; None (the pipeline) reads it
-    from the bundle after verifying the bundle's checksums."""
+    from the bundle after verifying the bundle's checksums. `jobs_per_device`: how many jobs may share a GPU
+    (config gpus.jobs_per_device)."""
     batch = is_batch_command(command)
     if sandbox and results_dir is None:
         raise ValueError("sandbox needs results_dir: the directory hidden from the engine")
@@ -271,7 +273,7 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
             shared.update(sandbox=False, sandbox_problem=problem)
         if bundle_path.exists():
             make_read_only(bundle_path)
-        with lease(gpus, devices, lock_dir) as assigned:
+        with lease(gpus, devices, lock_dir, jobs_per_device=jobs_per_device) as assigned:
             env = {**os.environ, **(extra_env or {}), **(_gpu_environment(assigned) if gpus else {}),
                    "TMPDIR": str(dirs["tmp"]), "K2VEC_WORKDIR": os.getcwd()}
             # asked before the engine starts, so that a run the GPU made fail still names the GPU
