@@ -60,7 +60,8 @@ def find_tree() -> tuple[Path, dict]:
     if not (tree / SCRIPT).is_file():
         raise ConverterError(
             f"llama.cpp's converter is not at {tree / SCRIPT}: llama-cpp-python's wheel does not ship it; "
-            f"run `{Path(sys.executable).name} -m k2vec.engines.llama_cpp.converter install` (docs/llama-cpp.md)")
+            f"run `python -m k2vec.engines.llama_cpp.converter install` with the pipeline's interpreter "
+            f"(docs/llama-cpp.md)")
     try:
         manifest = json.loads((tree / MANIFEST).read_text())
     except (OSError, ValueError) as err:
