@@ -8,8 +8,8 @@ Prompts run one at a time on the CPU: the prompt in one batch (every position an
 score). Choices that decide what is measured (docs/llama-cpp.md):
 - the KV cache is float32 (`type_k`/`type_v`): llama.cpp's default float16 cache rounds every cached latent
   and key, which moves the logits by about 1e-2, ten times float32's budget, and flips tokens;
-- `use_extra_bufts` is off: the CPU backend's repacked weight buffers (AMX and similar kernels) are left out,
-  as one of them died with SIGILL on a host whose CPU reports AMX; float32 weights are not repacked anyway;
+- `use_extra_bufts` is off: the CPU backend's repacked weight buffers (AMX and interleaved kernels) are left
+  out, as its AMX kernel for Q4_0 died with SIGILL on a CPU without AMX; float32 weights are not repacked anyway;
 - the model's q_a/kv_a layernorms use llama.cpp's own epsilon, `rms_norm_eps` (1e-5 here), where the golden
   uses 1e-6 (transformers' DeepseekV3RMSNorm default): a convention of llama.cpp's, named in the result's
   `device` and beside the engine's entry in config.yaml.
