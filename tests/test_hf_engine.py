@@ -82,6 +82,9 @@ def test_dry_run_without_transformers_leaves_hf_engines_out_with_one_notice(tmp_
     notice = "k2vec: no run of engine(s) hf_fp32, hf_bf16: k2vec_no_such_package not importable by"
     assert res.stderr.count(notice) == 1, res.stderr[-2000:]
     assert "results/runs/hf_" not in res.stdout
-    with_hf = snakemake("-n", "--directory", str(tmp_path), cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    plain = default_config()
+    plain["engines"]["llama_cpp"] = None
+    with_hf = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(write_config(tmp_path / "d.yaml", plain)),
+                        cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     assert not [line for line in with_hf.stderr.splitlines() if line.startswith("k2vec: no run of") and "hf_" in line]
     assert scheduled_jobs(with_hf.stdout)["engine_run"] == scheduled_jobs(res.stdout)["engine_run"] + 16
