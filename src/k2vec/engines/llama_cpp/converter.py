@@ -104,7 +104,8 @@ def extract(sdist: Path, into: Path, version: str) -> dict:
         with atomic_directory(into) as tmp:
             for m in members:
                 m.name = m.name[len(base):]
-            tar.extractall(tmp, members=members, filter="data")
+            # the "data" filter (no links out, no devices, no absolute names) where this Python has it (3.11.4+)
+            tar.extractall(tmp, members=members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
             manifest = {"llama_cpp_python": version, "llama_cpp_commit": commit, "sdist": sdist.name,
                         "sdist_sha256": digest.hexdigest(), "members": list(MEMBERS)}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
