@@ -5,7 +5,7 @@ The checkpoint is what the `weights` stage writes (config.json = the bundle's `h
 shard per decoder layer, k2vec.model.checkpoint), with the DeepSeek-V3 per-expert tensor names the converter
 reads; INT4 weights are dequantized to float32 by the numpy engine's BundleWeights, the values the golden is
 computed on. Greedy and score runs of one bundle, and every later run of it, share one conversion: the file is
-`$XDG_CACHE_HOME/k2vec-llama-cpp/<key>.gguf` (the runner points XDG_CACHE_HOME at results/cache/<engine>),
+`$XDG_CACHE_HOME/k2vec-llama-cpp/<key>.gguf` (a sandboxed run's XDG_CACHE_HOME is results/cache/<engine>),
 written under its final name only when complete, and made once at a time (a lock file per key).
 """
 
