@@ -85,8 +85,9 @@ def built_workflow(tmp_path_factory):
     root = copy_workflow(tmp_path_factory.mktemp("wf"))
     config = default_config()
     config["models"] = {"tiny": config["models"]["tiny"]}
-    # the transformers engine's runs are checked in test_pipeline.py, the native engine's in test_native_engine.py
-    for name in ("hf_fp32", "hf_bf16", "native"):
+    # the transformers engine's runs are checked in test_pipeline.py, the native engine's in test_native_engine.py,
+    # the llama.cpp engine's in test_llama_cpp_engine.py
+    for name in ("hf_fp32", "hf_bf16", "native", "llama_cpp"):
         del config["engines"][name]
     write_config(root / "config.yaml", config)
     env = {"PYTHONPATH": str(root / "src")}
