@@ -1,10 +1,11 @@
 """From an edit to a verdict: how long `snakemake` takes after a code edit, beside the engines' own decode time.
 
     python bench/loop.py WORKDIR [--cores N] [--configfile overlay.yaml] [--edits gpu,numpy,report,none] [--repeat R]
+        [--no-restore]
 
 WORKDIR is a checkout whose default run has finished (results/ complete). For each edit, a new function is
 appended to one file (a real code change: its meaning, so its code digest, changes), plain `snakemake --cores N`
-runs, and the file is restored (its own rerun is not timed). Edits:
+runs, and the file is restored (and, unless --no-restore, the results rebuilt for it, untimed). Edits:
   gpu     src/k2vec/engines/gpu_triton/kernels/w4a16.py   (a kernel: both GPU engines' runs and the report)
   numpy   src/k2vec/engines/numpy_engine.py               (the numpy engine's runs and the report)
   report  src/k2vec/report/metrics.py                     (the report only)
@@ -43,8 +44,7 @@ def rewritten_runs(workdir: Path, since: float) -> list[dict]:
 
 def snakemake(workdir: Path, args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     start = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True,
-                         env=None)
+    res = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True)
     return time.perf_counter() - start, res
 
 
@@ -53,7 +53,7 @@ def jobs_run(stdout: str, stderr: str) -> int:
     return int(m.group(2)) if m else 0
 
 
-def measure(workdir: Path, edit: str, cores: int, overlay: str | None, probe: int) -> dict:
+def measure(workdir: Path, edit: str, cores: int, overlay: str | None, probe: int, restore: bool = True) -> dict:
     args = ["--cores", str(cores)] + (["--configfile", overlay] if overlay else [])
     if edit == "none":
         wall, res = snakemake(workdir, ["-n", *args])
@@ -71,9 +71,10 @@ def measure(workdir: Path, edit: str, cores: int, overlay: str | None, probe: in
     if res.returncode != 0:
         raise SystemExit(res.stderr[-3000:])
     runs = rewritten_runs(workdir, since)
-    restore, res2 = snakemake(workdir, args)   # back to the unedited code's results (not timed)
-    if res2.returncode != 0:
-        raise SystemExit(res2.stderr[-3000:])
+    if restore:
+        _, res2 = snakemake(workdir, args)   # back to the unedited code's results (not timed)
+        if res2.returncode != 0:
+            raise SystemExit(res2.stderr[-3000:])
     return {"edit": edit, "wall_s": wall, "jobs": jobs_run(res.stdout, res.stderr), "runs": len(runs),
             "decode_s": sum((r.get("timing") or {}).get("decode_s", 0.0) for r in runs),
             "run_wall_s": sum(r.get("wall_s") or 0.0 for r in runs)}
@@ -86,11 +87,13 @@ def main() -> None:
     ap.add_argument("--configfile", default=None)
     ap.add_argument("--edits", default="numpy,report,none")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--no-restore", action="store_true", help="leave the results of the last edit (a later run redoes them)")
     args = ap.parse_args()
     rows = []
     for i in range(args.repeat):
         for edit in args.edits.split(","):
-            rows.append(measure(args.workdir.resolve(), edit, args.cores, args.configfile, probe=i))
+            rows.append(measure(args.workdir.resolve(), edit, args.cores, args.configfile, probe=time.time_ns(),
+                                restore=not args.no_restore))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print("| edit | wall s | jobs | engine runs | their decode s | their runner wall s |")
     print("|---|---|---|---|---|---|")
