@@ -88,7 +88,7 @@ def state():
 def test_catalogue_covers_the_issue():
     assert len(CATALOGUE) >= 24 and len(MUTANTS) == len(CATALOGUE)
     assert {m.area for m in CATALOGUE} == set(mutants.AREAS)
-    assert {"mla_latent_norm_eps_1e5", "yarn_ramp_swapped", "yarn_interpolation_skipped"} <= set(MUTANTS)
+    assert {"mla_latent_norm_eps_rms", "yarn_ramp_swapped", "yarn_interpolation_skipped"} <= set(MUTANTS)
     with pytest.raises(MutantError, match="unknown mutant 'nope'"):
         mutants.get("nope")
 

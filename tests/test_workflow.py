@@ -125,13 +125,14 @@ def test_copied_checkout_with_its_results_reruns_nothing(built_workflow, tmp_pat
 # On the one-model test config: 2 precisions, 6 modes (greedy, 4 DDTree budgets, score) for the numpy
 # engine, and the format-effect run (the int4 golden model forced on the fp32 golden).
 AFTER_GOLDEN = {"bundle": 2, "engine_batch_numpy": 2, "report": 1, "all": 1}
-# The int4 side of one model: its quantization, prompts (re-checked under int4), golden, bundle and 6
-# numpy runs, and the format effect.
-INT4_SIDE = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 1, "bundle": 1,
+# The int4 side of one model: its quantization, prompts (re-checked under int4), golden, its convention variant,
+# bundle and 6 numpy runs (one batch job), and the format effect.
+INT4_SIDE = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 1, "convention": 1, "bundle": 1,
              "engine_batch_numpy": 1, "format_effect": 1, "report": 1, "all": 1}
-# The prompts stage runs per precision (each re-draws prompts near-tied under its own weights).
-AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 2, "golden": 2, "format_effect": 1,
-                 **AFTER_GOLDEN}
+# The prompts stage runs per precision (each re-draws prompts near-tied under its own weights); each golden's
+# convention variant follows it.
+AFTER_WEIGHTS = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 2, "golden": 2, "convention": 2,
+                 "format_effect": 1, **AFTER_GOLDEN}
 CODE_EDITS = [
     ("k2vec/stages/weights.py", {"weights": 1, **AFTER_WEIGHTS}),
     ("k2vec/model/checkpoint.py", {"weights": 1, **AFTER_WEIGHTS}),
@@ -142,7 +143,7 @@ CODE_EDITS = [
     # Parse-time only: the resolved content is unchanged, so nothing reruns.
     ("k2vec/config/expand.py", {}),
     # The reference model: golden data and what follows, and the numpy engine (it shares the math).
-    ("k2vec/reference/model.py", {"prompts": 2, "golden": 2, "format_effect": 1, **AFTER_GOLDEN}),
+    ("k2vec/reference/model.py", {"prompts": 2, "golden": 2, "convention": 2, "format_effect": 1, **AFTER_GOLDEN}),
     ("k2vec/stages/bundle.py", AFTER_GOLDEN),
     # The numpy engine: its runs and the report (test_numpy_engine_code_change_reruns_only_its_runs).
     ("k2vec/engines/numpy_engine.py", {"engine_batch_numpy": 2, "report": 1, "all": 1}),
@@ -197,7 +198,7 @@ def test_quantizer_code_change_schedules_nothing_on_the_fp32_side(built_workflow
     for rule, wildcards in jobs:
         by_rule.setdefault(rule, []).append(wildcards)
     assert sum(len(v) for v in by_rule.values()) == sum(scheduled_jobs(res.stdout).values())  # all parsed
-    for rule in ("prompts", "golden", "bundle", "engine_batch_numpy"):
+    for rule in ("prompts", "golden", "convention", "bundle", "engine_batch_numpy"):
         assert by_rule[rule] and all(w["precision"] == "int4" for w in by_rule[rule]), (rule, by_rule[rule])
     assert "weights" not in by_rule
 
@@ -267,8 +268,8 @@ def test_quantization_change_reruns_quantization_not_weights(built_workflow, tmp
     jobs = dry_run_with(root, env, tmp_path, {"quantization": change})
     # The fp32 side stays: weights, prompts, golden, bundle and runs. The int4 prompts are re-checked
     # against the new int4 weights, and the int4 side reruns from there.
-    after_quantize = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 1, "bundle": 1,
-                      "engine_batch_numpy": 1, "format_effect": 1, "report": 1, "all": 1}
+    after_quantize = {"quantize": 1, "export_compressed_tensors": 1, "prompts": 1, "golden": 1, "convention": 1,
+                      "bundle": 1, "engine_batch_numpy": 1, "format_effect": 1, "report": 1, "all": 1}
     assert jobs == {"case_section": 1, "case": 1, **after_quantize}
 
 

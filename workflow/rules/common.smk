@@ -13,6 +13,7 @@ from k2vec.engines.isolation import sandbox_problem
 from k2vec.digests import integrity_key_path
 from k2vec.config.engines import (
     check_sandboxes,
+    convention_variants,
     noise_models,
     engine_runs,
     engines_failing_checks,
@@ -130,6 +131,8 @@ ENGINE_MODES = {
 }
 # (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
 NOISE_MODELS = noise_models(ENGINES, RUNS)
+# (model, precision, variant) of each convention variant (rule convention) the report judges an engine with.
+CONVENTION_VARIANTS = convention_variants(ENGINES, RUNS)
 
 
 wildcard_constraints:
@@ -139,6 +142,7 @@ wildcard_constraints:
     engine="|".join(ENGINES) or "^$",
     mode=r"greedy|score|ddtree-b\d+",
     precision_class="|".join(c for c in FORMATS),
+    convention=r"[a-z0-9_]+(\+[a-z0-9_]+)*",
 
 
 # Where each stage writes what other stages read, defined once: the rules' output: and input: take
@@ -180,6 +184,11 @@ def golden_kdtr(precision="{precision}", model="{model}"):
 def noise_kdtr(precision_class="{precision_class}", precision="{precision}", model="{model}"):
     """Rule noise."""
     return f"results/noise/{model}/{precision}-{precision_class}.kdtr"
+
+
+def convention_kdtr(convention="{convention}", precision="{precision}", model="{model}"):
+    """Rule convention."""
+    return f"results/conventions/{model}/{precision}-{convention}.kdtr"
 
 
 def bundle_kdtr(precision="{precision}", model="{model}"):
@@ -261,11 +270,11 @@ def engine_settings(engine):
     """An engine's settings as its runs' params, without the absolute paths its source globs resolved
     to (declared by engine_sources and engine_code): a moved or copied checkout with its results/ reruns nothing."""
     # ddtree_budgets and the requirements only say which runs exist: adding a budget (or a key, to every
-    # engine's defaults) must not rerun the others
+    # engine's defaults) must not rerun the others; conventions only say how the report judges them
     return {
         k: v
         for k, v in ENGINES[engine].items()
-        if k not in ("source_files", "ddtree_budgets", "requires_commands", "requires_check")
+        if k not in ("source_files", "ddtree_budgets", "requires_commands", "requires_check", "conventions")
     }
 
 
@@ -346,4 +355,6 @@ def run_record(engine, model, precision, mode):
         "result": run_result(engine, model, precision, mode),
         # the declared compute precision, not the bundle's fp32/int4: picks the report's budget
         "precision_class": ENGINES[engine]["precision"],
+        # the conventions it follows: judged against that variant of the reference (docs/report.md)
+        "conventions": ENGINES[engine]["conventions"],
     }

@@ -14,6 +14,8 @@ rule report:
         golden_sha256=expand(sha256_of(golden_kdtr()), model=MODELS, precision=PRECISIONS),
         noise=[noise_kdtr(c, p, m) for m, p, c in NOISE_MODELS],
         noise_sha256=[sha256_of(noise_kdtr(c, p, m)) for m, p, c in NOISE_MODELS],
+        conventions=[convention_kdtr(v, p, m) for m, p, v in CONVENTION_VARIANTS],
+        conventions_sha256=[sha256_of(convention_kdtr(v, p, m)) for m, p, v in CONVENTION_VARIANTS],
     output:
         html=report("results/report/divergence.html", caption="../report/divergence.rst", category="Divergence"),
         csv=report("results/report/divergence.csv", caption="../report/divergence_csv.rst", category="Divergence"),
@@ -38,6 +40,7 @@ rule report:
         runs=[run_record(*run) for run in RUNS] + [format_effect_record(m) for m in MODELS],
         goldens={f"{m}/{p}": golden_kdtr(p, m) for m in MODELS for p in PRECISIONS},
         noise={f"{m}/{p}/{c}": noise_kdtr(c, p, m) for m, p, c in NOISE_MODELS},
+        conventions={f"{m}/{p}/{v}": convention_kdtr(v, p, m) for m, p, v in CONVENTION_VARIANTS},
         near_tie=config["report"]["near_tie"],
         router_near_tie=config["report"]["router_near_tie"],
         fingerprint_rtol=config["report"]["fingerprint_rtol"],

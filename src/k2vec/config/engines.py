@@ -8,6 +8,7 @@ import re
 from typing import Any, Callable, Iterable
 
 from k2vec.config.expand import require
+from k2vec.model.conventions import CONVENTIONS, variant_key
 
 # -------------------------------------------------------------------------------------------- engines
 
@@ -22,7 +23,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "tim
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
                                    "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
                                    "sandbox": True, "precision": "float32", "requires": [],
-                                   "requires_commands": [], "requires_check": None, "ddtree_budgets": None}
+                                   "requires_commands": [], "requires_check": None, "ddtree_budgets": None,
+                                   "conventions": []}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "batch", "gpus", "python")
 # What a single run's command names that a batch engine reads from its {batch} listing instead.
 _PER_RUN = ("mode", "budget", "output")
@@ -144,6 +146,9 @@ def resolve_engines(config: dict[str, Any], basedir: str, defined: Iterable[str]
         require(not unknown, f"{key}.ddtree_budgets", f"budget(s) {unknown} not in decoding.ddtree.budgets "
                  f"{budgets}: the golden has DDTree traces for those budgets only")
         require(len(set(e["ddtree_budgets"])) == len(e["ddtree_budgets"]), f"{key}.ddtree_budgets", "has duplicates")
+        unknown = [c for c in e["conventions"] if c not in CONVENTIONS]
+        require(not unknown, f"{key}.conventions", f"unknown convention(s) {unknown}; known: "
+                f"{', '.join(CONVENTIONS)} (k2vec.model.conventions)")
         files: list[str] = []
         for pattern in e["sources"]:
             files.extend(source_glob(pattern, basedir, f"{key}.sources"))
@@ -256,6 +261,17 @@ def noise_models(engines: dict[str, dict[str, Any]], runs) -> list[tuple[str, st
     """The (model, precision, precision class) noise models the report needs: one per bundle that an
     engine of a reduced precision (anything but float32) runs on, among `runs` (engine_runs)."""
     return sorted({(m, p, engines[e]["precision"]) for e, m, p, _ in runs if engines[e]["precision"] != "float32"})
+
+
+def convention_variants(engines: dict[str, dict[str, Any]], runs) -> list[tuple[str, str, str]]:
+    """The (model, precision, variant) convention variants the report needs (k2vec.model.conventions,
+    variant_key): per bundle an engine runs on, the variant of the conventions it declares, or each known
+    convention where it declares none (what the report checks a failing engine against)."""
+    out = set()
+    for e, m, p, _ in runs:
+        declared = engines[e]["conventions"]
+        out.update((m, p, v) for v in ([variant_key(declared)] if declared else CONVENTIONS))
+    return sorted(out)
 
 
 def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int],

@@ -36,6 +36,7 @@ from typing import Any
 
 from k2vec.errors import ConfigError
 from k2vec.kdtr.format import DEFAULT_ALIGNMENT, ENTRY_SIZE, MAX_DIR_SIZE, align_up
+from k2vec.model.conventions import CONVENTIONS
 from k2vec.model.limits import CHUNK_VALUES, STREAM_BYTES, WEIGHT_CACHE_BYTES
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -213,7 +214,7 @@ def _result(m: dict[str, Any], config: dict[str, Any], mode: str) -> int:
 
 def output_disk(m: dict[str, Any], config: dict[str, Any], modes: list[str]) -> Need:
     """Disk of every output of one model whose runs are `modes` (a mode per engine run): checkpoints, INT4
-    files, goldens, noise models, bundles, run results and the format-effect table. An upper bound within
+    files, goldens, noise models, convention variants, bundles, run results and the format-effect table. An upper bound within
     about 2x of what a run writes (tests/test_pipeline.py measures the default config's)."""
     c = counts(m)
     q = config["quantization"]
@@ -224,7 +225,9 @@ def output_disk(m: dict[str, Any], config: dict[str, Any], modes: list[str]) -> 
     golden, golden_entries = _golden(m, config)
     padding = (2 * c.tensors + golden_entries) * _BUNDLE_ALIGN
     bundles = (4 * c.params + golden + padding) + (exported + golden + padding)
-    goldens = 2 * golden + 2 * (golden // 4)  # fp32 and int4, each with a noise model under a quarter of it
+    # fp32 and int4, each with a noise model under a quarter of it and a convention variant of each known
+    # convention (rule convention), a golden's size
+    goldens = 2 * golden * (1 + len(CONVENTIONS)) + 2 * (golden // 4)
     results = sum(_result(m, config, mode) for mode in modes)
     format_effect = 2 * _result(m, config, "greedy")
     total = 4 * c.params + int4 + exported + goldens + bundles + results + format_effect

@@ -15,6 +15,10 @@ ARCH_KEYS = (
     "qk_rope_head_dim", "v_head_dim", "rope_theta", "rope_scaling", "max_position_embeddings",
     "rms_norm_eps", "routed_scaling_factor", "norm_topk_prob",
 )
+# The Linear modules of the layout by their last name component (nn.Linear in transformers and DeepSeek's code,
+# LinearBase in vLLM), and `lm_head`. The router `mlp.gate` is its own module, the embedding an Embedding.
+LINEAR_MODULES = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                  "up_proj", "down_proj")
 
 
 def tensor_shapes(m: dict[str, Any]) -> dict[str, list[int]]:

@@ -3,14 +3,17 @@
 A module name is a tensor name without its trailing `.weight`. Matching follows compressed-tensors
 (`utils/match.py`): a pattern starting with `re:` is a regular expression applied with `re.match`
 (anchored at the start only); the bare word `Linear` targets every linear projection; any other
-pattern must equal the module name. Like DeepSeek's remote code, the router `mlp.gate` is not a
-Linear module and is never quantized.
+pattern must equal the module name. The Linear modules are the architecture's
+(k2vec.model.architecture.LINEAR_MODULES, `kv_a_proj_with_mqa` among them, and `lm_head`); like DeepSeek's
+remote code, the router `mlp.gate` is not a Linear module and is never quantized.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Iterable
+
+from k2vec.model.architecture import LINEAR_MODULES
 
 # Named schemes. `default` quantizes every SwiGLU MLP (dense, shared and routed experts);
 # `k2-checkpoint` reproduces the ignore list of the released Kimi K2 Thinking checkpoint,
@@ -33,7 +36,7 @@ SCHEMES: dict[str, dict[str, list[str]]] = {
 
 
 def is_linear(module: str) -> bool:
-    return module == "lm_head" or module.endswith("_proj")
+    return module == "lm_head" or module.rpartition(".")[2] in LINEAR_MODULES
 
 
 def _matches(module: str, pattern: str) -> bool:

@@ -28,10 +28,12 @@ import numpy as np
 
 from k2vec.ddtree.tree import Tree
 from k2vec.errors import K2VecError
+from k2vec.model.conventions import CONVENTIONS
 from k2vec.model.int4 import round_to_bf16
 from k2vec.reference import model as ref
 from k2vec.reference import speculative
-from k2vec.reference.model import KVCache, ReferenceModel, rope_parameters, rope_tables, yarn_get_mscale
+from k2vec.reference.model import (HF_LATENT_NORM_EPS, KVCache, ReferenceModel, rope_parameters, rope_tables,
+                                   yarn_get_mscale)
 
 AREAS = ("int4", "rope", "mla", "router", "experts", "head", "ddtree")
 
@@ -107,6 +109,10 @@ def _decoding(m, q, precision, kind, budget) -> bool:
 
 def _q_lora(m, q, precision, kind, budget) -> bool:
     return m.get("q_lora_rank") is not None
+
+
+def _latent_eps_differs(m, q, precision, kind, budget) -> bool:
+    return CONVENTIONS["latent_norm_eps_rms"].settings(m)["latent_norm_eps"] != HF_LATENT_NORM_EPS
 
 
 def _moe(m, q, precision, kind, budget) -> bool:
@@ -265,8 +271,10 @@ def _rope_decode_position(p, model):
 
 # ------------------------------------------------------------------------------------------- MLA
 
-def _latent_eps_1e5(p, model):
-    p.set(model, "latent_norm_eps", 1e-5)
+def _latent_eps_rms(p, model):
+    # the convention's own variant (what the report recognises), set on the engine's model
+    for name, value in CONVENTIONS["latent_norm_eps_rms"].settings(model.config).items():
+        p.set(model, name, value)
 
 
 def _softmax_no_mscale(p, model):
@@ -478,8 +486,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("rope_decode_position_off_by_one", "rope", _decoding, _rope_decode_position,
        "decode steps placed at cache length - 1: each new token at its predecessor's position",
        "the decode position taken as the last position instead of the next one"),
-    _m("mla_latent_norm_eps_1e5", "mla", _q_lora, _latent_eps_1e5,
-       "q_a_layernorm / kv_a_layernorm epsilon 1e-5 instead of 1e-6",
+    _m("mla_latent_norm_eps_rms", "mla", _latent_eps_differs, _latent_eps_rms,
+       "q_a_layernorm / kv_a_layernorm epsilon rms_norm_eps (1e-5 in the presets) instead of 1e-6",
        "vLLM/SGLang passing config.rms_norm_eps to the latent norms, where transformers uses 1e-6"),
     _m("mla_softmax_no_mscale", "mla", _mscale_softmax, _softmax_no_mscale,
        "softmax scale qk_head_dim**-0.5 without YaRN's mscale(factor, mscale_all_dim)**2",

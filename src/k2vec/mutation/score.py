@@ -94,7 +94,9 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     mutants: engine name -> {name, precision (compute, default float32), area, changes, stands_for};
     controls: compute precision -> the unmutated engine's name there; noise: the reduced precisions' noise
     models ({(model, precision, class): path})."""
-    runs = list(runs)
+    # judged against the golden alone: a mutant stands for a bug, also where it equals a known convention
+    # (docs/report.md "Conventions"), so no run here is judged against a convention variant
+    runs = [{k: v for k, v in r.items() if k != "conventions"} for r in runs]
     reduced = sorted({info["precision"] for info in mutants.values() if info.get("precision", "float32") != "float32"})
     # each float32 mutant run once more, declared at each reduced precision: is its effect resolvable there?
     f32 = {e: info for e, info in mutants.items() if info.get("precision", "float32") == "float32"}
@@ -226,11 +228,12 @@ def write_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_d
     {"model/precision/class": path}, as the report rule's."""
     import logging
 
-    from k2vec.report import _goldens_from, _noise_from
+    from k2vec.report import _goldens_from, _keyed_by_three
 
     res = build_mutation_report(runs, _goldens_from(goldens), out_dir, dict(mutants), dict(controls),
                                 near_tie=float(near_tie), router_near_tie=float(router_near_tie),
-                                fingerprint_rtol=float(fingerprint_rtol), budgets=budgets, noise=_noise_from(noise),
+                                fingerprint_rtol=float(fingerprint_rtol), budgets=budgets,
+                                noise=_keyed_by_three(noise, "noise-model", "precision_class"),
                                 noise_rule=noise_rule)
     logging.getLogger("k2vec.mutation_report").info("%s", summary_line(res))
     print(summary_line(res))

@@ -64,21 +64,23 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
                  out_dir: str | Path, *, near_tie: float = 1e-3, router_near_tie: float = 1e-3,
                  fingerprint_rtol: float = 1e-3, budgets: Mapping[str, Mapping[str, Any]] | None = None,
                  noise: Mapping[tuple[str, str, str], str | Path] | None = None,
+                 conventions: Mapping[tuple[str, str, str], str | Path] | None = None,
                  noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
                  fail_on_left_out: bool = False, integrity_key: str | Path | None = None) -> ReportResult:
     """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
     integrity_key: the results directory's integrity key file, with which results' keyed records are
     checked (report/integrity.py); None checks their sha256 records and flags no verdict tamper-proof.
     budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml); noise:
-    {(model, precision, precision class): noise-model path}; noise_rule: report.noise (report/noise.py);
+    {(model, precision, precision class): noise-model path}; conventions: {(model, precision, variant):
+    convention-variant path} (report/metrics.py compute_metrics); noise_rule: report.noise (report/noise.py);
     left_out: {engine: why} for each configured engine that got no run; fail_on_left_out: those fail the
     strict verdict (report.fail_on_left_out)."""
     from k2vec.report import plots
     from k2vec.report.html import render_html, summary_text
 
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
-                                 fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, noise_rule=noise_rule,
-                                 integrity_key=integrity_key)
+                                 fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, conventions=conventions,
+                                 noise_rule=noise_rule, integrity_key=integrity_key)
     m = dataclasses.replace(m, left_out=dict(left_out or {}), fail_on_left_out=fail_on_left_out)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,13 +132,13 @@ def _goldens_from(value: Any) -> dict[tuple[str, str], str]:
     return {(str(g["model"]), str(g["precision"])): str(g["path"]) for g in value}
 
 
-def _noise_from(value: Mapping[str, Any] | None) -> dict[tuple[str, str, str], str]:
-    """{(model, precision, precision class): path} from the rule's {"model/precision/class": path}."""
+def _keyed_by_three(value: Mapping[str, Any] | None, what: str, third: str) -> dict[tuple[str, str, str], str]:
+    """{(model, precision, third): path} from a rule's {"model/precision/third": path}."""
     out = {}
     for k, v in (value or {}).items():
         parts = tuple(k.split("/")) if isinstance(k, str) else tuple(k)
         if len(parts) != 3:
-            raise ReportError(f"noise-model key {k!r}: expected 'model/precision/precision_class'")
+            raise ReportError(f"{what} key {k!r}: expected 'model/precision/{third}'")
         out[tuple(str(x) for x in parts)] = str(v)
     return out
 
@@ -144,20 +146,23 @@ def _noise_from(value: Mapping[str, Any] | None) -> dict[tuple[str, str, str], s
 def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str | Path, *, near_tie: float = 1e-3,
                  router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
                  budgets: Mapping[str, Mapping[str, Any]] | None = None, strict: bool = False,
-                 noise: Mapping[str, Any] | None = None, noise_rule: Mapping[str, Any] | None = None,
-                 left_out: Mapping[str, str] | None = None, fail_on_left_out: bool = False,
-                 integrity_key: str | Path | None = None) -> ReportResult:
+                 noise: Mapping[str, Any] | None = None, conventions: Mapping[str, Any] | None = None,
+                 noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
+                 fail_on_left_out: bool = False, integrity_key: str | Path | None = None) -> ReportResult:
     """Rule `report`: build_report, with its summary logged (run it inside the stage's stage_logging).
 
     runs: {"engine","model","precision","mode","result"} dicts (result = the JSON path); goldens:
     {(model, precision): path}, [{"model","precision","path"}] or {"model/precision": path} (the rule's
     params.goldens); budgets: report.budgets; noise: {"model/precision/class": noise-model path} (params.noise);
+    conventions: {"model/precision/variant": convention-variant path} (params.conventions);
     noise_rule: report.noise; left_out, fail_on_left_out, integrity_key: as build_report. strict: raise StrictFailure (report/gate.py) on a real
     divergence, an over-budget row or a failed run, after writing the outputs.
     """
     res = build_report(list(runs), _goldens_from(goldens), out_dir, near_tie=float(near_tie),
                        router_near_tie=float(router_near_tie), fingerprint_rtol=float(fingerprint_rtol),
-                       budgets=budgets, noise=_noise_from(noise), noise_rule=noise_rule, left_out=left_out,
+                       budgets=budgets, noise=_keyed_by_three(noise, "noise-model", "precision_class"),
+                       conventions=_keyed_by_three(conventions, "convention-variant", "variant"),
+                       noise_rule=noise_rule, left_out=left_out,
                        fail_on_left_out=fail_on_left_out, integrity_key=integrity_key)
     logging.getLogger("k2vec.report").info("%s", res.summary)
     if strict and res.strict_problem:
@@ -178,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="an engine's declared compute precision (float32, bfloat16, float16, fp8; default float32)")
     ap.add_argument("--noise", nargs=4, action="append", default=[], metavar=("MODEL", "PRECISION", "CLASS", "PATH"),
                     help="a noise model (results/noise/MODEL/PRECISION-CLASS.kdtr) for the engines of that class")
+    ap.add_argument("--convention", nargs=4, action="append", default=[], metavar=("MODEL", "PRECISION", "VARIANT", "PATH"),
+                    help="a convention variant's golden (results/conventions/MODEL/PRECISION-VARIANT.kdtr): failing engines "
+                         "are checked against it")
+    ap.add_argument("--declare", nargs=2, action="append", default=[], metavar=("ENGINE", "CONVENTION"),
+                    help="a convention an engine follows (engines.<name>.conventions): judged against that variant")
     ap.add_argument("--budgets", help="JSON file: per precision, budgets laid over the defaults (report.budgets)")
     ap.add_argument("--left-out", nargs=2, action="append", default=[], metavar=("ENGINE", "REASON"),
                     help="a configured engine that got no run, named with its reason in the report")
@@ -189,13 +199,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 when the strict verdict fails (report/gate.py): a real divergence, an over-budget row, a failed run or a DDTree tree that differs")
     a = ap.parse_args(argv)
     declared = dict(a.precision_class)
+    follows: dict[str, list[str]] = {}
+    for engine, name in a.declare:
+        follows.setdefault(engine, []).append(name)
     runs = [{**dict(zip(("engine", "model", "precision", "mode", "result"), r)),
-             "precision_class": declared.get(r[0], "float32")} for r in a.run]
+             "precision_class": declared.get(r[0], "float32"), "conventions": follows.get(r[0], [])} for r in a.run]
     goldens = {(m, p): path for m, p, path in a.golden}
     try:
         res = build_report(runs, goldens, a.out, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
                            fingerprint_rtol=a.fingerprint_rtol, budgets=read_budgets(a.budgets),
-                           noise={(m, p, c): path for m, p, c, path in a.noise}, left_out=dict(a.left_out),
+                           noise={(m, p, c): path for m, p, c, path in a.noise},
+                           conventions={(m, p, v): path for m, p, v, path in a.convention}, left_out=dict(a.left_out),
                            fail_on_left_out=a.fail_on_left_out, integrity_key=a.integrity_key)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)

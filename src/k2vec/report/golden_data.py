@@ -11,6 +11,7 @@ import pandas as pd
 from k2vec.digests import IntegrityError
 from k2vec.errors import K2VecError
 from k2vec.kdtr import KdtrError, open_bundle
+from k2vec.model.conventions import variant_key
 from k2vec.report.integrity import verify_golden
 
 
@@ -23,13 +24,15 @@ class Golden:
 
     `path`: a golden file, or an engine's bundle, which carries the golden's tensors and metadata verbatim
     (stages/bundle.py); read from a bundle, `sha256` is that of the golden it was built from, recorded in
-    it, so the checks against it (report/integrity.py, the noise model's) are the same either way."""
+    it, so the checks against it (report/integrity.py, the noise model's) are the same either way.
+    `variant`: the file is the golden of that convention variant (k2vec.stages.convention), not the golden."""
 
-    def __init__(self, model: str, precision: str, path: str | Path):
+    def __init__(self, model: str, precision: str, path: str | Path, variant: str | None = None):
         path = Path(path)
+        what = "golden" if variant is None else f"convention variant {variant!r}"
         if not path.exists():
-            raise ReportError(f"golden for model {model!r} precision {precision!r} not found: {path}")
-        self.model, self.precision, self.path = model, precision, path
+            raise ReportError(f"{what} for model {model!r} precision {precision!r} not found: {path}")
+        self.model, self.precision, self.path, self.variant = model, precision, path, variant
         try:   # nothing is judged against a golden that is not exactly what its stage wrote
             self.sha256 = verify_golden(model, precision, path)
         except IntegrityError as err:
@@ -55,6 +58,10 @@ class Golden:
         if (md.get("model"), md.get("precision")) != (model, precision):
             raise ReportError(f"{path} holds the golden of model {md.get('model')!r} precision "
                               f"{md.get('precision')!r}, but was given for {model!r} {precision!r}")
+        variant = variant_key((md.get("reference") or {}).get("conventions") or ()) or None
+        if variant != self.variant:
+            raise ReportError(f"{path} holds the golden of {'convention variant ' + repr(variant) if variant else 'the reference'}"
+                              f", but was given as {'convention variant ' + repr(self.variant) if self.variant else 'the golden'}")
         self.metadata = md
         self.n_prompts, self.N, self.K = int(md["prompts"]), int(md["max_new_tokens"]), int(md["top_k"])
         self.moe_layers = np.asarray(md.get("moe_layers", []), np.int64)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 import pandas as pd
 
 from k2vec import __version__
+from k2vec.model.conventions import CONVENTIONS
 from k2vec.report.gate import FAILING_CLASSES, TREE_DIFFERS, failing
 from k2vec.report.metrics import CLASSES, SEVERITY, Metrics
 from k2vec.report.words import plural
@@ -139,6 +140,31 @@ def noise_lines(noise_table: pd.DataFrame, rows: pd.DataFrame) -> list[str]:
     return lines
 
 
+def variant_label(variant: str) -> str:
+    """A convention variant (k2vec.model.conventions.variant_key) as the report names it."""
+    return " and ".join(CONVENTIONS[n].label for n in variant.split("+"))
+
+
+def convention_lines(rows: pd.DataFrame) -> list[str]:
+    """Per engine and bundle whose failing rows a known convention explains (class `convention`): which, and how
+    to accept it; per engine that declares conventions: the variant it is judged against."""
+    lines = []
+    named = rows[rows["convention"].notna()] if "convention" in rows else rows.iloc[:0]
+    found = named[named["class"] == "convention"]
+    for (e, mo, p, v, c), grp in found.groupby(["engine", "model", "precision", "convention", "precision_class"]):
+        why = grp["over_budget"].dropna()
+        lines.append(f"CONVENTION: {e} {mo}/{p}: {plural(len(grp), 'row')} off the golden"
+                     + (f" ({why.iloc[0]})" if len(why) else "")
+                     + f" match the variant {variant_label(v)} within the {c} budget: a known convention, not a bug "
+                       f"if intended; undeclared, it fails the strict gate: declare it (engines.{e}.conventions: "
+                       f"[{', '.join(v.split('+'))}]) to judge {e} against it")
+    declared = named[named["class"] != "convention"]
+    for (e, v), grp in declared.groupby(["engine", "convention"]):
+        lines.append(f"convention: {e} judged against the variant {variant_label(v)} (declared: engines.{e}.conventions), "
+                     f"not the golden")
+    return lines
+
+
 def tamper_lines(m: Metrics) -> list[str]:
     """One line when some verdicts are not tamper-proof (report/integrity.py), with each distinct why."""
     rows = m.rows
@@ -181,6 +207,7 @@ def summary_text(m: Metrics) -> str:
         lines.append(f"  {label}: {r['engine']} {r['model']}/{r['precision']} {r['mode']}: {r['reason']}")
     if len(failed.drop_duplicates("run")) > MAX_TEXT_LINES:
         lines.append(f"  ... and {plural(len(failed.drop_duplicates('run')) - MAX_TEXT_LINES, 'more failed run')}")
+    lines += ["  " + line for line in convention_lines(rows)]
     lines += ["  " + score_line(r) for _, r in m.score_runs.iterrows()]
     lines += ["  " + line for line in noise_lines(m.noise_table, rows)]
     fp = rows.dropna(subset=["first_bad_step"])
@@ -553,6 +580,12 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
                          "within twice a correct engine's logit noise there: for a reduced precision the noise "
                          "model's envelope at that step (report.noise margin times it), else its precision's "
                          "logit_abs budget. Never the engine's own errors, which a bug inflates.",
+        "convention": "a row that is real or over-budget against the golden, of an engine that, on that bundle, "
+                      "matches a known convention's variant of the reference (the golden of the reference with "
+                      "e.g. the latent norms' epsilon = rms_norm_eps, as vLLM computes it) with no failing row: "
+                      "not a bug if intended; it fails the strict gate until the engine declares the convention "
+                      "(engines.&lt;name&gt;.conventions), which judges it against the variant instead "
+                      "(docs/report.md \"Conventions\").",
         "over-budget": "tokens equal (or a score run), but the logit or fingerprint errors, or the score run's "
                        "same-top-1 / KL, exceed the budget of the engine's declared precision, or the engine on "
                        "that bundle is over the noise model of its precision (docs/report.md \"Noise model\").",

@@ -32,6 +32,7 @@ from k2vec.engines.contract.checks import check_result
 from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.modes import parse_mode
 from k2vec.engines.gpus import short_uuid
+from k2vec.model.conventions import CONVENTIONS, variant_key
 from k2vec.report.classify import BudgetError, classify, resolve_budgets
 from k2vec.report import gate
 from k2vec.report.compare import compare_rows, finish_frame
@@ -49,14 +50,14 @@ __all__ = ["CLASSES", "SEVERITY", "ROW_COLUMNS", "Metrics", "ReportError", "comp
 
 # changed: the result or its inputs changed after the run (report/integrity.py); the run is not judged.
 # classify.py says what each class means.
-CLASSES = ("exact", "within-budget", "near-tie", "router-near-tie", "precision-tie", "over-budget", "real",
-           "failed", "changed")
+CLASSES = ("exact", "within-budget", "near-tie", "router-near-tie", "precision-tie", "convention", "over-budget",
+           "real", "failed", "changed")
 SEVERITY = {c: i for i, c in enumerate(CLASSES)}  # higher = worse
 
 # Columns of divergence.csv, in order (rows DataFrame).
 ROW_COLUMNS = [
     "run", "engine", "model", "precision", "precision_class", "mode", "budget", "accuracy", "prompt", "status",
-    "class", "first_step", "matched_steps", "same_top1", "golden_token", "engine_token", "golden_rank_in_engine",
+    "class", "convention", "first_step", "matched_steps", "same_top1", "golden_token", "engine_token", "golden_rank_in_engine",
     "engine_rank_in_golden", "margin", "golden_gap", "noise", "over_budget", "router_margin", "router_layer",
     "router_position", "router_evidence",
     "logit_steps", "topk_overlap", "logit_abs_max", "logit_abs_mean", "logit_abs_p99", "logit_rel_max",
@@ -157,6 +158,7 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
         status, reason = CHANGED, changed
     base = {"run": r_i, "engine": spec["engine"], "model": spec["model"], "precision": spec["precision"],
             "precision_class": spec.get("precision_class", "float32"), "reference": bool(spec.get("reference")),
+            "convention": judged_against(spec),
             "mode": spec["mode"], "kind": kind, "budget": budget if kind == "ddtree" else None,
             "result": str(spec["result"]), "device": (res or {}).get("device")}
     base["gpu"], base["gpu_uuid"] = gpu_identity(res)
@@ -212,6 +214,12 @@ def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) 
 # ---------------------------------------------------------------------------------------------- driver
 
 
+def judged_against(spec: Mapping[str, Any]) -> str | None:
+    """The convention variant a run is judged against: that of the conventions its engine declares, or None
+    (the golden)."""
+    return variant_key(spec.get("conventions") or ()) or None
+
+
 def _check_golden(goldens: Mapping[tuple[str, str], Any], key: tuple[str, str], who: str) -> None:
     if key not in goldens:
         have = ", ".join(f"{m}/{p}" for m, p in sorted(goldens)) or "none"
@@ -233,6 +241,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                     near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
                     budgets: Mapping[str, Mapping[str, Any]] | None = None,
                     noise: Mapping[tuple[str, str, str], str | Path] | None = None,
+                    conventions: Mapping[tuple[str, str, str], str | Path] | None = None,
                     noise_rule: Mapping[str, Any] | None = None, integrity_key: str | Path | None = None) -> Metrics:
     """All report data for `runs` ({"engine","model","precision","mode","result"}, optional
     "precision_class" (default float32), "reference" (the int4-format row: scored, not judged), and for
@@ -241,6 +250,10 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
     ({(model, precision): golden KDTR path, or the bundle that carries the golden}). `budgets`: per precision class,
     laid over classify.DEFAULT_BUDGETS. `noise`: {(model, precision, precision class): noise-model
     path} (k2vec.stages.noise), judged by `noise_rule` (report/noise.py, laid over NOISE_RULE).
+    `conventions`: {(model, precision, variant): convention-variant path} (k2vec.stages.convention): a run
+    whose spec lists "conventions" (its engine's declared ones) is judged against that variant; an engine that
+    declares none and fails the golden on a bundle is judged against each variant there too, and where it
+    passes one, its failing rows there are `convention` (_recognise_conventions).
     `integrity_key`: the results directory's integrity key file (digests.integrity_key_path), with which
     engine results' keyed records are checked; None: their sha256 records, every row not tamper-proof."""
 
@@ -249,6 +262,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
     except BudgetError as err:
         raise ReportError(str(err)) from None
     opened: dict[tuple[str, str], Golden] = {}
+    variants: dict[tuple[str, str, str], Golden] = {}
     try:
         needed = set()
         for i, spec in enumerate(runs):
@@ -272,6 +286,18 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                 needed |= {(m, "fp32"), (m, "int4")}
         for key in sorted(needed):
             opened[key] = Golden(key[0], key[1], goldens[key])
+        variants = {}
+        for (m, p, v), path in sorted((conventions or {}).items()):
+            if (m, p) in opened:
+                variants[(m, p, v)] = g = Golden(m, p, path, variant=v)
+                if g.metadata.get("golden_sha256") != opened[(m, p)].sha256:
+                    raise ReportError(f"{path}: convention variant made from another golden than "
+                                      f"{opened[(m, p)].path}; rerun Snakemake to rebuild it")
+        for i, spec in enumerate(runs):
+            v = judged_against(spec)
+            if v is not None and (spec["model"], spec["precision"], v) not in variants:
+                raise ReportError(f"run entry {i} ({spec['engine']}) declares conventions {v!r}, but no convention "
+                                  f"variant of {spec['model']}/{spec['precision']} was given for it")
         rule = Rule.from_config(noise_rule)
         models = {}
         for (m, p, c), path in sorted((noise or {}).items()):
@@ -280,7 +306,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
         th = {"near_tie": near_tie, "router_near_tie": router_near_tie, "fingerprint_rtol": fingerprint_rtol}
         rows, runs_df, steps, acceptance, score_runs, ref_steps = _engine_metrics(
             runs, opened, th, budgets, RunChecks({k: g.sha256 for k, g in opened.items()}, integrity_key), models,
-            rule)
+            rule, variants)
         fe, fe_steps, fe_models = format_effect(opened, th, budgets)
         strength, prompt_strength = golden_strength(opened, near_tie, router_near_tie)
         calibration = pd.DataFrame([{"model": m, "precision": p, "precision_class": c, **rec}
@@ -289,7 +315,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                        {**th, "budgets": budgets, "noise_rule": vars(rule)}, strength, prompt_strength, calibration,
                        noise_table(rows, calibration, rule))
     finally:
-        for g in opened.values():
+        for g in [*opened.values(), *variants.values()]:
             g.close()
 
 
@@ -307,18 +333,23 @@ def _no_gc():
 
 
 def _engine_metrics(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], budgets, checks: RunChecks,
-                    noise: dict[tuple[str, str, str], NoiseModel], rule: Rule):
+                    noise: dict[tuple[str, str, str], NoiseModel], rule: Rule,
+                    variants: dict[tuple[str, str, str], Golden]):
     with _no_gc():
-        return _engine_metrics_inner(runs, opened, th, budgets, checks, noise, rule)
+        return _engine_metrics_inner(runs, opened, th, budgets, checks, noise, rule, variants)
 
 
 def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], budgets,
-                          checks: RunChecks, noise_models: dict[tuple[str, str, str], NoiseModel], rule: Rule):
+                          checks: RunChecks, noise_models: dict[tuple[str, str, str], NoiseModel], rule: Rule,
+                          variants: dict[tuple[str, str, str], Golden], recognise: bool = True):
+    def golden_for(model: str, precision: str, variant: Any) -> Golden:
+        return variants[(model, precision, variant)] if isinstance(variant, str) else opened[(model, precision)]
+
     items: list[_Item] = []
     stderr: dict[int, str | None] = {}
     loaded: dict[int, tuple[Mapping[str, Any], Mapping[str, Any] | None, str]] = {}
     for r_i, spec in enumerate(runs):
-        its, facts = _run_items(r_i, spec, opened[(spec["model"], spec["precision"])], checks)
+        its, facts = _run_items(r_i, spec, golden_for(spec["model"], spec["precision"], judged_against(spec)), checks)
         items.extend(its)
         stderr[r_i] = facts["stderr_tail"]
         if its:
@@ -339,9 +370,10 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
         extra[name][idx] = values
 
     ok = np.array([it.data is not None for it in items], bool)
-    for key, grp in base[ok].groupby(["model", "precision"], sort=False):
+    for (*key, variant), grp in base[ok].groupby(["model", "precision", "convention"], sort=False, dropna=False):
+        key = tuple(key)
         idx = grp.index.to_numpy()
-        g = opened[key]
+        g = golden_for(*key, variant)
         prompt = base["prompt"].to_numpy()[idx].astype(np.int64)
         ref = g.tokens[prompt].copy()
         # DDTree rows must match the golden DDTree trace's tokens (equal to greedy unless the golden
@@ -419,6 +451,8 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     base["noise_router_credit"] = router_credit(noise_models, opened, base, rule)
     classified = classify(base, budgets, near_tie=th["near_tie"], router_near_tie=th["router_near_tie"])
     classified["class"] = _not_judged_class(base["status"], classified["class"])
+    if recognise:
+        _recognise_conventions(classified, runs, opened, th, budgets, checks, noise_models, rule, variants)
     # the int4-format reference rows are scored (score table), not judged as an engine
     rows = finish_frame(classified[~classified["reference"]].reset_index(drop=True), ROW_COLUMNS)
     kept = ~base["reference"].to_numpy()
@@ -427,6 +461,33 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     steps = steps[steps["row"].isin(new_index.index)].assign(row=lambda s: new_index.reindex(s["row"]).to_numpy())
     return rows, _run_summary(rows, stderr), steps.reset_index(drop=True), acceptance_hist(hist_rows), scored, \
         ref[["model", "prompt", "step", "kl"]].reset_index(drop=True)
+
+
+# A row's strict verdicts that a convention can explain (report/gate.py): errors or tokens off the golden's.
+# failed and changed runs are not judged, against the golden or a variant.
+_EXPLAINABLE = ("real", "over-budget", gate.TREE_DIFFERS)
+
+
+def _recognise_conventions(rows: pd.DataFrame, runs, opened, th, budgets, checks: RunChecks, noise_models, rule,
+                           variants: dict[tuple[str, str, str], Golden]) -> None:
+    """An engine that declares no convention and fails the golden on a bundle, judged there against each known
+    convention's variant (k2vec.model.conventions, in its order): where none of its rows fails the variant,
+    its rows that fail the golden become `convention`, with the convention's name (in place, on `rows`).
+    A row that fails the variant too keeps its class: the convention does not explain it."""
+    judged = rows[~rows["reference"] & (rows["status"] == "ok") & rows["convention"].isna()]
+    bad = judged[gate.verdicts(judged).isin(_EXPLAINABLE)]
+    for (e, m, p), grp in bad.groupby(["engine", "model", "precision"], sort=True):
+        sub = [r for r in runs if (r["engine"], r["model"], r["precision"]) == (e, m, p) and not r.get("reference")]
+        for name in CONVENTIONS:
+            if (m, p, name) not in variants:
+                continue
+            against = _engine_metrics_inner([{**r, "conventions": [name]} for r in sub], opened, th, budgets, checks,
+                                             noise_models, rule, variants, recognise=False)[0]
+            against = against[against["status"] == "ok"]
+            if len(against) and not gate.verdicts(against).isin(_EXPLAINABLE).any():
+                rows.loc[grp.index, "class"] = "convention"
+                rows.loc[grp.index, "convention"] = name
+                break
 
 
 def _tamper_columns(items: list[_Item], loaded, checks: RunChecks) -> None:

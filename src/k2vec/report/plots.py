@@ -21,7 +21,7 @@ from k2vec.report.metrics import CLASSES, SEVERITY
 from k2vec.report.words import plural
 
 COLORS = {"exact": "#43a047", "within-budget": "#9ccc65", "near-tie": "#fdd835", "router-near-tie": "#fb8c00",
-          "precision-tie": "#4fc3f7", "over-budget": "#ad1457", "real": "#e53935", "failed": "#37474f",
+          "precision-tie": "#4fc3f7", "convention": "#7e57c2", "over-budget": "#ad1457", "real": "#e53935", "failed": "#37474f",
           "changed": "#8e24aa"}
 MAX_GRID_ROWS = 60
 MAX_LINES = 40
@@ -103,15 +103,16 @@ def match_grid(rows: pd.DataFrame) -> bytes:
     if n_all > MAX_GRID_ROWS:
         # keep token divergences first (real, router-near-tie, near-tie: the rows to look at), then
         # failed runs (also listed in the failure table), then exact ones; the bar above counts all
-        rank = per["worst"].map({SEVERITY["real"]: 0, SEVERITY["over-budget"]: 0, SEVERITY["router-near-tie"]: 1,
-                                 SEVERITY["near-tie"]: 2, SEVERITY["precision-tie"]: 2, SEVERITY["failed"]: 3,
-                                 SEVERITY["changed"]: 3, SEVERITY["within-budget"]: 4, SEVERITY["exact"]: 4})
+        rank = per["worst"].map({SEVERITY["real"]: 0, SEVERITY["over-budget"]: 0, SEVERITY["convention"]: 0,
+                                 SEVERITY["router-near-tie"]: 1, SEVERITY["near-tie"]: 2, SEVERITY["precision-tie"]: 2,
+                                 SEVERITY["failed"]: 3, SEVERITY["changed"]: 3, SEVERITY["within-budget"]: 4,
+                                 SEVERITY["exact"]: 4})
         keep = per.assign(rank=rank).sort_values(["rank", "bad", "order"], ascending=[True, False, True]).head(MAX_GRID_ROWS)
         shown = keep["worst"].value_counts()
         total = per["worst"].value_counts()
         parts = [f"{int(shown.get(SEVERITY[c], 0))}/{int(total.get(SEVERITY[c], 0))} {c}"
-                 for c in ("real", "over-budget", "router-near-tie", "near-tie", "precision-tie", "failed", "changed",
-                           "within-budget", "exact")
+                 for c in ("real", "over-budget", "convention", "router-near-tie", "near-tie", "precision-tie",
+                           "failed", "changed", "within-budget", "exact")
                  if total.get(SEVERITY[c], 0)]
         note = (f"showing {MAX_GRID_ROWS} of {n_all:,} run x accuracy rows, divergences first\n"
                 f"(by worst class, shown/all: {', '.join(parts)})")

@@ -93,8 +93,9 @@ def export_compressed_tensors(fp32_dir: str | os.PathLike, int4_dir: str | os.Pa
     Shards keep the fp32 checkpoint's file names and grouping. A quantized `<p>.weight` becomes
     `<p>.weight_packed` (I32 [N, K/8], the .qw bytes), `<p>.weight_scale` (F32 or BF16 [N, K/g], the .sc
     bytes) and `<p>.weight_shape` (I64 [2]); other tensors are copied unchanged (float32). `ignore` lists
-    every unquantized Linear module by exact name, so the config selects exactly the exported modules
-    whatever an engine's pattern matcher and module naming (see docs/int4-format.md)."""
+    every unquantized Linear module (k2vec.model.schemes.is_linear) by exact name, so the config selects
+    exactly the exported modules whatever an engine's pattern matcher and module naming, and the shards vLLM
+    fuses (q_a_proj with kv_a_proj_with_mqa, gate with up) agree (see docs/int4-format.md)."""
     ckpt = Checkpoint(fp32_dir)
     q = open_int4(int4_dir)
     names = set(ckpt)

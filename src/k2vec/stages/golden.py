@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from k2vec import __version__
-from k2vec.ddtree import record_drafts
+from k2vec.ddtree import RecordedDrafts, record_drafts
 from k2vec.digests import write_record
 from k2vec.kdtr import write_bundle
 from k2vec.model.checkpoint import Checkpoint
+from k2vec.model.conventions import variant_settings
 from k2vec.model.limits import WEIGHT_CACHE_BYTES
 from k2vec.reference.generate import greedy_generate
 from k2vec.reference.model import HF_LATENT_NORM_EPS, ReferenceModel
@@ -75,14 +76,20 @@ def open_weights(precision: str, fp32_dir: str | Path, int4_dir: str | Path | No
     raise ValueError(f"unknown precision {precision!r}: expected fp32 or int4")
 
 
-def reference_model(model_spec: dict[str, Any], weights: Mapping[str, np.ndarray]) -> ReferenceModel:
-    return ReferenceModel(model_spec, weights, dtype=np.float64, latent_norm_eps=HF_LATENT_NORM_EPS,
-                          weight_cache_bytes=WEIGHT_CACHE_BYTES)
+def reference_model(model_spec: dict[str, Any], weights: Mapping[str, np.ndarray],
+                    conventions: Sequence[str] = ()) -> ReferenceModel:
+    """The golden's reference model; with `conventions` (k2vec.model.conventions), that variant of it."""
+    settings = {"latent_norm_eps": HF_LATENT_NORM_EPS, **variant_settings(conventions, model_spec)}
+    return ReferenceModel(model_spec, weights, dtype=np.float64, weight_cache_bytes=WEIGHT_CACHE_BYTES, **settings)
 
 
-def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precision: str
+def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precision: str,
+                conventions: Sequence[str] = (), drafts: Mapping[tuple[int, int], RecordedDrafts] | None = None,
                 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """All golden tensors (by name) and the golden metadata for one case and precision."""
+    """All golden tensors (by name) and the golden metadata for one case and precision. `conventions`: the
+    golden of that variant of the reference (k2vec.stages.convention), which decodes DDTree with the
+    golden's `drafts` ({(accuracy index, prompt): drafts}, what the bundle gives an engine) instead of
+    recording its own."""
     model_spec, decoding = case["model"], case["decoding"]
     if "tokens" not in case["prompts"]:
         raise ValueError("the case's prompts section holds settings only: draw the prompts first "
@@ -90,7 +97,7 @@ def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precisi
     prompts = case["prompts"]["tokens"]
     n_new, top_k = decoding["max_new_tokens"], decoding["top_k"]
     dd = decoding["ddtree"]
-    model = reference_model(model_spec, weights)
+    model = reference_model(model_spec, weights, conventions)
     tensors: dict[str, np.ndarray] = {}
 
     greedy = greedy_generate(model, prompts, n_new, top_k=top_k)
@@ -113,14 +120,17 @@ def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precisi
     jobs, keys = [], []
     for a_i, accuracy in enumerate(dd["accuracies"]):
         for i, (prompt, g) in enumerate(zip(prompts, greedy)):
-            drafts = record_drafts(g.tokens, prompt_len=len(prompt), vocab_size=model_spec["vocab_size"],
-                                   accuracy=accuracy, prompt_key=i, seed=case["prompts"]["seed"],
-                                   block_size=dd["block_size"],
-                                   k_stored=min(max(dd["budgets"]), model_spec["vocab_size"]), n_starts=n_new)
-            tensors[f"drafts.a{a_i}.p{i}.ids"] = drafts.ids.astype(np.int32)
-            tensors[f"drafts.a{a_i}.p{i}.logprobs"] = drafts.logprobs.astype(np.float32)
+            if drafts is None:
+                d = record_drafts(g.tokens, prompt_len=len(prompt), vocab_size=model_spec["vocab_size"],
+                                  accuracy=accuracy, prompt_key=i, seed=case["prompts"]["seed"],
+                                  block_size=dd["block_size"],
+                                  k_stored=min(max(dd["budgets"]), model_spec["vocab_size"]), n_starts=n_new)
+            else:
+                d = drafts[(a_i, i)]
+            tensors[f"drafts.a{a_i}.p{i}.ids"] = d.ids.astype(np.int32)
+            tensors[f"drafts.a{a_i}.p{i}.logprobs"] = d.logprobs.astype(np.float32)
             for budget in dd["budgets"]:
-                jobs.append(DDTreeJob(np.asarray(prompt), drafts, budget))
+                jobs.append(DDTreeJob(np.asarray(prompt), d, budget))
                 keys.append((budget, a_i, accuracy, i))
     results = ddtree_generate(model, jobs, n_new)
     lengths: dict[tuple[int, float], list[np.ndarray]] = {}
@@ -144,8 +154,9 @@ def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precisi
         "generator": {"package": "k2vec", "version": __version__},
         "model": model_spec["name"],
         "precision": precision,
-        "reference": {"dtype": "float64", "latent_norm_eps": HF_LATENT_NORM_EPS,
-                      "argmax_ties": "lower token id"},
+        "reference": {"dtype": "float64", "latent_norm_eps": model.latent_norm_eps,
+                      "argmax_ties": "lower token id",
+                      **({"conventions": sorted(conventions)} if conventions else {})},
         "prompts": len(prompts),
         "max_new_tokens": n_new,
         "top_k": top_k,
