@@ -1,12 +1,15 @@
 # Shared set-up: validate the config, expand it into resolved cases, and list the package
 # code each stage runs (Snakemake does not track modules imported by scripts).
+import atexit
+import json
+
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 # k2vec imports come from this checkout's src/, which the Snakefile puts first on sys.path and PYTHONPATH.
 from k2vec.config.resources import check_config
 from k2vec.config.imports import source_files
-from k2vec.pipeline.code_digest import code_digest, module_sources, script_modules
+from k2vec.pipeline.code_digest import DigestCache, module_sources, script_modules
 from k2vec.errors import ConfigError
 from k2vec.engines.gpus import device_pool
 from k2vec.engines.isolation import sandbox_problem
@@ -232,11 +235,22 @@ def stage_files(script, *modules, without=()):
     return [path, *module_sources(*script_modules(path), *modules, without=without)]
 
 
+# Code digests kept across starts (k2vec.pipeline.code_digest.DigestCache), per checkout: reused while the files
+# they cover are unchanged, so a start reads no syntax tree it read before.
+CODE_DIGESTS = DigestCache(".snakemake/k2vec/code-digests.json")
+atexit.register(CODE_DIGESTS.save)
+
+
+def cached_code(kind, files, *key):
+    """CODE_DIGESTS.digest of `files()` under (this checkout, kind, key)."""
+    return CODE_DIGESTS.digest(json.dumps([workflow.basedir, kind, *key]), files, workflow.basedir)
+
+
 def stage_code(script, *modules, without=()):
     """What a stage executes, as a `params:` value: the meaning (k2vec.pipeline.code_digest.code_digest) of its script
     and of the package modules it imports. Comment, docstring and layout edits change nothing; any other
     edit reruns exactly the stages that execute the file."""
-    return code_digest(stage_files(script, *modules, without=without), workflow.basedir)
+    return cached_code("stage", lambda: stage_files(script, *modules, without=without), script, modules, without)
 
 
 def precision_code(script, *modules):
@@ -260,8 +274,9 @@ def engine_code(script, *modules, engine=None):
     """stage_code per {engine} (or for `engine`), with the meaning of the engine's own Python sources."""
 
     def digest(wildcards):
-        python = [p for p in ENGINES[engine or wildcards.engine]["source_files"] if p.endswith(".py")]
-        return code_digest([*stage_files(script, *modules), *python], workflow.basedir)
+        name = engine or wildcards.engine
+        python = [p for p in ENGINES[name]["source_files"] if p.endswith(".py")]
+        return cached_code("engine", lambda: [*stage_files(script, *modules), *python], script, modules, python)
 
     return digest
 

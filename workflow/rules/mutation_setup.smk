@@ -48,12 +48,5 @@ def mutant_code(wildcards):
     """What a mutant run executes, by meaning: its script, the runner, the mutation engine with the
     catalogue (k2vec.mutation.engine), and the numpy engine's Python sources."""
     python = [p for p in ENGINES["numpy"]["source_files"] if p.endswith(".py")]
-    return code_digest(
-        [
-            *stage_files(
-                "mutant_runs.py", "k2vec.engines.runner", "k2vec.kdtr", "k2vec.pipeline.stage", "k2vec.mutation.engine"
-            ),
-            *python,
-        ],
-        workflow.basedir,
-    )
+    modules = ("k2vec.engines.runner", "k2vec.kdtr", "k2vec.pipeline.stage", "k2vec.mutation.engine")
+    return cached_code("mutant", lambda: [*stage_files("mutant_runs.py", *modules), *python], python)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 PACKAGE = "k2vec"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/k2vec: this module is k2vec.pipeline.code_digest
@@ -169,3 +171,60 @@ def code_digest(paths: list[str] | tuple[str, ...], root: str) -> str:
         h.update(f"{Path(os.path.relpath(path, root)).as_posix()}\0{len(meaning)}\0".encode())
         h.update(meaning)
     return "code-meaning:" + h.hexdigest()
+
+
+def _file_state(path: str) -> list[int] | None:
+    """What says a file is unchanged: its mtime, size, inode and ctime (None: gone)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns]
+
+
+class DigestCache:
+    """Code digests kept across Snakemake starts, in a JSON file: each under a key (the stage and its modules),
+    with the state of every file it covers, and reused only while none of those files changed (their
+    mtime, size, inode and ctime). Reading the imports and syntax trees of every stage's modules takes about
+    1.5 s per workflow start on a 2-core machine; checking the files' states, milliseconds. A cache that cannot
+    be read, or of another format, is ignored (and rewritten)."""
+
+    FORMAT = "k2vec-code-digests-1"
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.entries: dict[str, dict] = {}
+        self.dirty = False
+        try:
+            data = json.loads(self.path.read_text())
+            if isinstance(data, dict) and data.get("format") == self.FORMAT and isinstance(data.get("entries"), dict):
+                self.entries = data["entries"]
+        except (OSError, ValueError):
+            pass
+
+    def digest(self, key: str, files: Callable[[], list[str] | tuple[str, ...]], root: str) -> str:
+        """code_digest(files(), root), from the cache while every file it covered is as it was."""
+        entry = self.entries.get(key)
+        if isinstance(entry, dict) and isinstance(entry.get("files"), list) and isinstance(entry.get("digest"), str) \
+                and all(isinstance(f, list) and len(f) == 2 and _file_state(f[0]) == f[1] for f in entry["files"]):
+            return entry["digest"]
+        paths = [os.path.abspath(p) for p in files()]
+        states = [[p, _file_state(p)] for p in paths]   # before reading: an edit meanwhile makes a miss next time
+        value = code_digest(paths, root)
+        self.entries[key] = {"files": states, "digest": value}
+        self.dirty = True
+        return value
+
+    def save(self) -> None:
+        """Write the cache if it changed (atomically: a half-written cache would only be ignored, but a reader
+        must never see one)."""
+        if not self.dirty:
+            return
+        from k2vec.atomic import write_text_atomic
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.path, json.dumps({"format": self.FORMAT, "entries": self.entries}))
+            self.dirty = False
+        except OSError:
+            pass   # a cache: the next start recomputes

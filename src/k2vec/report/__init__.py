@@ -66,8 +66,11 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
                  noise: Mapping[tuple[str, str, str], str | Path] | None = None,
                  conventions: Mapping[tuple[str, str, str], str | Path] | None = None,
                  noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
-                 fail_on_left_out: bool = False, integrity_key: str | Path | None = None) -> ReportResult:
+                 fail_on_left_out: bool = False, integrity_key: str | Path | None = None,
+                 plot_cache: str | Path | None = None) -> ReportResult:
     """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
+    plot_cache: a directory where plots are kept by what they show and the code that draws them
+    (report/plot_cache.py), so that a report whose plots did not change draws none; None draws them all.
     integrity_key: the results directory's integrity key file, with which results' keyed records are
     checked (report/integrity.py); None checks their sha256 records and flags no verdict tamper-proof.
     budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml); noise:
@@ -77,6 +80,7 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     strict verdict (report.fail_on_left_out)."""
     from k2vec.report import plots
     from k2vec.report.html import render_html, summary_text
+    from k2vec.report.plot_cache import PlotCache
 
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
                                  fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, conventions=conventions,
@@ -85,14 +89,16 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_steps = dict(zip(m.format_models.get("model", []), m.format_models.get("max_new_tokens", [])))
+    cache = PlotCache(plot_cache)
     pngs = {
-        "match_grid.png": plots.match_grid(m.rows),
-        "logit_error.png": plots.logit_error(m.rows, m.steps),
-        "first_bad_layer.png": plots.first_bad_layer(m.rows),
-        "acceptance.png": plots.acceptance(m.acceptance),
-        "format_effect.png": plots.format_effect(m.format_effect, m.format_steps, n_steps),
-        "score_kl.png": plots.score_kl(m.score_runs, m.rows, m.steps, m.score_reference_steps),
+        "match_grid.png": cache.draw("match_grid", plots.match_grid, m.rows),
+        "logit_error.png": cache.draw("logit_error", plots.logit_error, m.rows, m.steps),
+        "first_bad_layer.png": cache.draw("first_bad_layer", plots.first_bad_layer, m.rows),
+        "acceptance.png": cache.draw("acceptance", plots.acceptance, m.acceptance),
+        "format_effect.png": cache.draw("format_effect", plots.format_effect, m.format_effect, m.format_steps, n_steps),
+        "score_kl.png": cache.draw("score_kl", plots.score_kl, m.score_runs, m.rows, m.steps, m.score_reference_steps),
     }
+    cache.prune()
     summary = summary_text(m)
     paths = {key: out / name for key, name in OUTPUTS.items()}
     for name, png in pngs.items():
@@ -148,14 +154,15 @@ def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str |
                  budgets: Mapping[str, Mapping[str, Any]] | None = None, strict: bool = False,
                  noise: Mapping[str, Any] | None = None, conventions: Mapping[str, Any] | None = None,
                  noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
-                 fail_on_left_out: bool = False, integrity_key: str | Path | None = None) -> ReportResult:
+                 fail_on_left_out: bool = False, integrity_key: str | Path | None = None,
+                 plot_cache: str | Path | None = None) -> ReportResult:
     """Rule `report`: build_report, with its summary logged (run it inside the stage's stage_logging).
 
     runs: {"engine","model","precision","mode","result"} dicts (result = the JSON path); goldens:
     {(model, precision): path}, [{"model","precision","path"}] or {"model/precision": path} (the rule's
     params.goldens); budgets: report.budgets; noise: {"model/precision/class": noise-model path} (params.noise);
     conventions: {"model/precision/variant": convention-variant path} (params.conventions);
-    noise_rule: report.noise; left_out, fail_on_left_out, integrity_key: as build_report. strict: raise StrictFailure (report/gate.py) on a real
+    noise_rule: report.noise; left_out, fail_on_left_out, integrity_key, plot_cache: as build_report. strict: raise StrictFailure (report/gate.py) on a real
     divergence, an over-budget row or a failed run, after writing the outputs.
     """
     res = build_report(list(runs), _goldens_from(goldens), out_dir, near_tie=float(near_tie),
@@ -163,7 +170,7 @@ def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str |
                        budgets=budgets, noise=_keyed_by_three(noise, "noise-model", "precision_class"),
                        conventions=_keyed_by_three(conventions, "convention-variant", "variant"),
                        noise_rule=noise_rule, left_out=left_out,
-                       fail_on_left_out=fail_on_left_out, integrity_key=integrity_key)
+                       fail_on_left_out=fail_on_left_out, integrity_key=integrity_key, plot_cache=plot_cache)
     logging.getLogger("k2vec.report").info("%s", res.summary)
     if strict and res.strict_problem:
         raise StrictFailure(res.strict_problem)

@@ -1,0 +1,71 @@
+"""The report's plots, drawn once per content: PNGs kept by a key of what they show and of the code that draws them.
+
+Drawing the six plots is most of the report's time (matplotlib's layout and text, ~5 s on 2 cores), yet an
+edit of the report's tables, HTML or verdict rules, or a rerun that changed nothing they plot, draws the
+same pixels again. A plot's key is the sha256 of its name, the meaning of the code that draws it
+(k2vec.pipeline.code_digest: the plots module and every package module it imports), the versions of
+matplotlib, numpy and pandas, and the pickled arguments; its PNG is kept as `<key>.<sha256 of the PNG>.png`,
+checked against that digest when read (a damaged file is drawn again). The cache keeps the entries of the last
+report only. The bytes written are those a fresh drawing gives (tests/test_report_plot_cache.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
+import matplotlib
+import numpy as np
+import pandas as pd
+
+from k2vec.atomic import write_bytes_atomic
+from k2vec.pipeline.code_digest import code_digest, module_sources
+
+PLOTS_MODULE = "k2vec.report.plots"
+
+
+def _code_key() -> str:
+    files = module_sources(PLOTS_MODULE)
+    return code_digest(files, str(Path(files[0]).parents[2]))
+
+
+class PlotCache:
+    """Draw through `draw(name, function, *args)`; `directory` None draws every time."""
+
+    def __init__(self, directory: str | os.PathLike | None):
+        self.directory = None if directory is None else Path(directory)
+        self.used: set[Path] = set()
+        self._prefix = None
+        if self.directory is not None:
+            versions = f"matplotlib {matplotlib.__version__} numpy {np.__version__} pandas {pd.__version__}"
+            self._prefix = f"{_code_key()}\0{versions}\0".encode()
+
+    def draw(self, name: str, function: Callable[..., bytes], *args: Any) -> bytes:
+        if self.directory is None:
+            return function(*args)
+        try:
+            data = pickle.dumps(args, protocol=5)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return function(*args)
+        key = hashlib.sha256(self._prefix + name.encode() + b"\0" + data).hexdigest()
+        for path in self.directory.glob(f"{key}.*.png"):
+            png = path.read_bytes()
+            if path.name == f"{key}.{hashlib.sha256(png).hexdigest()}.png":
+                self.used.add(path)
+                return png
+        png = function(*args)
+        path = self.directory / f"{key}.{hashlib.sha256(png).hexdigest()}.png"
+        write_bytes_atomic(path, png)
+        self.used.add(path)
+        return png
+
+    def prune(self) -> None:
+        """Remove every entry this report did not use."""
+        if self.directory is None or not self.directory.is_dir():
+            return
+        for path in self.directory.glob("*.png"):
+            if path not in self.used:
+                path.unlink(missing_ok=True)
