@@ -119,8 +119,8 @@ def test_batch_results_equal_single_run_results(pipeline, tmp_path, engine):
     batch = sorted((root / "results/runs" / engine).glob("*.json"))
     assert batch
     targets = [f"results/runs/{single}/{p.name}" for p in batch]
-    res = snakemake("--cores", "2", "--configfile", str(overlay), *targets, snakefile=root / "Snakefile", cwd=root,
-                    env=env, timeout=900)
+    res = snakemake(*targets, "--cores", "2", "--configfile", str(overlay), snakefile=root / "Snakefile", cwd=root,
+                    env=env, timeout=900)   # targets first: --configfile takes every argument after it
     assert res.returncode == 0, res.stderr[-3000:]
     assert "engine_batch" not in res.stdout and f"engine_batch_{engine}" not in res.stderr
     clock = {"engine", "command", "started_at", "ended_at", "wall_s", "timing", "scratch_kept"}
