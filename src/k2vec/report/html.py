@@ -18,7 +18,8 @@ import pandas as pd
 from k2vec import __version__
 from k2vec.model.conventions import CONVENTIONS
 from k2vec.report.gate import FAILING_CLASSES, TREE_DIFFERS, failing
-from k2vec.report.metrics import CLASSES, SEVERITY, Metrics
+from k2vec.report.classes import CLASSES, SEVERITY
+from k2vec.report.metrics import Metrics
 from k2vec.report.words import plural
 
 # plots (COLORS, PLOTS, row_labels) is imported where the HTML uses it: it loads matplotlib (a quarter of a

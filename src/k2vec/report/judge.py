@@ -41,7 +41,8 @@ from k2vec.kdtr import KdtrError, open_bundle
 from k2vec.report import gate
 from k2vec.report.classify import PRECISION_CLASSES
 from k2vec.report.html import divergence_line, fmt, noise_lines, score_line
-from k2vec.report.metrics import CLASSES, Metrics, ReportError, compute_metrics, read_budgets
+from k2vec.report.classes import CLASSES
+from k2vec.report.metrics import Metrics, ReportError, compute_metrics, read_budgets
 from k2vec.report.words import plural
 
 __all__ = ["Judgement", "judge", "main"]

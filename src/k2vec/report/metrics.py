@@ -38,6 +38,7 @@ from k2vec.report import gate
 from k2vec.report.compare import compare_rows, finish_frame
 from k2vec.report.ddtree import acceptance_hist, compare_tree
 from k2vec.report.format_effect_table import format_effect
+from k2vec.report.classes import CLASSES, SEVERITY
 from k2vec.report.golden_data import Golden, ReportError, golden_strength
 from k2vec.report.integrity import CHANGED, RunChecks
 from k2vec.report.logits import STEP_COLUMNS
@@ -46,13 +47,7 @@ from k2vec.report.routing import score_evidence
 from k2vec.report.score import SCORE_COLUMNS, score_stats
 from k2vec.report.words import plural
 
-__all__ = ["CLASSES", "SEVERITY", "ROW_COLUMNS", "Metrics", "ReportError", "compute_metrics"]
-
-# changed: the result or its inputs changed after the run (report/integrity.py); the run is not judged.
-# classify.py says what each class means.
-CLASSES = ("exact", "within-budget", "near-tie", "router-near-tie", "precision-tie", "convention", "over-budget",
-           "real", "failed", "changed")
-SEVERITY = {c: i for i, c in enumerate(CLASSES)}  # higher = worse
+__all__ = ["ROW_COLUMNS", "Metrics", "ReportError", "compute_metrics"]
 
 # Columns of divergence.csv, in order (rows DataFrame).
 ROW_COLUMNS = [

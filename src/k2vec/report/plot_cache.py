@@ -5,8 +5,8 @@ edit of the report's tables, HTML or verdict rules, or a rerun that changed noth
 same pixels again. A plot's key is the sha256 of its name, the meaning of the code that draws it
 (k2vec.pipeline.code_digest: the plots module and every package module it imports), the versions of
 matplotlib, numpy and pandas, and the pickled arguments; its PNG is kept as `<key>.<sha256 of the PNG>.png`,
-checked against that digest when read (a damaged file is drawn again). The cache keeps the entries of the last
-report only. The bytes written are those a fresh drawing gives (tests/test_report_plot_cache.py).
+checked against that digest when read (a damaged file is drawn again). The runs' clock columns are taken out of
+what a plot is given (CLOCK_COLUMNS). The cache keeps the entries of the last report only. The bytes written are those a fresh drawing gives (tests/test_report_plot_cache.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,16 @@ from k2vec.atomic import write_bytes_atomic
 from k2vec.pipeline.code_digest import code_digest, module_sources
 
 PLOTS_MODULE = "k2vec.report.plots"
+# A run's clock (metrics.py's run columns): different on every run of the same code, and drawn by no plot. They are
+# taken out of what a plot is given, so that a rerun that changed only them draws nothing, and a plot that read
+# them would fail at once rather than be kept stale.
+CLOCK_COLUMNS = ("tokens_per_s", "decode_tokens_per_s", "wall_s")
+
+
+def _without_clock(value: Any) -> Any:
+    if isinstance(value, pd.DataFrame):
+        return value.drop(columns=[c for c in CLOCK_COLUMNS if c in value.columns])
+    return value
 
 
 def _code_key() -> str:
@@ -44,6 +54,7 @@ class PlotCache:
             self._prefix = f"{_code_key()}\0{versions}\0".encode()
 
     def draw(self, name: str, function: Callable[..., bytes], *args: Any) -> bytes:
+        args = tuple(_without_clock(a) for a in args)
         if self.directory is None:
             return function(*args)
         try:

@@ -17,7 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from k2vec.report.metrics import CLASSES, SEVERITY
+from k2vec.report.classes import CLASSES, SEVERITY
 from k2vec.report.words import plural
 
 COLORS = {"exact": "#43a047", "within-budget": "#9ccc65", "near-tie": "#fdd835", "router-near-tie": "#fb8c00",
