@@ -85,3 +85,17 @@ def test_second_report_draws_only_what_changed(tmp_path, goldens, runs, monkeypa
             assert (second.paths["html"].parent / name).read_bytes() == (fresh.paths["html"].parent / name).read_bytes()
         assert second.paths["html"].read_bytes() == first.paths["html"].read_bytes()
     assert len(list(cache.glob("*.png"))) == len(PLOTS)   # only the last report's entries are kept
+
+
+def test_the_plot_code_list_holds_every_module_the_plots_import():
+    """PLOT_CODE (the code a cached plot is keyed by) is closed under the package imports of its modules, parent
+    packages aside: a module a plot imports, left out of it, would keep a stale plot after an edit."""
+    import ast
+
+    for path in plot_cache.plot_code_files():
+        tree = ast.parse(open(path).read())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                    and n.module.startswith("k2vec")}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+                     if a.name.startswith("k2vec")}
+        assert imported <= set(plot_cache.PLOT_CODE), (path, imported - set(plot_cache.PLOT_CODE))

@@ -3,7 +3,7 @@
 Drawing the six plots is most of the report's time (matplotlib's layout and text, ~5 s on 2 cores), yet an
 edit of the report's tables, HTML or verdict rules, or a rerun that changed nothing they plot, draws the
 same pixels again. A plot's key is the sha256 of its name, the meaning of the code that draws it
-(k2vec.pipeline.code_digest: the plots module and every package module it imports), the versions of
+(k2vec.pipeline.code_digest: PLOT_CODE, the plots module and the package modules it imports), the versions of
 matplotlib, numpy and pandas, and the pickled arguments; its PNG is kept as `<key>.<sha256 of the PNG>.png`,
 checked against that digest when read (a damaged file is drawn again). The runs' clock columns are taken out of
 what a plot is given (CLOCK_COLUMNS). The cache keeps the entries of the last report only. The bytes written are those a fresh drawing gives (tests/test_report_plot_cache.py).
@@ -22,9 +22,12 @@ import numpy as np
 import pandas as pd
 
 from k2vec.atomic import write_bytes_atomic
-from k2vec.pipeline.code_digest import code_digest, module_sources
+from k2vec.pipeline.code_digest import PACKAGE_DIR, code_digest
 
-PLOTS_MODULE = "k2vec.report.plots"
+# The code that draws the plots: the plots module and the package modules it imports, not the packages'
+# __init__ modules (importing k2vec.report.plots runs k2vec/report/__init__.py, hence the metrics, which no plot
+# calls: their output reaches a plot as its arguments). tests/test_report_plot_cache.py keeps the list whole.
+PLOT_CODE = ("k2vec.report.plots", "k2vec.report.classes", "k2vec.report.words")
 # A run's clock (metrics.py's run columns): different on every run of the same code, and drawn by no plot. They are
 # taken out of what a plot is given, so that a rerun that changed only them draws nothing, and a plot that read
 # them would fail at once rather than be kept stale.
@@ -37,9 +40,12 @@ def _without_clock(value: Any) -> Any:
     return value
 
 
+def plot_code_files() -> list[str]:
+    return [str(PACKAGE_DIR.joinpath(*m.split(".")[1:]).with_suffix(".py")) for m in PLOT_CODE]
+
+
 def _code_key() -> str:
-    files = module_sources(PLOTS_MODULE)
-    return code_digest(files, str(Path(files[0]).parents[2]))
+    return code_digest(plot_code_files(), str(PACKAGE_DIR.parent))
 
 
 class PlotCache:
