@@ -50,6 +50,7 @@ class RunChecks:
     def __init__(self, golden_sha256: Mapping[tuple[str, str], str], key_file: str | Path | None = None):
         self.golden_sha256 = golden_sha256
         self._bundles: dict[str, str] = {}
+        self._built_from: dict[str, str | None] = {}   # bundle path -> the golden sha256 it was built from
         self.key_file = key_file
         self.key: bytes | None = None
         self.key_problem: str | None = None
@@ -122,8 +123,10 @@ class RunChecks:
         try:
             if recorded(path) != used:
                 return f"input bundle {path} no longer matches its sha256 record (rebuilt since this run), not judged"
-            with open_bundle(path) as b:
-                built_from = b.metadata.get("golden_sha256")
+            if path not in self._built_from:   # one bundle serves many runs: its directory is parsed once
+                with open_bundle(path) as b:
+                    self._built_from[path] = b.metadata.get("golden_sha256")
+            built_from = self._built_from[path]
         except (IntegrityError, KdtrError) as err:
             return f"input bundle {path}: {err}"
         golden = self.golden_sha256.get((spec["model"], spec["precision"]))
