@@ -50,9 +50,8 @@ rule report:
         fail_on_left_out=config["report"]["fail_on_left_out"],
         # made by the first engine run (k2vec.engines.runner); not an input: nothing reruns on it
         integrity_key=str(integrity_key_path("results")),
-        # plots kept by what they show and the code that draws them (k2vec/report/plot_cache.py); no engine
-        # is called ".report", so this is no engine's cache directory
-        plot_cache="results/cache/.report",
+        # plots kept by what they show and the code that draws them (k2vec/report/plot_cache.py)
+        plot_cache="results/report-cache",
     script:
         "../scripts/report.py"
 
