@@ -36,8 +36,8 @@ CACHE_NAME = "k2vec-vllm"
 MODES = ("greedy", "score")   # no DDTree mode
 # vLLM's own settings, where the caller left them unset: the engine core in this process (nothing to leave
 # behind, no IPC sockets for a sandbox to refuse), no OpenMP core binding (the runner's OMP_NUM_THREADS and
-# --threads decide), a 1 GiB CPU KV cache (a few prompts of tens of tokens), its caches in TMPDIR (the run's
-# scratch directory: HOME is not writable in the sandbox).
+# --threads decide), a 1 GiB CPU KV cache (a few prompts of tens of tokens), its and torch inductor's caches in
+# TMPDIR (the run's scratch directory: HOME and /tmp are not writable in the sandbox).
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
@@ -69,6 +69,7 @@ def load(bundle_path: str, dtype: str, threads: int) -> Loaded:
     tmp = os.environ.get("TMPDIR", "/tmp")
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tmp, "vllm-cache"))
     os.environ.setdefault("VLLM_CONFIG_ROOT", os.path.join(tmp, "vllm-config"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "torchinductor"))   # not /tmp: read-only there
     import torch
     import vllm
 
