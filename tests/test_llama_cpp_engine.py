@@ -1,7 +1,7 @@
 """The llama.cpp engine (k2vec.engines.llama_cpp, docs/llama-cpp.md).
 
-Without llama-cpp-python: the HF checkpoint it writes from a bundle, how it runs llama.cpp's converter, the
-converter's extraction from the sdist, the GGUF cache, and its entry being left out with one notice.
+Without llama-cpp-python: how it runs llama.cpp's converter, the converter's extraction from the sdist, the GGUF
+cache, and its entry being left out with one notice (the HF checkpoint it converts: tests/test_checkpoint_cache.py).
 With it (`-m thirdparty`, skipped where llama_cpp or its converter is missing): its pipeline runs on every
 default bundle, greedy and score, against the golden and against the reference under llama.cpp's convention
 (q_a/kv_a layernorm eps = rms_norm_eps)."""
@@ -17,64 +17,9 @@ import pytest
 from conftest import REPO, copy_workflow, default_config, snakemake, write_config
 from test_workflow import scheduled_job_wildcards
 
-from k2vec.config.presets import PRESETS
+from k2vec.digests import sha256_file
+from k2vec.engines import checkpoint_cache
 from k2vec.engines.llama_cpp import converter, gguf_cache
-from k2vec.model import int4 as quant
-from k2vec.model.architecture import hf_config, tensor_shapes
-from k2vec.model.checkpoint import Checkpoint
-from k2vec.stages.weights import make_tensor
-
-MODEL = {"name": "t", "preset": "tiny", **PRESETS["tiny"], "seed": 3}
-
-
-class FakeBundle(dict):
-    """What the checkpoint writer reads of a KDTR bundle: tensors by name, `metadata`, `release`."""
-
-    def __init__(self, tensors, metadata):
-        super().__init__(tensors)
-        self.metadata = metadata
-
-    def release(self, name):
-        pass
-
-
-def tiny_bundle(int4: bool):
-    """The tiny preset's weights as a bundle; with `int4`, the expert and dense MLP matrices as .qw/.sc
-    (bfloat16 scales, stored as their bits). Returns (bundle, float32 weights as the golden sees them)."""
-    shapes = tensor_shapes(MODEL)
-    tensors, expect = {}, {}
-    quantized = [n for n in shapes if int4 and ".mlp." in n and n.endswith("proj.weight")]
-    for name, shape in shapes.items():
-        w = make_tensor(MODEL, name, shape)
-        if name in quantized:
-            codes, scales = quant.quantize(w, 32, "bfloat16")
-            tensors[name + ".qw"], tensors[name + ".sc"] = quant.pack(codes), quant.bf16_bits(scales)
-            expect[name] = quant.dequantize(codes, scales, 32)
-        else:
-            tensors[name] = expect[name] = w
-    q = {"group_size": 32, "scale_dtype": "bfloat16", "tensors": quantized} if int4 else None
-    return FakeBundle(tensors, {"hf_config": hf_config(MODEL), "quantization": q}), expect
-
-
-@pytest.mark.parametrize("int4", [False, True], ids=["fp32", "int4"])
-def test_hf_checkpoint_holds_the_bundles_weights_dequantized(tmp_path, int4):
-    bundle, expect = tiny_bundle(int4)
-    assert not int4 or any(n.endswith(".qw") for n in bundle)
-    gguf_cache.write_hf_checkpoint(bundle, tmp_path / "ckpt")
-    assert json.loads((tmp_path / "ckpt/config.json").read_text()) == bundle.metadata["hf_config"]
-    ckpt = Checkpoint(tmp_path / "ckpt")
-    assert sorted(ckpt) == sorted(expect)   # DeepSeek-V3's per-expert names, as the converter reads them
-    for name, w in expect.items():
-        assert ckpt[name].dtype == np.float32
-        np.testing.assert_array_equal(ckpt[name], w, err_msg=name)   # exact: a wrong nibble or scale differs
-
-
-def test_hf_checkpoint_names_a_tensor_the_bundle_lacks(tmp_path):
-    bundle, _ = tiny_bundle(False)
-    del bundle["model.layers.2.mlp.experts.5.up_proj.weight"]
-    with pytest.raises(gguf_cache.ConversionError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
-        gguf_cache.write_hf_checkpoint(bundle, tmp_path / "ckpt")
-    assert not (tmp_path / "ckpt").exists()
 
 
 def fake_converter_tree(root: Path, script_body: str) -> Path:
@@ -210,7 +155,8 @@ def test_a_conversion_is_made_once_per_bundle_and_variant(tmp_path, cache_home):
 def test_a_failed_conversion_leaves_nothing_under_the_final_name(tmp_path, cache_home):
     bundle = tmp_path / "b.kdtr"
     bundle.write_bytes(b"bundle")
-    final = cache_home / gguf_cache.cache_key(gguf_cache.sha256_file(bundle), "f32", MANIFEST, (gguf_cache.__name__,))
+    final = cache_home / checkpoint_cache.cache_key(sha256_file(bundle), "f32", MANIFEST,
+                                                    (gguf_cache.__name__, checkpoint_cache.__name__), ".gguf")
     cache_home.mkdir(parents=True)
     stale = cache_home / f".{final.name}.4242.x1y2.tmp"   # a killed writer's temporary
     stale.write_bytes(b"half")

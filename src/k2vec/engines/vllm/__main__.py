@@ -1,0 +1,5 @@
+import sys
+
+from k2vec.engines.vllm.engine import main
+
+sys.exit(main())

