@@ -8,17 +8,13 @@
 # Usage, from the repository root: OUT=dir [WHEELS=.whl] [PARTS="full share"] [SHARES="4 8"] bash bench/gpu_loop.sh
 set -u -o pipefail
 : "${OUT:?set OUT to a folder for the outputs}"
-WHEELS=${WHEELS:-.whl}
 PARTS=${PARTS:-full share}
 SHARES=${SHARES:-4 8}
 CORES=${CORES:-16}
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-if ! python3 -c 'import snakemake' 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
+source tools/device_env.sh   # Snakemake from $WHEELS where the device has none
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src
 LOG=$OUT/loop.log
 say() { echo "== [$(( $(date +%s) - T0 )) s] $*" | tee -a "$LOG"; }

@@ -10,15 +10,11 @@
 # Works without GPUs too (gpu_bf16 is then left out and the bug runs have nothing to judge).
 set -u -o pipefail
 : "${OUT:?set OUT to a folder for the outputs}"
-WHEELS=${WHEELS:-.whl}
 PARTS=${PARTS:-default bugs}
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k2vec-triton-cache}
 mkdir -p "$OUT" "$TRITON_CACHE_DIR"
-if ! python3 -c 'import snakemake' 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
+source tools/device_env.sh   # Snakemake from $WHEELS where the device has none
 ROOT=$PWD
 LOG=$OUT/run.log
 say() { echo "== [$(( $(date +%s) - T0 )) s] $*" | tee -a "$LOG"; }

@@ -11,11 +11,12 @@ import json
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import REPO, copy_workflow, default_config, snakemake, write_config
 from test_workflow import scheduled_job_wildcards
+
+from support.conventions import assert_exact_under_the_convention
 
 from k2vec.digests import sha256_file
 from k2vec.engines import checkpoint_cache
@@ -233,40 +234,12 @@ def llama_pipeline(tmp_path_factory):
     return root
 
 
-def eps_variant_reference(bundle_path: Path, mode: str):
-    """The reference model under llama.cpp's convention (q_a/kv_a layernorm eps = rms_norm_eps) on the bundle:
-    greedy, or forced on the golden tokens (score)."""
-    from k2vec.engines.numpy_engine import BundleWeights
-    from k2vec.kdtr import open_bundle
-    from k2vec.reference import ReferenceModel, greedy_generate
-
-    b = open_bundle(bundle_path)
-    meta = b.metadata
-    n = meta["golden"]["prompts"]
-    prompts = [np.asarray(b[f"prompt.p{i}.tokens"]) for i in range(n)]
-    forced = [np.asarray(b[f"golden.p{i}.tokens"]) for i in range(n)] if mode == "score" else None
-    model = ReferenceModel(meta["hf_config"], BundleWeights(b, meta["quantization"]),
-                           latent_norm_eps=meta["hf_config"]["rms_norm_eps"])
-    return b, greedy_generate(model, prompts, meta["decoding"]["max_new_tokens"], top_k=meta["decoding"]["top_k"],
-                              forced=forced)
-
-
 @pytest.mark.thirdparty
 @needs_llama_cpp
 @pytest.mark.parametrize("bundle, mode", LLAMA_RUNS, ids=[f"{b}-{m}" for b, m in LLAMA_RUNS])
 def test_llama_cpp_matches_the_reference_under_its_convention(llama_pipeline, bundle, mode):
     result = json.loads((llama_pipeline / f"results/runs/llama_cpp/{bundle}-{mode}.json").read_text())
-    assert result["status"] == "ok", result.get("reason")
-    b, ref = eps_variant_reference(llama_pipeline / f"results/bundles/{bundle}.kdtr", mode)
-    for i, (got, want) in enumerate(zip(result["runs"][0]["prompts"], ref)):
-        golden_logits = np.asarray(b[f"golden.p{i}.topk_logits"])
-        assert got["tokens"] == np.asarray(b[f"golden.p{i}.tokens"]).tolist() == want.tokens.tolist(), i
-        assert got["topk_ids"] == want.topk_ids.tolist() == np.asarray(b[f"golden.p{i}.topk_ids"]).tolist(), i
-        # Against the golden: within float32's budget, not exact (the eps convention moves logits by ~1.5e-4).
-        assert np.abs(np.asarray(got["topk_logits"]) - golden_logits).max() < 1e-3, i
-        # Against the reference under llama.cpp's convention: float32 rounding alone (measured <= 1e-5); an
-        # F16 KV cache (~1e-2) or the golden's eps (~1.5e-4) would not pass.
-        assert np.abs(np.asarray(got["topk_logits"]) - want.topk_logits).max() < 5e-5, i
+    assert_exact_under_the_convention(result, llama_pipeline / f"results/bundles/{bundle}.kdtr", mode)
 
 
 @pytest.mark.thirdparty

@@ -9,14 +9,14 @@ import importlib.util
 import json
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 import pytest
 import yaml
 
 from conftest import REPO, copy_workflow, default_config, snakemake, write_config
-from test_llama_cpp_engine import eps_variant_reference
 from test_workflow import scheduled_job_wildcards
+
+from support.conventions import assert_exact_under_the_convention
 
 from k2vec.config.expand import resolve_model
 from k2vec.engines.vllm import steps
@@ -112,17 +112,7 @@ def vllm_pipeline(tmp_path_factory):
 @pytest.mark.parametrize("precision, mode", RUNS, ids=[f"{p}-{m}" for p, m in RUNS])
 def test_vllm_matches_the_reference_under_its_convention(vllm_pipeline, precision, mode):
     result = json.loads((vllm_pipeline / f"results/runs/vllm/tiny_k2w-{precision}-{mode}.json").read_text())
-    assert result["status"] == "ok", result.get("reason")
-    b, ref = eps_variant_reference(vllm_pipeline / f"results/bundles/tiny_k2w-{precision}.kdtr", mode)
-    for i, (got, want) in enumerate(zip(result["runs"][0]["prompts"], ref)):
-        golden_logits = np.asarray(b[f"golden.p{i}.topk_logits"])
-        assert got["tokens"] == np.asarray(b[f"golden.p{i}.tokens"]).tolist() == want.tokens.tolist(), i
-        assert got["topk_ids"] == want.topk_ids.tolist() == np.asarray(b[f"golden.p{i}.topk_ids"]).tolist(), i
-        # Against the golden: within float32's budget, not exact (the eps convention moves logits by ~1.5e-4).
-        assert np.abs(np.asarray(got["topk_logits"]) - golden_logits).max() < 1e-3, i
-        # Against the reference under vLLM's convention: float32 rounding alone; the golden's eps (~1.5e-4), a
-        # bfloat16 model or log-softmax values instead of logits would not pass.
-        assert np.abs(np.asarray(got["topk_logits"]) - want.topk_logits).max() < 5e-5, i
+    assert_exact_under_the_convention(result, vllm_pipeline / f"results/bundles/tiny_k2w-{precision}.kdtr", mode)
 
 
 @pytest.mark.thirdparty

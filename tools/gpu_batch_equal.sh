@@ -5,14 +5,10 @@
 # Usage, from the repository root: OUT=dir [WHEELS=.whl] [CORES=16] bash tools/gpu_batch_equal.sh
 set -u -o pipefail
 : "${OUT:?set OUT to a folder for the outputs}"
-WHEELS=${WHEELS:-.whl}
 CORES=${CORES:-16}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-if ! python3 -c 'import snakemake' 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
+source tools/device_env.sh   # Snakemake from $WHEELS where the device has none
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src
 t=$(date +%s); python3 -m snakemake --cores "$CORES" > "$OUT/full.log" 2>&1; echo "default run: rc $?, $(( $(date +%s) - t )) s"
 python3 - "$OUT/single.yaml" <<'PY'

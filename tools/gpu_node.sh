@@ -9,15 +9,11 @@
 # Works without GPUs too (GPU engines are then left out), which is how it is tested before a GPU call.
 set -u -o pipefail
 : "${OUT:?set OUT to a folder for the outputs}"
-WHEELS=${WHEELS:-.whl}
 BUDGET_S=${BUDGET_S:-560}
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k2vec-triton-cache}
 mkdir -p "$OUT" "$TRITON_CACHE_DIR"
-if ! python3 -c 'import snakemake' 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
+source tools/device_env.sh   # Snakemake from $WHEELS where the device has none
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src
 LOG=$OUT/run.log
 say() { echo "== [$(( $(date +%s) - T0 )) s] $*" | tee -a "$LOG"; }
