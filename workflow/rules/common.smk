@@ -18,6 +18,7 @@ from k2vec.config.engines import (
     check_sandboxes,
     convention_variants,
     noise_models,
+    engine_modes,
     engine_runs,
     engines_failing_checks,
     engines_missing_commands,
@@ -124,14 +125,7 @@ IMPORTED_MODELS = [m for m in MODELS if "source" in CASES[m]["model"]]
 # Batch engines (a command with {batch}) run every mode of a bundle in one job (rules engine_batch_<engine>);
 # the modes of each, in the order its runs are listed to it.
 BATCH_ENGINES = [name for name, e in ENGINES.items() if e["batch"]]
-ENGINE_MODES = {
-    name: [
-        mode
-        for e, m, p, mode in engine_runs({name: ENGINES[name]}, config["decoding"]["ddtree"]["budgets"])
-        if (m, p) == (ENGINES[name]["models"][0], ENGINES[name]["precisions"][0])
-    ]
-    for name in ENGINES
-}
+ENGINE_MODES = {name: engine_modes(e, config["decoding"]["ddtree"]["budgets"]) for name, e in ENGINES.items()}
 # (model, precision, precision class) of each noise model (rule noise) the report judges an engine with.
 NOISE_MODELS = noise_models(ENGINES, RUNS)
 # (model, precision, variant) of each convention variant (rule convention) the report judges an engine with.

@@ -274,17 +274,18 @@ def convention_variants(engines: dict[str, dict[str, Any]], runs) -> list[tuple[
     return sorted(out)
 
 
+def engine_modes(engine: dict[str, Any], budgets: list[int]) -> list[str]:
+    """The run modes of one engine on each of its bundles, in order: greedy, ddtree-b<budget> per DDTree budget of
+    `budgets` that it runs (its `ddtree_budgets`), and score (forced decoding of the golden tokens)."""
+    e = engine
+    return (["greedy"] if "greedy" in e["modes"] else []) + (
+        [f"ddtree-b{b}" for b in budgets if b in e["ddtree_budgets"]] if "ddtree" in e["modes"] else []) + (
+        ["score"] if "score" in e["modes"] else [])
+
+
 def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int],
                 left_out: list[str] = ()) -> list[tuple[str, str, str, str]]:
-    """Every (engine, model, precision, mode) run: greedy, ddtree-b<budget> per DDTree budget of
-    `budgets` that the engine runs (its `ddtree_budgets`), and score (forced decoding of the golden
-    tokens); none for the engines in `left_out`."""
-    runs = []
-    for name, e in engines.items():
-        if name in left_out:
-            continue
-        modes = (["greedy"] if "greedy" in e["modes"] else []) + (
-            [f"ddtree-b{b}" for b in budgets if b in e["ddtree_budgets"]] if "ddtree" in e["modes"] else []) + (
-            ["score"] if "score" in e["modes"] else [])
-        runs.extend((name, m, p, mode) for m in e["models"] for p in e["precisions"] for mode in modes)
-    return runs
+    """Every (engine, model, precision, mode) run (engine_modes on each of its bundles); none for the engines in
+    `left_out`."""
+    return [(name, m, p, mode) for name, e in engines.items() if name not in left_out
+            for m in e["models"] for p in e["precisions"] for mode in engine_modes(e, budgets)]
