@@ -13,10 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from k2vec.engines.contract.modes import CONTRACT_MODES
+from k2vec.engines.contract.modes import BATCH_FORMAT, CONTRACT_MODES
 from k2vec.errors import K2VecError
-
-BATCH_FORMAT = "k2vec-engine-batch"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from k2vec.engines.contract.checks import check_result
 from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.expectations import Expectations, expectations_from_bundle
 from k2vec.engines.contract.files import read_result, write_result
-from k2vec.engines.contract.modes import parse_mode
+from k2vec.engines.contract.modes import BATCH_FORMAT, parse_mode
 from k2vec.engines.gpus import GpuError, identify, lease
 from k2vec.engines.isolation import (Reaper, fresh_scratch, make_read_only, make_undumpable, remove_tree,
                                      sandbox_command, sandbox_problem)
@@ -44,7 +44,6 @@ from k2vec.engines.isolation import (Reaper, fresh_scratch, make_read_only, make
 PLACEHOLDERS = ("bundle", "mode", "budget", "output", "batch", "gpus", "python")
 # How often a batch engine's next result is looked for while it runs (it starts the next run's time limit).
 PROGRESS_POLL_S = 0.02
-BATCH_FORMAT = "k2vec-engine-batch"
 STDERR_TAIL_LINES = 20
 KILL_GRACE_S = 5.0
 # An engine log (its stdout and stderr) past 64 MiB keeps its last 4 MiB.

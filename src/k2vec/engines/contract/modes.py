@@ -1,9 +1,11 @@
-"""The contract's mode names: greedy, score, ddtree-b{budget}."""
+"""The contract's mode names: greedy, score, ddtree-b{budget}; and the name of a batch engine's listing of runs."""
 
 from __future__ import annotations
 
 # What an engine is asked for (its --mode); the pipeline's run names add the DDTree budget: ddtree-b16.
 CONTRACT_MODES = ("greedy", "ddtree", "score")
+# The `format` of the {batch} listing the runner writes and a batch engine reads (docs/engine-contract.md §2).
+BATCH_FORMAT = "k2vec-engine-batch"
 
 
 def parse_mode(mode: str) -> tuple[str, int]:
