@@ -136,8 +136,9 @@ def run(bundle_path: str, mode: str, budget: int, install: Callable[[ReferenceMo
     return decode(load(bundle_path, install, precision), mode, budget, precision)
 
 
-def decode(loaded: Loaded, mode: str, budget: int, precision: str | None = None, load_s: float | None = None) -> dict:
-    """The result object of one run on a loaded bundle; `load_s`: the load time to report (default: the load's)."""
+def decode(loaded: Loaded, mode: str, budget: int, precision: str | None = None, first: bool = True) -> dict:
+    """The result object of one run on a loaded bundle; `first`: the process's first run, which reports the load
+    (later ones: 0 s)."""
     bundle, meta, prompts, model = loaded.bundle, loaded.meta, loaded.prompts, loaded.model
     decoding = meta["decoding"]
     n_prompts = len(prompts)
@@ -170,7 +171,7 @@ def decode(loaded: Loaded, mode: str, budget: int, precision: str | None = None,
     return {"format": "k2vec-engine-result", "version": 1,
             "device": f"cpu ({platform.machine()}, numpy {np.__version__}, "
                       f"{'float64' if precision is None else precision + ' emulated in float64'})",
-            "timing": {"load_s": loaded.load_s if load_s is None else load_s, "decode_s": t_end - t_load},
+            "timing": {"load_s": loaded.load_s if first else 0.0, "decode_s": t_end - t_load},
             "runs": runs}
 
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = contract_runs(ap, args)
     loaded = load(args.bundle, precision=args.precision)
     for i, r in enumerate(runs):   # the bundle is loaded once: the first result carries the load time
-        write_output(r.output, decode(loaded, r.mode, r.budget, args.precision, load_s=None if i == 0 else 0.0))
+        write_output(r.output, decode(loaded, r.mode, r.budget, args.precision, first=i == 0))
     return 0
 
 
