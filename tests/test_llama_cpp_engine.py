@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, copy_workflow, default_config, snakemake, write_config
+from conftest import REPO, default_config, snakemake
 from test_workflow import scheduled_job_wildcards
 
-from support.conventions import assert_exact_under_the_convention
+from support.conventions import assert_exact_under_the_convention, run_engine_alone
 
 from k2vec.digests import sha256_file
 from k2vec.engines import checkpoint_cache
@@ -224,14 +224,8 @@ LLAMA_RUNS = [(b, mode) for b in BUNDLES for mode in ("greedy", "score")]
 def llama_pipeline(tmp_path_factory):
     """The default config with the llama.cpp engine alone: every default bundle, greedy and score, sandboxed
     where bwrap works, its GGUF files in results/cache/llama_cpp."""
-    root = copy_workflow(tmp_path_factory.mktemp("llama"))
-    config = default_config()
-    config["engines"] = {"llama_cpp": config["engines"]["llama_cpp"]}
-    write_config(root / "config.yaml", config)
-    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env={"PYTHONPATH": str(root / "src")},
-                    timeout=1800)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return root
+    return run_engine_alone(tmp_path_factory.mktemp("llama"), None,
+                            {"llama_cpp": default_config()["engines"]["llama_cpp"]})
 
 
 @pytest.mark.thirdparty

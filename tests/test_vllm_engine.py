@@ -13,10 +13,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import REPO, copy_workflow, default_config, snakemake, write_config
+from conftest import REPO, default_config, snakemake
 from test_workflow import scheduled_job_wildcards
 
-from support.conventions import assert_exact_under_the_convention
+from support.conventions import assert_exact_under_the_convention, run_engine_alone
 
 from k2vec.config.expand import resolve_model
 from k2vec.engines.vllm import steps
@@ -96,15 +96,7 @@ RUNS = [(p, mode) for p in ("fp32", "int4") for mode in ("greedy", "score")]
 def vllm_pipeline(tmp_path_factory):
     """The overlay's model and vLLM entry alone: both bundles, greedy and score in one vLLM process each,
     sandboxed where bwrap works, the checkpoints in results/cache/vllm."""
-    root = copy_workflow(tmp_path_factory.mktemp("vllm"))
-    config = default_config()
-    config["models"] = OVERLAY["models"]
-    config["engines"] = OVERLAY["engines"]
-    write_config(root / "config.yaml", config)
-    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env={"PYTHONPATH": str(root / "src")},
-                    timeout=1800)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return root
+    return run_engine_alone(tmp_path_factory.mktemp("vllm"), OVERLAY["models"], OVERLAY["engines"])
 
 
 @pytest.mark.thirdparty

@@ -4,6 +4,23 @@ from pathlib import Path
 
 import numpy as np
 
+from conftest import copy_workflow, default_config, snakemake, write_config
+
+
+def run_engine_alone(root: Path, models: dict | None, engines: dict) -> Path:
+    """The workflow copied to `root` and run to the end (`snakemake --cores 2`) with config.yaml's engines replaced
+    by `engines` (and its models by `models`, where given): a third-party engine's pipeline."""
+    root = copy_workflow(root)
+    config = default_config()
+    if models is not None:
+        config["models"] = models
+    config["engines"] = engines
+    write_config(root / "config.yaml", config)
+    res = snakemake("--cores", "2", snakefile=root / "Snakefile", cwd=root, env={"PYTHONPATH": str(root / "src")},
+                    timeout=1800)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return root
+
 
 def eps_variant_reference(bundle_path: Path, mode: str):
     """The reference model under the convention on the bundle: greedy, or forced on the golden tokens (score).
