@@ -203,7 +203,7 @@ class _Run:
     partial: Path
     record: dict[str, Any]
     final: dict[str, Any] | None = None
-    text: str = ""
+    text: str = ""   # an ok result's JSON (a failed one's is made when it is written)
 
 
 def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[tuple[str, str]],
@@ -270,16 +270,17 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
                 raise InvalidResult(f"sandbox: true, but {problem}")
             sandbox = False
             shared.update(sandbox=False, sandbox_problem=problem)
+        for r in jobs:   # (a failed lease below still records the bundle and the sandbox)
+            r.record.update(shared)
         if bundle_path.exists():
             make_read_only(bundle_path)
         with lease(gpus, devices, lock_dir, jobs_per_device=jobs_per_device) as assigned:
             env = {**os.environ, **(extra_env or {}), **(_gpu_environment(assigned) if gpus else {}),
                    "TMPDIR": str(dirs["tmp"]), "K2VEC_WORKDIR": os.getcwd()}
             # asked before the engine starts, so that a run the GPU made fail still names the GPU
-            shared["gpus"] = assigned
-            shared["gpu_devices"], shared["gpu_identity_error"] = identify(assigned)
+            devices_found, identity_error = identify(assigned)
             for r in jobs:
-                r.record.update(shared)
+                r.record.update(gpus=assigned, gpu_devices=devices_found, gpu_identity_error=identity_error)
             pending = list(jobs)
             while pending:
                 attempt = pending if batch else pending[:1]
@@ -291,8 +292,7 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
     except (InvalidResult, GpuError) as err:   # no devices for it: failed rows too, not a crash
         for r in jobs:
             if r.final is None:
-                r.final = _failed(r.record, str(err), stderr_file, scratch)
-                r.text = json.dumps(r.final, sort_keys=True)
+                r.final = _failed(r.record, str(err), stderr_file, None)
     cap_log(stderr_file)
     all_ok = all(r.final["status"] == "ok" for r in jobs)
     for r in jobs:
@@ -387,8 +387,7 @@ def _attempt(attempt: list[_Run], *, batch: bool, engine: str, command: str, bun
             except ValueError:   # 1e999 read as inf in a key the schema leaves free
                 raise InvalidResult("result holds a number too large for a float (read as infinity)") from None
         except InvalidResult as err:
-            r.final = _failed(r.record, str(err), stderr_file, None)
-            r.text = json.dumps(r.final, sort_keys=True)
+            r.final = _failed(r.record, str(err), stderr_file, None)   # written, with scratch_kept, by the caller
     return retry
 
 
