@@ -15,6 +15,7 @@ import pytest
 from k2vec.kdtr import open_bundle
 from k2vec.report.judge import judge
 from conftest import REPO
+from support.synthetic import perfect_result, write_result
 
 SECONDS_PER_RESULT = 2.0   # issue 24: the judge is an inner loop
 
@@ -145,3 +146,44 @@ def test_the_engines_score_run_is_pooled_as_the_report_pools_it(pipeline, tmp_pa
     r = pooled.rows.iloc[prompt]
     assert r["class"] == "real" and "logit error before the divergence 0.5" in r["over_budget"], r["over_budget"]
     assert not pooled.passed
+
+
+def test_an_engine_on_a_convention_is_named_and_passes_once_it_declares_it(pipeline, tmp_path):
+    """An engine that reproduces the latent_norm_eps_rms variant (as vLLM and llama.cpp compute) fails the golden
+    with its rows named `convention`; judged with --convention, against the variant, it is exact and passes."""
+    root = pipeline[0]
+    bundle = bundle_of(root, "tiny", "fp32")
+    variant = root / "results/conventions/tiny/fp32-latent_norm_eps_rms.kdtr"
+    for mode in ("greedy", "score"):
+        write_result(tmp_path / f"tiny-fp32-{mode}.json", perfect_result(variant, mode, engine="on-convention"))
+    greedy = str(tmp_path / "tiny-fp32-greedy.json")
+    named = k2vec_script("judge", "--bundle", str(bundle), "--result", greedy, cwd=tmp_path)
+    assert named.returncode == 1, named.stdout + named.stderr
+    assert ("  CONVENTION: 4 rows match the golden under latent_norm_eps=rms_norm_eps (vLLM, SGLang, llama.cpp) "
+            "and fail it without: give --convention latent_norm_eps_rms") in named.stdout, named.stdout
+    assert named.stdout.splitlines()[-1].startswith("FAILED: convention 4 of 4 prompt rows"), named.stdout
+    declared = k2vec_script("judge", "--bundle", str(bundle), "--result", greedy,
+                            "--convention", "latent_norm_eps_rms", cwd=tmp_path)
+    assert declared.returncode == 0, declared.stdout + declared.stderr
+    assert f"judged against the variant of the reference that follows latent_norm_eps=rms_norm_eps " \
+           f"(vLLM, SGLang, llama.cpp): {variant}" in declared.stdout
+    assert declared.stdout.splitlines()[-1] == "PASSED: 4 prompt rows: exact 4", declared.stdout
+    # the golden's own engine, declaring the convention it does not follow, is over the variant's budget
+    wrong = judge(bundle, root / "results/runs/numpy/tiny-fp32-greedy.json", conventions=["latent_norm_eps_rms"])
+    assert not wrong.passed and set(wrong.rows["class"]) <= {"over-budget", "real"}, wrong.rows["class"].tolist()
+
+
+@pytest.mark.parametrize("case", [
+    dict(name="unknown convention", args=["--convention", "no_such"], says="invalid choice: 'no_such'"),
+    dict(name="variant not built", args=["--convention", "latent_norm_eps_rms", "--variant", "{tmp}/none.kdtr"],
+         says="convention variant 'latent_norm_eps_rms' of tiny/fp32 not found ({tmp}/none.kdtr)"),
+    dict(name="variant without convention", args=["--variant", "{bundle}"], says="--variant needs --convention"),
+], ids=lambda c: c["name"])
+def test_a_convention_that_cannot_be_judged_exits_2_saying_why(pipeline, tmp_path, case):
+    root = pipeline[0]
+    bundle = str(bundle_of(root, "tiny", "fp32"))
+    args = [a.format(tmp=tmp_path, bundle=bundle) for a in case["args"]]
+    res = k2vec_script("judge", "--bundle", bundle, "--result", str(root / "results/runs/numpy/tiny-fp32-greedy.json"),
+                       *args, cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert case["says"].format(tmp=tmp_path) in res.stderr, res.stderr

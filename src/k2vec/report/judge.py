@@ -18,7 +18,11 @@ bundle, named `{model}-{precision}-{mode}.json` beside it as the runner names th
 - the noise model of a reduced precision: results/noise/{model}/{precision}-{class}.kdtr of the results
   tree the bundle sits in, when it exists; judging without one is said plainly;
 - a result without the runner's sha256 record (straight from the engine) is checked against the contract
-  as the runner checks one (docs/engine-contract.md), and a violation is a failed run.
+  as the runner checks one (docs/engine-contract.md), and a violation is a failed run;
+- conventions (k2vec.model.conventions): `--convention NAME` says the engine follows one, and it is judged
+  against that variant of the reference, results/conventions/{model}/{precision}-{variant}.kdtr of the
+  results tree (or --variant); declaring none, it is judged against the golden, and where it fails there,
+  against each known convention's variant found in that tree, as the report does (class `convention`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.expectations import Expectations, expectations_from_bundle
 from k2vec.engines.contract.modes import parse_mode
 from k2vec.kdtr import KdtrError, open_bundle
+from k2vec.model.conventions import CONVENTIONS, variant_key
 from k2vec.report import gate
 from k2vec.report.classify import PRECISION_CLASSES
 from k2vec.report.html import divergence_line, fmt, noise_lines, score_line
@@ -60,6 +65,7 @@ class Judgement:
     golden: Path                  # where the golden data came from (the bundle, or --golden)
     noise: Path | None            # the noise model judged with, if any
     noise_looked_for: Path | None  # where the default noise model was looked for, if not found
+    variants: dict[str, Path] = field(default_factory=dict)   # convention variant -> path, judged with
     pooled: list[dict[str, Any]] = field(default_factory=list)   # the engine's other results judged with it
 
     @property
@@ -138,13 +144,39 @@ def _siblings(result: Path, case: str) -> list[tuple[Path, str]]:
     return out
 
 
+def _variants(bundle: Path, model: str, precision: str, declared: Sequence[str],
+              variant: str | Path | None) -> dict[str, Path]:
+    """{variant key: path} to judge with: the declared conventions' variant (--variant, else the results tree's,
+    which must exist), or, declaring none, every known convention's variant the results tree holds."""
+    unknown = sorted(set(declared) - set(CONVENTIONS))
+    if unknown:
+        raise ReportError(f"unknown convention {unknown[0]!r}; known: {', '.join(CONVENTIONS)}")
+    key = variant_key(declared)
+    tree = bundle.parent.parent / "conventions" / model if bundle.parent.name == "bundles" else None
+    if key:
+        path = Path(variant) if variant is not None else None if tree is None else tree / f"{precision}-{key}.kdtr"
+        if path is None or not path.is_file():
+            where = path or "no results tree beside the bundle"
+            raise ReportError(f"convention variant {key!r} of {model}/{precision} not found ({where}); run Snakemake "
+                              f"with an engine declaring it, or give --variant")
+        return {key: path}
+    if variant is not None:
+        raise ReportError("--variant needs --convention: the conventions the variant follows")
+    if tree is None:
+        return {}
+    return {name: tree / f"{precision}-{name}.kdtr" for name in CONVENTIONS
+            if (tree / f"{precision}-{name}.kdtr").is_file()}
+
+
 def judge(bundle: str | Path, result: str | Path, *, mode: str | None = None, precision_class: str = "float32",
           noise: str | Path | None = None, golden: str | Path | None = None, alone: bool = False,
+          conventions: Sequence[str] = (), variant: str | Path | None = None,
           near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
           budgets: Mapping[str, Mapping[str, Any]] | None = None,
           noise_rule: Mapping[str, Any] | None = None) -> Judgement:
     """Judge `result` (an engine's JSON) on `bundle` as the report does; ReportError naming the file when an
-    input cannot be read. The thresholds, budgets and noise_rule are the report's (config.yaml `report`)."""
+    input cannot be read. The thresholds, budgets and noise_rule are the report's (config.yaml `report`).
+    `conventions`: those the engine follows (judged against their variant: `variant`, else the results tree's)."""
     bundle, result = Path(bundle), Path(result)
     model, precision = _bundle_case(bundle)
     case = f"{model}-{precision}"
@@ -161,13 +193,14 @@ def judge(bundle: str | Path, result: str | Path, *, mode: str | None = None, pr
         looked_for = bundle.parent.parent / "noise" / model / f"{precision}-{precision_class}.kdtr"
         if looked_for.is_file():
             noise, looked_for = looked_for, None
+    variants = _variants(bundle, model, precision, conventions, variant)
     peeked = _peek(result)
     engine = str(peeked.get("engine") or result.parent.name)
     expect: list[Expectations] = []
 
     def entry(path: Path, mode: str) -> dict[str, Any]:
         return {"engine": engine, "model": model, "precision": precision, "mode": mode, "result": str(path),
-                "precision_class": precision_class, "bundle": str(bundle),
+                "precision_class": precision_class, "bundle": str(bundle), "conventions": list(conventions),
                 "contract": _contract(path, bundle, expect)}
 
     run = entry(result, _mode(result, peeked.get("mode"), mode, case))
@@ -175,9 +208,9 @@ def judge(bundle: str | Path, result: str | Path, *, mode: str | None = None, pr
     m = compute_metrics([run] + pooled, {(model, precision): golden_path}, near_tie=near_tie,
                         router_near_tie=router_near_tie, fingerprint_rtol=fingerprint_rtol, budgets=budgets,
                         noise=None if noise is None else {(model, precision, precision_class): noise},
-                        noise_rule=noise_rule)
+                        conventions={(model, precision, v): p for v, p in variants.items()}, noise_rule=noise_rule)
     rows = m.rows[m.rows["run"] == 0].reset_index(drop=True)
-    return Judgement(run, rows, m, golden_path, None if noise is None else Path(noise), looked_for, pooled)
+    return Judgement(run, rows, m, golden_path, None if noise is None else Path(noise), looked_for, variants, pooled)
 
 
 # ------------------------------------------------------------------------------------------------ text
@@ -198,6 +231,10 @@ def _lines(j: Judgement) -> list[str]:
         where = f" ({j.noise_looked_for} does not exist)" if j.noise_looked_for else ""
         out.append(f"  noise model: none{where}; judged by the fixed {run['precision_class']} budgets only, "
                    f"tie credit the logit_abs budget (--noise)")
+    if run["conventions"]:
+        (key, path), = j.variants.items()
+        labels = "; ".join(CONVENTIONS[c].label for c in sorted(run["conventions"]))
+        out.append(f"  judged against the variant of the reference that follows {labels}: {path}")
     if run["contract"] is not None:
         out.append("  no sha256 record beside the result: not written by the engine runner, so checked against "
                    "the contract here (docs/engine-contract.md)")
@@ -219,6 +256,9 @@ def _lines(j: Judgement) -> list[str]:
             for _, r in rows.iterrows()]
         widths = [max(len(str(t[c])) for t in table) for c in range(len(head))]
         out += ["  " + "  ".join(str(c).ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
+    for name, grp in rows[rows["class"] == "convention"].groupby("convention"):
+        out.append(f"  CONVENTION: {plural(len(grp), 'row')} match the golden under {CONVENTIONS[name].label} "
+                   f"and fail it without: give --convention {name} if the engine follows it on purpose")
     for cls in EXPLAINED:
         for _, r in rows[rows["class"] == cls].iterrows():
             if pd.isna(r["first_step"]):
@@ -260,6 +300,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m k2vec.report.
     ap.add_argument("--noise", help="noise model (default for a reduced precision: "
                     "results/noise/MODEL/PRECISION-CLASS.kdtr beside the bundle's results/bundles/)")
     ap.add_argument("--golden", help="golden file (default: the golden data the bundle carries)")
+    ap.add_argument("--convention", action="append", default=[], choices=sorted(CONVENTIONS), metavar="NAME",
+                    help="a convention the engine follows (k2vec.model.conventions: "
+                    + ", ".join(sorted(CONVENTIONS)) + "); judged against that variant of the reference")
+    ap.add_argument("--variant", help="the variant golden of the --convention(s) (default: "
+                    "results/conventions/MODEL/PRECISION-VARIANT.kdtr beside the bundle's results/bundles/)")
     ap.add_argument("--alone", action="store_true", help="judge this result only, not with the engine's other "
                     "results on the bundle (MODEL-PRECISION-*.json beside it)")
     ap.add_argument("--near-tie", type=float, default=1e-3)
@@ -270,7 +315,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m k2vec.report.
     try:
         budgets = read_budgets(a.budgets)
         j = judge(a.bundle, a.result, mode=a.mode, precision_class=a.precision_class, noise=a.noise,
-                  golden=a.golden, alone=a.alone, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
+                  golden=a.golden, alone=a.alone, conventions=a.convention, variant=a.variant, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
                   fingerprint_rtol=a.fingerprint_rtol, budgets=budgets)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
