@@ -18,7 +18,7 @@ def test_gpu_engines_left_out_of_runs_without_devices():
     assert engines_short_of_gpus(engines, 0) == GPU_ENGINES == ["gpu_fp32", "gpu_bf16"]
     assert engines_short_of_gpus(engines, 1) == []
     kept = engine_runs(engines, budgets, engines_short_of_gpus(engines, 0))
-    assert {r[0] for r in kept} == {"numpy", "hf_fp32", "hf_bf16", "native", "llama_cpp"}   # (its package aside)
+    assert {r[0] for r in kept} == {"numpy", "hf_fp32", "hf_bf16", "native", "llama_cpp", "vllm"}   # (packages aside)
     every = engine_runs(engines, budgets)
     assert sum(r[0] == "gpu_fp32" for r in every) == 2 * 2 * (2 + len(budgets))  # models x precisions x modes
 
@@ -71,7 +71,7 @@ def test_gpu_resource_capped_at_pool_size(tmp_path):
     cfg["engines"] = {"fakegpu": {
         "command": f"{{python}} {fake} ok {records} --bundle {{bundle}} --mode {{mode}} --budget {{budget}} --output {{output}}",
         "sources": [str(fake)], "gpus": 1, "precisions": ["fp32"], "sandbox": False}}   # it records outside its scratch
-    cfg["gpus"] = {"devices": [0, 1], "lock_dir": str(tmp_path / "locks")}
+    cfg["gpus"] = {"devices": [0, 1], "lock_dir": str(tmp_path / "locks"), "jobs_per_device": 1}   # a GPU each
     path = write_config(tmp_path / "cap.yaml", cfg)
     targets = [f"results/runs/fakegpu/tiny-fp32-{m}.json" for m in ("greedy", "ddtree-b1", "ddtree-b4", "ddtree-b16")]
     res = snakemake(*targets, "--cores", "6", "--resources", "gpu=8", "--directory", str(tmp_path),

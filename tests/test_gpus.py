@@ -1,4 +1,5 @@
 """The GPU slot pool: exclusive leases, all slots used, crash-safe, scheduler assignments respected."""
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -56,6 +57,15 @@ def test_jobs_per_device_shares_a_device_up_to_its_count(tmp_path, monkeypatch):
         assert sorted(both) == ["0", "1"]
         with lease(2, ["0", "1"], tmp_path / "two", jobs_per_device=4) as again:
             assert sorted(again) == ["0", "1"]
+
+
+def test_shared_devices_fill_evenly(tmp_path, monkeypatch):
+    """With jobs_per_device 4 on 3 devices, every device holds one job before any holds a second: six leases
+    taken in turn (in one process, so every scan starts at the same device) land two on each."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with contextlib.ExitStack() as stack:
+        got = [stack.enter_context(lease(1, ["0", "1", "2"], tmp_path, jobs_per_device=4))[0] for _ in range(6)]
+        assert sorted(got[:3]) == ["0", "1", "2"] and sorted(got) == ["0", "0", "1", "1", "2", "2"], got
 
 
 def _hold_then_die(lock_dir):

@@ -59,7 +59,8 @@ def test_experts_are_fused_gate_rows_first():
 
 def test_engines_missing_a_package_are_listed_with_it():
     cfg = default_config()
-    del cfg["engines"]["llama_cpp"]   # installed or not, depending on the environment (test_llama_cpp_engine.py)
+    for name in ("llama_cpp", "vllm"):   # installed or not, depending on the environment (their test files)
+        del cfg["engines"][name]
     cfg["engines"]["hf_bf16"]["requires"] = ["torch", "k2vec_no_such_package"]
     engines = resolve_engines(cfg, str(REPO))
     assert engines_missing_modules(engines) == {"hf_bf16": ["k2vec_no_such_package"]}
@@ -75,7 +76,8 @@ def test_dry_run_without_transformers_leaves_hf_engines_out_with_one_notice(tmp_
     cfg = default_config()
     for name in HF_ENGINES:
         cfg["engines"][name]["requires"] = ["k2vec_no_such_package"]
-    cfg["engines"]["llama_cpp"] = None   # its own notice where llama-cpp-python is missing (test_llama_cpp_engine.py)
+    for name in ("llama_cpp", "vllm"):   # their own notices where their packages are missing (their test files)
+        cfg["engines"][name] = None
     res = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(write_config(tmp_path / "c.yaml", cfg)),
                     cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 0, res.stderr[-2000:]
@@ -83,7 +85,7 @@ def test_dry_run_without_transformers_leaves_hf_engines_out_with_one_notice(tmp_
     assert res.stderr.count(notice) == 1, res.stderr[-2000:]
     assert "results/runs/hf_" not in res.stdout
     plain = default_config()
-    plain["engines"]["llama_cpp"] = None
+    plain["engines"].update(llama_cpp=None, vllm=None)
     with_hf = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(write_config(tmp_path / "d.yaml", plain)),
                         cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     assert not [line for line in with_hf.stderr.splitlines() if line.startswith("k2vec: no run of") and "hf_" in line]

@@ -16,11 +16,11 @@ def test_default_config_expands_with_derived_dims(config):
     cases = expand_config(config)
     assert set(cases) == set(config["models"])
     tiny = cases["tiny"]["model"]
-    assert tiny["qk_head_dim"] == 48
+    assert tiny["qk_head_dim"] == 192   # K2's nope 128 + rope 64
     assert tiny["dense_layers"] == [0] and tiny["moe_layers"] == [1, 2]
     assert tiny["experts_per_group"] == 4
     # K2's softmax scale with YaRN factor 64, mscale_all_dim 1 (notes §3): qk^-0.5 * (0.1 ln 64 + 1)^2
-    assert tiny["softmax_scale"] == pytest.approx(48 ** -0.5 * (0.1 * 4.1588830833596715 + 1) ** 2)
+    assert tiny["softmax_scale"] == pytest.approx(192 ** -0.5 * (0.1 * 4.1588830833596715 + 1) ** 2)
     assert tiny["n_parameters"] == sum(int(__import__("math").prod(s)) for s in tensor_shapes(tiny).values())
     q = cases["tiny"]["quantization"]
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in q["tensors"]
@@ -72,7 +72,7 @@ def test_yarn_factor_must_match_max_positions(config):
 def test_q_lora_null_gives_q_proj(config):
     config["models"]["tiny"]["q_lora_rank"] = None
     shapes = tensor_shapes(expand_config(config)["tiny"]["model"])
-    assert shapes["model.layers.0.self_attn.q_proj.weight"] == [4 * 48, 128]
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == [4 * (128 + 64), 128]   # heads x (nope + rope)
     assert not any("q_a_proj" in n for n in shapes)
 
 

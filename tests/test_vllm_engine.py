@@ -1,17 +1,16 @@
-"""The vLLM engine (k2vec.engines.vllm, docs/vllm.md) and its overlay tools/vllm.yaml.
+"""The vLLM engine (k2vec.engines.vllm, docs/vllm.md) and its entry in config.yaml.
 
-Without vLLM: how vLLM's top-k records become the contract's rows (k2vec.engines.vllm.steps), the overlay's
-model and entry, and the entry being left out with one notice. With it (`-m thirdparty`, skipped where vllm is
-not importable): the pipeline on the overlay's K2-width model (vLLM refuses the default models' latent widths),
-fp32 and int4, greedy and score, against the golden and against the reference under vLLM's convention
-(q_a/kv_a layernorm eps = rms_norm_eps), and the report's verdict with that convention declared."""
+Without vLLM: how vLLM's top-k records become the contract's rows (k2vec.engines.vllm.steps), the default
+tiny model's K2 latent widths that vLLM's MLA needs, and the entry being left out with one notice. With it
+(`-m thirdparty`, skipped where vllm is not importable): the pipeline on the default tiny model, fp32 and int4,
+greedy and score, against the golden and against the reference under vLLM's convention (q_a/kv_a layernorm
+eps = rms_norm_eps), and the report's verdict with that convention declared."""
 import importlib.util
 import json
 from dataclasses import dataclass
 
 import pandas as pd
 import pytest
-import yaml
 
 from conftest import REPO, default_config, snakemake
 from test_workflow import scheduled_job_wildcards
@@ -21,7 +20,7 @@ from support.conventions import assert_exact_under_the_convention, run_engine_al
 from k2vec.config.expand import resolve_model
 from k2vec.engines.vllm import steps
 
-OVERLAY = yaml.safe_load((REPO / "tools/vllm.yaml").read_text())
+CONFIG = default_config()
 
 
 @dataclass
@@ -54,34 +53,34 @@ def test_score_steps_are_the_fed_positions_after_the_prompt_then_the_generated_o
         steps.score_steps(prompt_lp[:-1], sample_lp, p, n, "prompt 0")
 
 
-def test_overlay_model_has_the_latent_widths_vllm_accepts():
-    """vLLM's MLA: kv_lora_rank + qk_rope_head_dim in {320, 512, 576}, 576 on its CPU backend (the default
-    models' 48 and 80 are refused); the rest of the model is config.yaml's tiny."""
-    tiny, k2w = default_config()["models"]["tiny"], OVERLAY["models"]["tiny_k2w"]
-    model = resolve_model("tiny_k2w", k2w)
-    assert model["kv_lora_rank"] + model["qk_rope_head_dim"] == 576
-    assert (model["qk_nope_head_dim"], model["v_head_dim"]) == (128, 128)
-    base = resolve_model("tiny", tiny)
-    assert base["kv_lora_rank"] + base["qk_rope_head_dim"] not in (320, 512, 576)
-    widths = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim", "name")
-    assert {k: v for k, v in model.items() if k not in widths} == {k: v for k, v in base.items() if k not in widths}
-    entry = OVERLAY["engines"]["vllm"]
-    assert entry["models"] == ["tiny_k2w"] and entry["conventions"] == ["latent_norm_eps_rms"]
+def test_the_default_tiny_model_has_the_latent_widths_vllm_accepts():
+    """vLLM's MLA: kv_lora_rank + qk_rope_head_dim in {320, 512, 576}, 576 on its CPU backend: the default tiny
+    model has K2's attention widths and the entry runs there; small (64 + 16) would be refused."""
+    tiny, small = (resolve_model(m, CONFIG["models"][m]) for m in ("tiny", "small"))
+    assert tiny["kv_lora_rank"] + tiny["qk_rope_head_dim"] == 576
+    assert (tiny["qk_nope_head_dim"], tiny["v_head_dim"]) == (128, 128)
+    assert small["kv_lora_rank"] + small["qk_rope_head_dim"] not in (320, 512, 576)
+    entry = CONFIG["engines"]["vllm"]
+    assert entry["models"] == ["tiny"] and entry["conventions"] == ["latent_norm_eps_rms"]
     assert entry["requires"] == ["vllm"] and "{batch}" in entry["command"]
 
 
+def test_the_default_cases_have_one_model_where_the_latent_norm_conventions_differ_and_one_where_they_agree():
+    eps = {m: resolve_model(m, CONFIG["models"][m])["rms_norm_eps"] for m in ("tiny", "small")}
+    assert eps == {"tiny": 1e-5, "small": 1e-6}   # Kimi K2's, and DeepSeek-V3's = the latent norms' own
+
+
 def test_entry_is_left_out_with_one_notice_without_vllm(tmp_path):
-    """Where vLLM is not importable (hidden here: tests/support/hide_modules), the overlay's pipeline runs
+    """Where vLLM is not importable (hidden here: tests/support/hide_modules), the default pipeline runs
     without it: no vLLM job, one line naming the engine and the package."""
     env = {"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests/support/hide_modules'}", "K2VEC_HIDE_MODULES": "vllm",
            "CUDA_VISIBLE_DEVICES": ""}
-    res = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(REPO / "tools/vllm.yaml"), cwd=tmp_path,
-                    env=env)
+    res = snakemake("-n", "--directory", str(tmp_path), cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     notice = [line for line in res.stderr.splitlines() if line.startswith("k2vec: no run of") and "vllm" in line]
     assert len(notice) == 1 and "vllm not importable by" in notice[0], res.stderr[-2000:]
     jobs = scheduled_job_wildcards(res.stdout)
-    assert any(w.get("model") == "tiny_k2w" for _, w in jobs)   # the model's bundles are still made
+    assert any(w.get("model") == "tiny" for _, w in jobs)   # the model's bundles are still made
     assert not any(rule == "engine_batch_vllm" for rule, _ in jobs)
 
 
@@ -94,17 +93,18 @@ RUNS = [(p, mode) for p in ("fp32", "int4") for mode in ("greedy", "score")]
 
 @pytest.fixture(scope="module")
 def vllm_pipeline(tmp_path_factory):
-    """The overlay's model and vLLM entry alone: both bundles, greedy and score in one vLLM process each,
+    """The default tiny model and the vLLM entry alone: both bundles, greedy and score in one vLLM process each,
     sandboxed where bwrap works, the checkpoints in results/cache/vllm."""
-    return run_engine_alone(tmp_path_factory.mktemp("vllm"), OVERLAY["models"], OVERLAY["engines"])
+    return run_engine_alone(tmp_path_factory.mktemp("vllm"), {"tiny": CONFIG["models"]["tiny"]},
+                            {"vllm": CONFIG["engines"]["vllm"]})
 
 
 @pytest.mark.thirdparty
 @needs_vllm
 @pytest.mark.parametrize("precision, mode", RUNS, ids=[f"{p}-{m}" for p, m in RUNS])
 def test_vllm_matches_the_reference_under_its_convention(vllm_pipeline, precision, mode):
-    result = json.loads((vllm_pipeline / f"results/runs/vllm/tiny_k2w-{precision}-{mode}.json").read_text())
-    assert_exact_under_the_convention(result, vllm_pipeline / f"results/bundles/tiny_k2w-{precision}.kdtr", mode)
+    result = json.loads((vllm_pipeline / f"results/runs/vllm/tiny-{precision}-{mode}.json").read_text())
+    assert_exact_under_the_convention(result, vllm_pipeline / f"results/bundles/tiny-{precision}.kdtr", mode)
 
 
 @pytest.mark.thirdparty
@@ -123,7 +123,7 @@ def test_each_bundle_is_one_checkpoint_and_one_vllm_process(vllm_pipeline):
     ckpts = sorted(p for p in (vllm_pipeline / "results/cache/vllm/k2vec-vllm").iterdir() if p.is_dir())
     assert len(ckpts) == 2, ckpts
     for precision in ("fp32", "int4"):
-        timing = [json.loads((vllm_pipeline / f"results/runs/vllm/tiny_k2w-{precision}-{mode}.json").read_text())
+        timing = [json.loads((vllm_pipeline / f"results/runs/vllm/tiny-{precision}-{mode}.json").read_text())
                   ["timing"] for mode in ("greedy", "score")]
         assert timing[0]["load_s"] > 0 and timing[1]["load_s"] == 0.0   # the score run reused the loaded vLLM
         assert timing[0]["checkpoint_reused"] is False

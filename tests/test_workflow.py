@@ -86,8 +86,8 @@ def built_workflow(tmp_path_factory):
     config = default_config()
     config["models"] = {"tiny": config["models"]["tiny"]}
     # the transformers engine's runs are checked in test_pipeline.py, the native engine's in test_native_engine.py,
-    # the llama.cpp engine's in test_llama_cpp_engine.py
-    for name in ("hf_fp32", "hf_bf16", "native", "llama_cpp"):
+    # the llama.cpp and vLLM engines' in test_llama_cpp_engine.py and test_vllm_engine.py
+    for name in ("hf_fp32", "hf_bf16", "native", "llama_cpp", "vllm"):
         del config["engines"][name]
     write_config(root / "config.yaml", config)
     env = {"PYTHONPATH": str(root / "src")}
@@ -316,7 +316,7 @@ def test_overlay_disabling_an_unknown_engine_is_refused(tmp_path):
     res = snakemake("--cores", "1", "--directory", str(tmp_path), "--configfile", str(cfg), cwd=tmp_path)
     assert res.returncode != 0
     assert "Invalid configuration" in res.stderr and "engines.nmpy" in res.stderr, res.stderr[-1500:]
-    assert "known engines: gpu_bf16, gpu_fp32, hf_bf16, hf_fp32, llama_cpp, native, numpy" in res.stderr, res.stderr[-1500:]
+    assert "known engines: gpu_bf16, gpu_fp32, hf_bf16, hf_fp32, llama_cpp, native, numpy, vllm" in res.stderr, res.stderr[-1500:]
     assert not (tmp_path / "results").exists()
 
 

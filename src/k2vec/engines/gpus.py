@@ -86,8 +86,14 @@ def lease(count: int, devices: Sequence[str], lock_dir: str | os.PathLike,
     order = list(devices[start:]) + list(devices[:start])
     while True:
         held: list[tuple[str, int]] = []
-        for dev in order:
-            for slot in range(jobs_per_device):
+        # slot-major: every device's first slot before any device's second, so that shared devices fill
+        # evenly and a free GPU is never left idle beside a shared one
+        for slot in range(jobs_per_device):
+            for dev in order:
+                if len(held) == count:
+                    break
+                if any(d == dev for d, _ in held):
+                    continue
                 fd = os.open(lock_dir / _lock_name(dev, slot), os.O_RDWR | os.O_CREAT, 0o666)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -95,9 +101,6 @@ def lease(count: int, devices: Sequence[str], lock_dir: str | os.PathLike,
                     os.close(fd)
                     continue
                 held.append((dev, fd))
-                break
-            if len(held) == count:
-                break
         if len(held) == count:
             try:
                 yield sorted((d for d, _ in held), key=devices.index)
