@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issue 30 on a GPU node: from a gpu_triton kernel edit to a verdict (bench/RESULTS.md "Edit to verdict").
 #   PARTS=full   the default config from an empty results/ (plain `snakemake --cores $CORES`), timed;
-#   PARTS=share  jobs per device 1 and then each of $SHARES (gpus.jobs_per_device, an overlay config): a
-#                kernel edit (bench/loop.py --edits gpu) each, the wall time beside the GPU runs' own decode time,
-#                and the per-run GPU time (runs.txt);
+#   PARTS=share  config.yaml's own gpus.jobs_per_device and then each of $SHARES (an overlay config): a kernel
+#                edit (bench/loop.py --edits gpu) each, the wall time beside the GPU runs' own decode time, and
+#                the per-run GPU time (runs.txt);
 #   both need the full run first (results/ of a finished default run in this checkout).
-# Usage, from the repository root: OUT=dir [WHEELS=.whl] [PARTS="full share"] [SHARES="4 8"] bash bench/gpu_loop.sh
+# Usage, from the repository root: OUT=dir [WHEELS=.whl] [PARTS="full share"] [SHARES="1 8"] bash bench/gpu_loop.sh
 set -u -o pipefail
 : "${OUT:?set OUT to a folder for the outputs}"
 PARTS=${PARTS:-full share}
-SHARES=${SHARES:-4 8}
+SHARES=${SHARES-1 8}
 CORES=${CORES:-16}
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1
@@ -45,9 +45,13 @@ if [[ " $PARTS " == *" full "* ]]; then
 fi
 
 if [[ " $PARTS " == *" share "* ]]; then
-    for share in 1 $SHARES; do
-        printf 'gpus:\n  jobs_per_device: %s\n' "$share" > "$OUT/share$share.yaml"
-        python3 bench/loop.py . --cores "$CORES" --configfile "$OUT/share$share.yaml" --edits gpu --no-restore \
+    for share in default $SHARES; do
+        overlay=()
+        if [ "$share" != default ]; then
+            printf 'gpus:\n  jobs_per_device: %s\n' "$share" > "$OUT/share$share.yaml"
+            overlay=(--configfile "$OUT/share$share.yaml")
+        fi
+        python3 bench/loop.py . --cores "$CORES" "${overlay[@]}" --edits gpu --no-restore \
             > "$OUT/loop-share$share.md" 2>> "$LOG"
         say "kernel edit, jobs_per_device $share: $(tail -1 "$OUT/loop-share$share.md")"
         gpu_runs "jobs_per_device $share"

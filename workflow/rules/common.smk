@@ -23,11 +23,13 @@ from k2vec.config.engines import (
     engines_failing_checks,
     engines_missing_commands,
     engines_missing_modules,
+    engines_off_models,
     engines_short_of_gpus,
     left_out_engines,
+    left_out_on_models,
     resolve_engines,
 )
-from k2vec.config.expand import check_finite, expand_config, schema_error
+from k2vec.config.expand import check_finite, expand_config, resolve_model, schema_error
 from k2vec.model.precision import FORMATS
 
 CONFIG_SCHEMA = "../schemas/config.schema.yaml"
@@ -110,7 +112,24 @@ LEFT_OUT = left_out_engines(
     COMMANDS_LEFT_OUT,
     CHECKS_LEFT_OUT,
 )
-RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], list(LEFT_OUT))
+try:
+    # And an engine on a model its `requires_model` rejects (vLLM's MLA on latent widths it does not take):
+    # no run there, named in the report as "<engine> on <model>".
+    OFF_MODELS = engines_off_models(
+        {n: e for n, e in ENGINES.items() if n not in LEFT_OUT},
+        {m: resolve_model(m, entry) for m, entry in config["models"].items()},
+    )
+except ConfigError as err:
+    raise WorkflowError(f"Invalid configuration: {err}") from None
+if OFF_MODELS and workflow.is_main_process:
+    for _name, _off in OFF_MODELS.items():
+        print(
+            f"k2vec: no run of engine {_name} on model(s) {', '.join(sorted(_off))}: "
+            f"{'; '.join(_off[m] for m in sorted(_off))} (engines.{_name}.requires_model)",
+            file=sys.stderr,
+        )
+LEFT_OUT.update(left_out_on_models(OFF_MODELS, ENGINES))
+RUNS = engine_runs(ENGINES, config["decoding"]["ddtree"]["budgets"], list(LEFT_OUT), OFF_MODELS)
 try:
     # Resource budget (k2vec.config.resources): a config whose memory, disk or file count cannot fit here stops
     # now, counting only the runs that will run, before expand_config lists every tensor of every model and

@@ -23,8 +23,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {"build": None, "sources": [], "gpus": 0, "tim
                                    "build_timeout_s": 1800.0, "precisions": ["fp32", "int4"],
                                    "modes": ["greedy", "ddtree", "score"], "max_result_mb": 96.0,
                                    "sandbox": True, "precision": "float32", "requires": [],
-                                   "requires_commands": [], "requires_check": None, "ddtree_budgets": None,
-                                   "conventions": []}
+                                   "requires_commands": [], "requires_check": None, "requires_model": None,
+                                   "ddtree_budgets": None, "conventions": []}
 _PLACEHOLDERS = ("bundle", "mode", "budget", "output", "batch", "gpus", "python")
 # What a single run's command names that a batch engine reads from its {batch} listing instead.
 _PER_RUN = ("mode", "budget", "output")
@@ -139,6 +139,8 @@ def resolve_engines(config: dict[str, Any], basedir: str, defined: Iterable[str]
                     "must use {bundle} and {output} (or {bundle} and {batch}: several runs in one process)")
         for m in e["models"]:
             require(m in config["models"], f"{key}.models", f"unknown model {m!r}")
+        if e["requires_model"] is not None:
+            _model_test(e["requires_model"], f"{key}.requires_model")
         budgets = config["decoding"]["ddtree"]["budgets"]
         if e["ddtree_budgets"] is None:
             e["ddtree_budgets"] = list(budgets)
@@ -229,6 +231,53 @@ def engines_failing_checks(engines: dict[str, dict[str, Any]], timeout_s: float 
     return failing
 
 
+def _model_test(expression: str, key: str):
+    """The compiled `requires_model` expression; ConfigError naming `key` where it is not one."""
+    try:
+        return compile(expression, key, "eval")
+    except SyntaxError as err:
+        require(False, key, f"not a Python expression: {err.msg} in {expression!r}")
+
+
+def engines_off_models(engines: dict[str, dict[str, Any]],
+                       models: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Engine name -> {model: why} for each model of its `models` that its `requires_model` rejects: an
+    expression over the model's resolved architecture (`models`: name -> config.expand.resolve_model), e.g.
+    vLLM's MLA taking only some latent widths. Such an engine gets no run on that model; engines whose
+    every model passes are not listed."""
+    out: dict[str, dict[str, str]] = {}
+    for name, e in engines.items():
+        if e["requires_model"] is None:
+            continue
+        code = _model_test(e["requires_model"], f"engines.{name}.requires_model")
+        names = sorted(code.co_names)
+        for m in e["models"]:
+            try:
+                ok = eval(code, {"__builtins__": {}}, dict(models[m]))
+            except NameError as err:
+                require(False, f"engines.{name}.requires_model", f"{err}: the expression may name the resolved "
+                        f"architecture's settings, e.g. kv_lora_rank, qk_rope_head_dim, hidden_size")
+            except Exception as err:  # noqa: BLE001 -- any failure of the user's expression names the key
+                require(False, f"engines.{name}.requires_model", f"{type(err).__name__}: {err} on model {m!r}")
+            if not ok:
+                given = ", ".join(f"{k} {models[m][k]}" for k in names if k in models[m])
+                out.setdefault(name, {})[m] = f"requires_model {e['requires_model']!r} is false ({given})"
+    return out
+
+
+def left_out_on_models(off_models: dict[str, dict[str, str]], engines: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The report's left-out entries for `off_models` (engines_off_models): an engine rejected on all its
+    models is left out by name; otherwise each model it skips is, as "<engine> on <model>"."""
+    out = {}
+    for name, off in off_models.items():
+        if set(off) >= set(engines[name]["models"]):
+            out[name] = "no model it can run on: " + "; ".join(f"{m}: {why}" for m, why in sorted(off.items())) \
+                + f" (engines.{name}.requires_model)"
+        else:
+            out.update({f"{name} on {m}": f"{why} (engines.{name}.requires_model)" for m, why in sorted(off.items())})
+    return out
+
+
 def left_out_engines(entries: dict[str, Any], gpu_left_out: list[str], n_devices: int,
                      missing_modules: dict[str, list[str]], python: str,
                      missing_commands: dict[str, list[str]] | None = None,
@@ -283,9 +332,11 @@ def engine_modes(engine: dict[str, Any], budgets: list[int]) -> list[str]:
         ["score"] if "score" in e["modes"] else [])
 
 
-def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int],
-                left_out: list[str] = ()) -> list[tuple[str, str, str, str]]:
+def engine_runs(engines: dict[str, dict[str, Any]], budgets: list[int], left_out: list[str] = (),
+                off_models: dict[str, dict[str, str]] | None = None) -> list[tuple[str, str, str, str]]:
     """Every (engine, model, precision, mode) run (engine_modes on each of its bundles); none for the engines in
-    `left_out`."""
+    `left_out`, nor on the models `off_models` (engines_off_models) takes from an engine."""
+    off = off_models or {}
     return [(name, m, p, mode) for name, e in engines.items() if name not in left_out
-            for m in e["models"] for p in e["precisions"] for mode in engine_modes(e, budgets)]
+            for m in e["models"] if m not in off.get(name, {}) for p in e["precisions"]
+            for mode in engine_modes(e, budgets)]
