@@ -1,6 +1,7 @@
 # Shared set-up: validate the config, expand it into resolved cases, and list the package
 # code each stage runs (Snakemake does not track modules imported by scripts).
 import atexit
+import functools
 import json
 
 from snakemake.exceptions import WorkflowError
@@ -272,8 +273,10 @@ def precision_code(script, *modules):
     return lambda wildcards: by_precision[wildcards.precision]
 
 
+@functools.cache
 def engine_source_paths(engine):
-    """All of an engine's sources, relative (a moved checkout with its results/ reruns nothing)."""
+    """All of an engine's sources, relative (a moved checkout with its results/ reruns nothing); asked for by
+    every job of the engine, made once."""
     return [os.path.relpath(p) for p in ENGINES[engine]["source_files"]]
 
 
@@ -302,7 +305,15 @@ def engine_settings(engine):
     return {
         k: v
         for k, v in ENGINES[engine].items()
-        if k not in ("source_files", "ddtree_budgets", "requires_commands", "requires_check", "conventions")
+        if k
+        not in (
+            "source_files",
+            "ddtree_budgets",
+            "requires_commands",
+            "requires_check",
+            "requires_model",
+            "conventions",
+        )
     }
 
 
