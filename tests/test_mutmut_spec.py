@@ -124,7 +124,7 @@ def test_softmax_scale_follows_yarn_mscale(rope_scaling, mscale):
     if rope_scaling:  # YaRN: max_position_embeddings = factor x original (spec checks it)
         config["models"]["tiny"]["max_position_embeddings"] = int(rope_scaling["factor"] * 4096)
     model = expand_config(config)["tiny"]["model"]
-    assert model["softmax_scale"] == pytest.approx(48 ** -0.5 * mscale ** 2, rel=1e-12)
+    assert model["softmax_scale"] == pytest.approx((128 + 64) ** -0.5 * mscale ** 2, rel=1e-12)   # nope + rope
 
 
 def test_resolved_case_sections_and_values():
