@@ -96,10 +96,12 @@ SHA = "a" * 64
 
 
 def _measured(*rows) -> pd.DataFrame:
-    """mutation_resolution.csv rows: (mutant, model, precision, golden sha256, resolvable), at bfloat16."""
+    """mutation_resolution.csv rows: (mutant, model, precision, golden sha256, seen: resolvable and caught), at
+    bfloat16."""
     return pd.DataFrame([{"mutant": mu, "compute": "bfloat16", "model": m, "precision": p, "golden_sha256": sha,
                           "hidden_beyond": 0.0, "logit_beyond": 0.0, "kl_beyond": 0.0, "router_beyond": 0.0,
-                          "resolvable": ok} for mu, m, p, sha, ok in rows], columns=MUTATION_RESOLUTION_COLUMNS)
+                          "resolvable": ok, "catch_rate": float(ok), "below": not ok} for mu, m, p, sha, ok in rows],
+                        columns=MUTATION_RESOLUTION_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -295,30 +297,44 @@ def test_resolution_lines_without_a_noise_model_are_none():
 
 
 def test_the_mutation_run_writes_what_the_report_reads(tmp_path):
-    """mutation/score.py's per-bundle table, written and read back by the report: the mutant whose float32
-    runs stay within tiny/fp32's noise model is below its resolution there; one over it is not; a mutant not
-    judged on tiny/int4 is not named there; the per-mutant verdict takes the bundles together."""
+    """mutation/score.py's per-bundle table, written and read back by the report. On tiny/fp32 the mutant whose
+    float32 runs stay within the noise model and whose bfloat16 runs are not caught is below its resolution; one
+    over it is not; one within it (few cells: it flipped an expert at once) whose bfloat16 runs are caught is not
+    either. A mutant not planned at bfloat16 (DDTree's) is left out; the per-mutant verdict takes the bundles
+    together."""
     from k2vec.mutation.score import _bundle_resolution, _resolution
 
-    def table_row(engine, model, precision, hidden, cells, verdict):
-        return {"engine": engine, "model": model, "precision": precision, "precision_class": "bfloat16",
-                "hidden_cells": cells, "hidden_beyond": hidden, "logit_cells": 10, "logit_beyond": 0,
-                "kl_cells": 10, "kl_beyond": 0, "router_cells": 0, "router_beyond": 0, "held_out_worst": 0.0,
-                "verdict": verdict}
+    def table_row(mutant, model, precision, hidden, cells, verdict):
+        return {"engine": f"mutant-{mutant}-as-bfloat16", "model": model, "precision": precision,
+                "precision_class": "bfloat16", "hidden_cells": cells, "hidden_beyond": hidden, "logit_cells": 10,
+                "logit_beyond": 0, "kl_cells": 10, "kl_beyond": 0, "router_cells": 0, "router_beyond": 0,
+                "held_out_worst": 0.0, "verdict": verdict}
     noise_table = pd.DataFrame([
-        table_row("mutant-router_logits_bf16-as-bfloat16", "tiny", "fp32", 1, 20, "within"),
-        table_row("mutant-experts_gelu-as-bfloat16", "tiny", "fp32", 15, 20, "over the noise model: hidden"),
-        table_row("mutant-experts_gelu-as-bfloat16", "tiny", "int4", 2, 20, "within"),
-        table_row("numpy-bfloat16", "tiny", "fp32", 0, 20, "within"),   # not a re-judged float32 mutant
+        table_row("router_logits_bf16", "tiny", "fp32", 1, 20, "within"),
+        table_row("experts_gelu", "tiny", "fp32", 15, 20, "over the noise model: hidden"),
+        table_row("experts_gelu", "tiny", "int4", 2, 20, "within"),
+        table_row("router_group_max", "tiny", "fp32", 0, 0, "within"),
+        table_row("ddtree_mask_causal", "tiny", "fp32", 0, 0, "too few cells"),
     ])
+    noise_table.loc[5] = {**noise_table.iloc[0].to_dict(), "engine": "numpy-bfloat16"}   # not a re-judged mutant
     shas = {("tiny", "fp32"): "a" * 64, ("tiny", "int4"): "b" * 64}
     resolution = pd.DataFrame([{"model": m, "precision": p, "precision_class": "bfloat16", "golden_sha256": s}
                                for (m, p), s in shas.items()])
-    by_bundle = _bundle_resolution(noise_table, resolution)
-    assert by_bundle[["mutant", "model", "precision", "golden_sha256", "resolvable"]].values.tolist() == [
-        ["experts_gelu", "tiny", "fp32", "a" * 64, True], ["experts_gelu", "tiny", "int4", "b" * 64, False],
-        ["router_logits_bf16", "tiny", "fp32", "a" * 64, False]]
-    assert by_bundle["hidden_beyond"].tolist() == [0.75, 0.1, 0.05] and by_bundle["router_beyond"].isna().all()
+    # the mutants' own bfloat16 rows: router_group_max caught in 3 of 4 on tiny/fp32, experts_gelu in 1 of 4 on int4
+    rows = pd.DataFrame({"mutant": ["router_group_max"] * 4 + ["experts_gelu"] * 4 + ["router_logits_bf16"] * 4,
+                         "precision_class": "bfloat16", "model": "tiny",
+                         "precision": ["fp32"] * 4 + ["int4"] * 4 + ["fp32"] * 4,
+                         "caught": [True, True, True, False, True, False, False, False] + [False] * 4})
+    planned = pd.DataFrame({"mutant": ["router_logits_bf16", "experts_gelu", "router_group_max"],
+                            "compute": "bfloat16"})
+    by_bundle = _bundle_resolution(noise_table, resolution, rows, planned)
+    assert by_bundle[["mutant", "model", "precision", "golden_sha256", "resolvable", "catch_rate", "below"]
+                     ].fillna({"catch_rate": -1}).values.tolist() == [
+        ["experts_gelu", "tiny", "fp32", "a" * 64, True, -1, False],   # no bfloat16 run there
+        ["experts_gelu", "tiny", "int4", "b" * 64, False, 0.25, True],
+        ["router_group_max", "tiny", "fp32", "a" * 64, False, 0.75, False],
+        ["router_logits_bf16", "tiny", "fp32", "a" * 64, False, 0.0, True]]
+    assert by_bundle["hidden_beyond"].tolist()[:2] == [0.75, 0.1] and np.isnan(by_bundle["hidden_beyond"].iloc[2])
     path = tmp_path / "mutation_resolution.csv"
     by_bundle.to_csv(path, index=False)
     nm = _model(np.ones((2, 10, 3)), np.ones((2, 10)), np.ones((2, 10)), np.ones((2, 10)))

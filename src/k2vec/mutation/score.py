@@ -115,7 +115,10 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     names = {e: info["name"] for e, info in mutants.items()}
     rows = rows.assign(mutant=rows["engine"].map(names), caught=rows["class"].isin(CAUGHT_CLASSES))
     scores = mutation_scores(rows, mutants)
-    by_bundle = _bundle_resolution(m.noise_table, m.resolution)
+    # the mutants run at each reduced precision (not DDTree's: the noise model judges no tree)
+    planned = pd.DataFrame([(info["name"], info.get("precision", "float32")) for info in mutants.values()],
+                           columns=["mutant", "compute"]).drop_duplicates()
+    by_bundle = _bundle_resolution(m.noise_table, m.resolution, rows, planned)
     scores = _resolution(scores, by_bundle)
     control_rows = rows[rows["engine"].isin(list(controls.values()))]
     res = MutationResult(scores, rows, len(control_rows), int(control_rows["caught"].sum()))
@@ -129,10 +132,14 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     return res
 
 
-def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame) -> pd.DataFrame:
-    """Per float32 mutant re-judged at a reduced precision and bundle (MUTATION_RESOLUTION_COLUMNS): the
-    fraction of each kind's cells its runs put beyond that bundle's noise model, and the rule's verdict on them
-    (resolvable), with the golden they were judged on."""
+def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows: pd.DataFrame,
+                       planned: pd.DataFrame) -> pd.DataFrame:
+    """Per float32 mutant re-judged at a reduced precision and bundle (MUTATION_RESOLUTION_COLUMNS), for the
+    (mutant, compute) pairs `planned` (not DDTree's: the noise model judges no tree): the fraction of each
+    kind's cells its float32 runs put beyond that bundle's noise model and the rule's verdict on them
+    (resolvable); the catch rate of its runs at that precision there; below: neither (a mutant that flips an
+    expert at once leaves few hidden and logit cells to judge, yet its own reduced-precision runs show it);
+    the golden they were judged on."""
     t = noise_table[noise_table["engine"].str.contains(AS_SUFFIX, regex=False)] if len(noise_table) else noise_table
     if not len(t):
         return pd.DataFrame(columns=MUTATION_RESOLUTION_COLUMNS)
@@ -143,6 +150,10 @@ def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame) -> p
     out["resolvable"] = t["verdict"].str.startswith("over").to_numpy()
     sha = resolution.set_index(["model", "precision", "precision_class"])["golden_sha256"]
     out["golden_sha256"] = sha.reindex(pd.MultiIndex.from_frame(t[["model", "precision", "precision_class"]])).to_numpy()
+    out = out.merge(planned, on=["mutant", "compute"])
+    rate = rows.groupby(["mutant", "precision_class", "model", "precision"])["caught"].mean()
+    out["catch_rate"] = rate.reindex(pd.MultiIndex.from_frame(out[["mutant", "compute", "model", "precision"]])).to_numpy()
+    out["below"] = ~out["resolvable"] & ~(out["catch_rate"] >= REQUIRED_CATCH_RATE)
     return out[MUTATION_RESOLUTION_COLUMNS].sort_values(["compute", "mutant", "model", "precision"]).reset_index(drop=True)
 
 

@@ -23,10 +23,12 @@ from k2vec.report.golden_data import Golden, ReportError
 from k2vec.report.noise import NoiseModel, Rule
 
 # Written by the mutation report (k2vec.mutation.score), read here: one row per mutant, compute precision and
-# bundle its float32 runs were judged on. The fractions are of each kind's cells beyond the noise model.
+# bundle its float32 runs were judged on. The fractions are of each kind's cells beyond the noise model;
+# resolvable: the rule's verdict on them; catch_rate: of the mutant's own runs at that precision there; below:
+# neither resolvable nor caught there (in REQUIRED_CATCH_RATE of its rows), the mutants the report names.
 MUTATION_RESOLUTION_FILE = "mutation_resolution.csv"
 MUTATION_RESOLUTION_COLUMNS = ["mutant", "compute", "model", "precision", "golden_sha256", "hidden_beyond",
-                               "logit_beyond", "kl_beyond", "router_beyond", "resolvable"]
+                               "logit_beyond", "kl_beyond", "router_beyond", "resolvable", "catch_rate", "below"]
 RESOLUTION_COLUMNS = ["model", "precision", "precision_class", "golden_sha256", "hidden_rel", "hidden_rel_layers", "logit_abs", "kl",
                       "hidden_cells", "step_cells", "below", "mutation_note"]
 EXAMPLES = 4   # mutants named in a summary line ("e.g. ...")
@@ -72,7 +74,7 @@ def _below(measured: pd.DataFrame | None, model: str, precision: str, precision_
         return None, f"the mutation run did not judge {model}/{precision} at {precision_class}"
     if not (t["golden_sha256"] == golden_sha256).all():
         return None, "the mutation run's results are of another golden: rerun `snakemake mutation_report`"
-    return sorted(t.loc[~t["resolvable"].astype(bool), "mutant"]), None
+    return sorted(t.loc[t["below"].astype(bool), "mutant"]), None
 
 
 def float32_advice(engine: str, float32_engines: Mapping[str, str], left_out: Mapping[str, str]) -> str:
