@@ -3,15 +3,17 @@
 The noise model of a golden and a precision holds S emulated correct engines (rounding schedules), fed the
 golden tokens. From them, per prompt and step (and layer): the envelope, the largest error any schedule
 shows there, of the residual stream after each layer (relative L2 against the golden fingerprint) and of
-the logits (largest |error| over the golden's top-K ids). A step is judged only where every schedule routes
+the logits (largest |error| over the golden's top-K ids) and of their distribution (KL(golden || schedule),
+as the report takes an engine's). A step is judged only where every schedule routes
 as the golden at the fed position: where a correct engine may flip an expert, the error is a routing
 effect, not rounding.
 
 The rule (docs/report.md "Noise model"). An engine's cells, on the steps up to its first divergence
 (inclusive: that step was fed the golden's tokens too): each (step, layer) of its residual stream and each
-step of its logits, on judged steps before its first flipped expert (from there its state follows another
-routing, through the flipped layer and the KV cache); and each router decision. A hidden or logit cell is
-*beyond* the noise model when its error exceeds `margin` times the envelope there; a router cell when the
+step of its logits (their largest error, and their KL), on judged steps before its first flipped expert (from
+there its state follows another routing, through the flipped layer and the KV cache); and each router
+decision. A hidden or logit cell is *beyond* the noise model when its error exceeds `margin` times the
+envelope there, a KL cell at `margin` squared (Rule.kl_margin); a router cell when the
 engine flips a decision that no schedule flips, with a golden margin over twice `margin` times the largest
 movement of that margin under the schedules. The engine on one bundle (all its rows there, every mode
 pooled: its rounding is a property of the engine, not of one prompt or mode) is *over the noise model* when
@@ -187,6 +189,7 @@ class NoiseModel:
 
 # the cell kinds: (name in the report's words, column stem)
 CELL_KINDS = (("hidden-state error", "hidden"), ("logit error", "logit"), ("KL", "kl"), ("routing error", "router"))
+_KIND_WORDS = {k: words for words, k in CELL_KINDS}
 _COUNTS = tuple(f"noise_{k}_{what}" for _, k in CELL_KINDS for what in ("cells", "beyond"))
 NOISE_COLUMNS = (*_COUNTS, "noise_credit")
 
@@ -281,8 +284,8 @@ def noise_verdicts(rows, rule: Rule) -> np.ndarray:
 def over_rule(kind: str, cells: float, beyond: float, rule: Rule, unit: str = "cells") -> str | None:
     """Why `beyond` of `cells` cells of one kind (CELL_KINDS' stem) are over the noise model by the rule, or None."""
     if cells >= rule.min_cells and beyond > rule.fraction * cells:
-        return (f"{dict((k, w) for w, k in CELL_KINDS)[kind]} beyond {rule.margin_of(kind):g}x the noise model at {int(beyond)} of {int(cells)} {unit} "
-                f"({beyond / cells:.0%} > {rule.fraction:.0%})")
+        return (f"{_KIND_WORDS[kind]} beyond {rule.margin_of(kind):g}x the noise model at {int(beyond)} of "
+                f"{int(cells)} {unit} ({beyond / cells:.0%} > {rule.fraction:.0%})")
     return None
 
 
