@@ -14,10 +14,11 @@ from k2vec.pipeline.code_digest import DigestCache, module_sources, script_modul
 from k2vec.errors import ConfigError
 from k2vec.engines.gpus import device_pool
 from k2vec.engines.isolation import sandbox_problem
-from k2vec.digests import integrity_key_path
+from k2vec.digests import integrity_key_path, sha256_file
 from k2vec.config.engines import (
     check_sandboxes,
     convention_variants,
+    float32_counterparts,
     noise_models,
     engine_modes,
     engine_runs,
@@ -150,6 +151,13 @@ ENGINE_MODES = {name: engine_modes(e, config["decoding"]["ddtree"]["budgets"]) f
 NOISE_MODELS = noise_models(ENGINES, RUNS)
 # (model, precision, variant) of each convention variant (rule convention) the report judges an engine with.
 CONVENTION_VARIANTS = convention_variants(ENGINES, RUNS)
+# Per reduced-precision engine, the float32 engine of its command family: named where it passes clean.
+FLOAT32_ENGINES = float32_counterparts(ENGINES)
+# The mutation run's per-bundle resolvability (rule mutation_report), from which the report names the catalogue's
+# bugs below each reduced-precision verdict's resolution. Not an input: the report neither waits for nor reruns
+# the mutation run; its digest is a parameter, so a new mutation run reruns the report.
+MUTATION_RESOLUTION = "results/mutation/mutation_resolution.csv"
+MUTATION_RESOLUTION_SHA256 = sha256_file(MUTATION_RESOLUTION) if os.path.exists(MUTATION_RESOLUTION) else None
 
 
 wildcard_constraints:

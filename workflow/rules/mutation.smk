@@ -50,6 +50,7 @@ rule mutation_report:
         html="results/mutation/mutation.html",
         csv="results/mutation/mutation.csv",
         rows_csv="results/mutation/mutation_rows.csv",
+        resolution_csv=MUTATION_RESOLUTION,
     log:
         "results/logs/mutation_report.log",
     benchmark:

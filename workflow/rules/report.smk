@@ -21,6 +21,7 @@ rule report:
         csv=report("results/report/divergence.csv", caption="../report/divergence_csv.rst", category="Divergence"),
         format_csv="results/report/format_effect.csv",
         score_csv="results/report/score.csv",
+        resolution_csv="results/report/resolution.csv",
         summary="results/report/summary.txt",
         # each configured engine: ran, or left out and why (read by strict_gate under report.fail_on_left_out)
         engines_csv="results/report/engines.csv",
@@ -48,6 +49,9 @@ rule report:
         noise_rule=config["report"].get("noise", {}),
         left_out=LEFT_OUT,
         fail_on_left_out=config["report"]["fail_on_left_out"],
+        float32_engines=FLOAT32_ENGINES,
+        mutation_resolution=MUTATION_RESOLUTION,
+        mutation_resolution_sha256=MUTATION_RESOLUTION_SHA256,
         # made by the first engine run (k2vec.engines.runner); not an input: nothing reruns on it
         integrity_key=str(integrity_key_path("results")),
         # plots kept by what they show and the code that draws them (k2vec/report/plot_cache.py)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import re
 from typing import Any, Callable, Iterable
@@ -34,6 +35,8 @@ _PER_RUN = ("mode", "budget", "output")
 ENGINE_LIMITS = {"timeout_s": 7 * 24 * 3600, "build_timeout_s": 7 * 24 * 3600, "max_result_mb": 65536}
 
 
+# An environment assignment leading a command (OMP_NUM_THREADS=1): not part of the program's name.
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=\S*")
 # A command template's tokens, as str.format reads them: escaped braces, a {placeholder}, a lone brace.
 _TEMPLATE_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
 _BRACE_HELP = "for a brace the shell should see, write it twice ({{ or }})"
@@ -75,7 +78,6 @@ def source_glob(pattern: str, basedir: str, key: str) -> list[str]:
     levels below the root (`/opt/myengine/...`, not `/` or `/opt/*`) and use no `**` there. ConfigError
     naming `key` for such a pattern, one matching no file or more than MAX_SOURCE_FILES."""
     import glob
-    import itertools
     import os
 
     parts = pattern.replace(os.sep, "/").split("/")
@@ -310,6 +312,26 @@ def noise_models(engines: dict[str, dict[str, Any]], runs) -> list[tuple[str, st
     """The (model, precision, precision class) noise models the report needs: one per bundle that an
     engine of a reduced precision (anything but float32) runs on, among `runs` (engine_runs)."""
     return sorted({(m, p, engines[e]["precision"]) for e, m, p, _ in runs if engines[e]["precision"] != "float32"})
+
+
+def command_family(command: str) -> tuple[str, ...]:
+    """The program a command template runs: its words before the first option (`--...`), leading environment
+    assignments (NAME=value) left out. One program at two precisions (hf_fp32, hf_bf16) is one family."""
+    words = itertools.dropwhile(lambda w: _ASSIGNMENT.fullmatch(w), command.split())
+    return tuple(itertools.takewhile(lambda w: not w.startswith("--"), words))
+
+
+def float32_counterparts(engines: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Per engine of a reduced precision, the float32 engine of its command family (the first by name), where
+    one is configured: the run that sees the bugs below its precision's resolution (report/resolution.py)."""
+    float32 = sorted((command_family(e["command"]), n) for n, e in engines.items() if e["precision"] == "float32")
+    out = {}
+    for name, e in sorted(engines.items()):
+        family = command_family(e["command"])
+        same = [n for f, n in float32 if f == family]
+        if e["precision"] != "float32" and same:
+            out[name] = same[0]
+    return out
 
 
 def convention_variants(engines: dict[str, dict[str, Any]], runs) -> list[tuple[str, str, str]]:

@@ -16,7 +16,9 @@ resolution: run an engine's float32 build to see it.
 
 Outputs (out_dir): mutation.html (the score section, the false-alarm line, every mutant's catching
 case), mutation.csv (one row per mutant), mutation_rows.csv (every judged row of the mutation run:
-divergence.csv's columns plus `mutant` and `caught`).
+divergence.csv's columns plus `mutant` and `caught`), mutation_resolution.csv (per mutant, reduced
+precision and bundle: its float32 effect against that bundle's noise model, resolvable or not; the divergence
+report names the mutants below each bundle's resolution from it, report/resolution.py).
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ import pandas as pd
 from k2vec.atomic import write_text_atomic
 from k2vec.report.html import CSS, _e, _table, badge, fmt
 from k2vec.report.metrics import ROW_COLUMNS, compute_metrics
+from k2vec.report.noise import CELL_KINDS
+from k2vec.report.resolution import MUTATION_RESOLUTION_COLUMNS, MUTATION_RESOLUTION_FILE
 
 CAUGHT_CLASSES = ("real", "over-budget")
 REQUIRED_CATCH_RATE = 0.75
-OUTPUTS = {"html": "mutation.html", "csv": "mutation.csv", "rows_csv": "mutation_rows.csv"}
+OUTPUTS = {"html": "mutation.html", "csv": "mutation.csv", "rows_csv": "mutation_rows.csv",
+           "resolution_csv": MUTATION_RESOLUTION_FILE}
 SCORE_COLUMNS = [
     "mutant", "compute", "area", "caught", "catch_rate", "rows", "rows_caught", "runs", "real", "over_budget",
     "ties", "exact", "failed", "model", "precision", "mode", "accuracy", "prompt", "step", "layer", "class",
@@ -110,7 +115,11 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     names = {e: info["name"] for e, info in mutants.items()}
     rows = rows.assign(mutant=rows["engine"].map(names), caught=rows["class"].isin(CAUGHT_CLASSES))
     scores = mutation_scores(rows, mutants)
-    scores = _resolution(scores, m.noise_table)
+    # the mutants run at each reduced precision (not DDTree's: the noise model judges no tree)
+    planned = pd.DataFrame([(info["name"], info.get("precision", "float32")) for info in mutants.values()],
+                           columns=["mutant", "compute"]).drop_duplicates()
+    by_bundle = _bundle_resolution(m.noise_table, m.resolution, rows, planned)
+    scores = _resolution(scores, by_bundle)
     control_rows = rows[rows["engine"].isin(list(controls.values()))]
     res = MutationResult(scores, rows, len(control_rows), int(control_rows["caught"].sum()))
     out = Path(out_dir)
@@ -118,29 +127,52 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     res.paths = {k: out / v for k, v in OUTPUTS.items()}
     write_text_atomic(res.paths["csv"], scores.to_csv(index=False))
     write_text_atomic(res.paths["rows_csv"], rows[["mutant", "caught"] + ROW_COLUMNS].to_csv(index=False))
+    write_text_atomic(res.paths["resolution_csv"], by_bundle.to_csv(index=False))
     write_text_atomic(res.paths["html"], render_mutation_html(res, controls, control_rows))
     return res
 
 
-def _resolution(scores: pd.DataFrame, noise_table: pd.DataFrame) -> pd.DataFrame:
-    """float32_beyond: at a reduced precision, the largest fraction of cells (hidden states, logits, routing)
-    that the mutant's float32 runs put beyond that precision's noise model; resolvable: the noise rule's
-    verdict on them; verdict: caught (in at least REQUIRED_CATCH_RATE of its rows), below resolution (not
-    resolvable and not caught so), missed (resolvable, yet not caught so), or not caught (float32)."""
-    scores = scores.copy()
+def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows: pd.DataFrame,
+                       planned: pd.DataFrame) -> pd.DataFrame:
+    """Per float32 mutant re-judged at a reduced precision and bundle (MUTATION_RESOLUTION_COLUMNS), for the
+    (mutant, compute) pairs `planned` (not DDTree's: the noise model judges no tree): the fraction of each
+    kind's cells its float32 runs put beyond that bundle's noise model and the rule's verdict on them
+    (resolvable); the catch rate of its runs at that precision there; below: neither (a mutant that flips an
+    expert at once leaves few hidden and logit cells to judge, yet its own reduced-precision runs show it);
+    the golden they were judged on."""
     t = noise_table[noise_table["engine"].str.contains(AS_SUFFIX, regex=False)] if len(noise_table) else noise_table
-    frac, over = {}, {}
-    for _, r in t.iterrows():
-        mutant, compute = r["engine"].removeprefix("mutant-").rsplit(AS_SUFFIX, 1)
-        f = max(r[f"{k}_beyond"] / r[f"{k}_cells"] for k in ("hidden", "logit", "router") if r[f"{k}_cells"])
-        frac[(mutant, compute)] = max(frac.get((mutant, compute), 0.0), f)
-        over[(mutant, compute)] = over.get((mutant, compute), False) or r["verdict"].startswith("over")
-    keys = list(zip(scores["mutant"], scores["compute"]))
-    scores["float32_beyond"] = [frac.get(k, np.nan) for k in keys]
-    scores["resolvable"] = [over.get(k, True) if c != "float32" else True for k, c in zip(keys, scores["compute"])]
+    if not len(t):
+        return pd.DataFrame(columns=MUTATION_RESOLUTION_COLUMNS)
+    names = t["engine"].str.removeprefix("mutant-").str.rsplit(AS_SUFFIX, n=1, expand=True)
+    out = pd.DataFrame({"mutant": names[0], "compute": names[1], "model": t["model"], "precision": t["precision"]})
+    for _, k in CELL_KINDS:
+        out[f"{k}_beyond"] = (t[f"{k}_beyond"] / t[f"{k}_cells"].where(t[f"{k}_cells"] > 0)).to_numpy()
+    out["resolvable"] = t["verdict"].str.startswith("over").to_numpy()
+    sha = resolution.set_index(["model", "precision", "precision_class"])["golden_sha256"]
+    out["golden_sha256"] = sha.reindex(pd.MultiIndex.from_frame(t[["model", "precision", "precision_class"]])).to_numpy()
+    out = out.merge(planned, on=["mutant", "compute"])
+    rate = rows.groupby(["mutant", "precision_class", "model", "precision"])["caught"].mean()
+    out["catch_rate"] = rate.reindex(pd.MultiIndex.from_frame(out[["mutant", "compute", "model", "precision"]])).to_numpy()
+    out["below"] = ~out["resolvable"] & ~(out["catch_rate"] >= REQUIRED_CATCH_RATE)
+    return out[MUTATION_RESOLUTION_COLUMNS].sort_values(["compute", "mutant", "model", "precision"]).reset_index(drop=True)
+
+
+def _resolution(scores: pd.DataFrame, by_bundle: pd.DataFrame) -> pd.DataFrame:
+    """float32_beyond: at a reduced precision, the largest fraction of cells (hidden states, logits, KL,
+    routing) that the mutant's float32 runs put beyond that precision's noise model on one bundle; resolvable:
+    the noise rule's verdict on them on some bundle; verdict: caught (in at least REQUIRED_CATCH_RATE of its
+    rows), below resolution (not resolvable and not caught so), missed (resolvable, yet not caught so), or not
+    caught (float32)."""
+    scores = scores.copy()
+    g = by_bundle.assign(frac=by_bundle[[f"{k}_beyond" for _, k in CELL_KINDS]].max(axis=1).fillna(0.0)) \
+        .groupby(["mutant", "compute"]).agg(frac=("frac", "max"), over=("resolvable", "any"))
+    keys = pd.MultiIndex.from_arrays([scores["mutant"], scores["compute"]])
+    scores["float32_beyond"] = g["frac"].reindex(keys).to_numpy(float)
+    over = g["over"].reindex(keys).to_numpy(object)
+    scores["resolvable"] = np.where(scores["compute"] == "float32", True, np.where(pd.isna(over), True, over)).astype(bool)
     caught = scores["catch_rate"] >= REQUIRED_CATCH_RATE
     scores["verdict"] = np.select(
-        [caught, scores["compute"] == "float32", ~scores["resolvable"].astype(bool)],
+        [caught, scores["compute"] == "float32", ~scores["resolvable"]],
         ["caught", "not caught", "below resolution"], "missed")
     return scores
 

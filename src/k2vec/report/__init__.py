@@ -12,7 +12,8 @@
     res.paths           # every file written
 
 Outputs in out_dir: divergence.html (self-contained), divergence.csv, engines.csv (each configured engine: ran or
-left out, and why), format_effect.csv, summary.txt and
+left out, and why), format_effect.csv, resolution.csv (per bundle judged at a reduced precision: the
+smallest errors its verdict resolves, the catalogue mutants below them; report/resolution.py), summary.txt and
 each plot as PNG (plots.PLOTS). From Snakemake: rule `report`'s script (`workflow/scripts/report.py`)
 unpacks `snakemake` and calls `write_report`; from a shell: `python -m k2vec.report --help`.
 """
@@ -33,13 +34,14 @@ from k2vec.atomic import write_bytes_atomic, write_text_atomic
 from k2vec.report import gate
 from k2vec.report.gate import StrictFailure
 from k2vec.report.metrics import ROW_COLUMNS, Metrics, ReportError, compute_metrics, read_budgets
+from k2vec.report.resolution import resolution_csv
 
 __all__ = ["build_report", "ReportResult", "ReportError", "compute_metrics", "main", "write_report", "OUTPUTS"]
 
 # Fixed output names (relative to out_dir), so a Snakemake rule can declare them.
 OUTPUTS = {
     "html": "divergence.html", "csv": "divergence.csv", "summary": "summary.txt", "engines_csv": "engines.csv",
-    "format_csv": "format_effect.csv", "score_csv": "score.csv",
+    "format_csv": "format_effect.csv", "score_csv": "score.csv", "resolution_csv": "resolution.csv",
     "match_grid": "match_grid.png", "logit_error": "logit_error.png", "first_bad_layer": "first_bad_layer.png",
     "acceptance": "acceptance.png", "format_effect": "format_effect.png", "score_kl": "score_kl.png",
 }
@@ -67,7 +69,8 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
                  conventions: Mapping[tuple[str, str, str], str | Path] | None = None,
                  noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
                  fail_on_left_out: bool = False, integrity_key: str | Path | None = None,
-                 plot_cache: str | Path | None = None) -> ReportResult:
+                 plot_cache: str | Path | None = None, mutation_resolution: str | Path | None = None,
+                 float32_engines: Mapping[str, str] | None = None) -> ReportResult:
     """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
     plot_cache: a directory where plots are kept by what they show and the code that draws them
     (report/plot_cache.py), so that a report whose plots did not change draws none; None draws them all.
@@ -77,15 +80,19 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     {(model, precision, precision class): noise-model path}; conventions: {(model, precision, variant):
     convention-variant path} (report/metrics.py compute_metrics); noise_rule: report.noise (report/noise.py);
     left_out: {engine: why} for each configured engine that got no run; fail_on_left_out: those fail the
-    strict verdict (report.fail_on_left_out)."""
+    strict verdict (report.fail_on_left_out). mutation_resolution: the mutation run's per-bundle resolvability
+    (report/resolution.py), read where it exists; float32_engines: {reduced-precision engine: the float32
+    engine of its command family} (k2vec.config.engines.float32_counterparts), named in its clean lines."""
     from k2vec.report import plots
     from k2vec.report.html import render_html, summary_text
     from k2vec.report.plot_cache import PlotCache
 
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
                                  fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, conventions=conventions,
-                                 noise_rule=noise_rule, integrity_key=integrity_key)
-    m = dataclasses.replace(m, left_out=dict(left_out or {}), fail_on_left_out=fail_on_left_out)
+                                 noise_rule=noise_rule, integrity_key=integrity_key,
+                                 mutation_resolution=mutation_resolution)
+    m = dataclasses.replace(m, left_out=dict(left_out or {}), fail_on_left_out=fail_on_left_out,
+                            float32_engines=dict(float32_engines or {}))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_steps = dict(zip(m.format_models.get("model", []), m.format_models.get("max_new_tokens", [])))
@@ -106,6 +113,7 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     write_text_atomic(paths["csv"], m.rows[ROW_COLUMNS].to_csv(index=False))
     write_text_atomic(paths["format_csv"], m.format_effect.to_csv(index=False))
     write_text_atomic(paths["score_csv"], m.score_runs.to_csv(index=False))
+    write_text_atomic(paths["resolution_csv"], resolution_csv(m.resolution).to_csv(index=False))
     write_text_atomic(paths["engines_csv"], engine_table(runs, m.left_out).to_csv(index=False))
     write_text_atomic(paths["summary"], summary)
     write_text_atomic(paths["html"], render_html(m, pngs, summary))
@@ -155,14 +163,16 @@ def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str |
                  noise: Mapping[str, Any] | None = None, conventions: Mapping[str, Any] | None = None,
                  noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
                  fail_on_left_out: bool = False, integrity_key: str | Path | None = None,
-                 plot_cache: str | Path | None = None) -> ReportResult:
+                 plot_cache: str | Path | None = None, mutation_resolution: str | Path | None = None,
+                 float32_engines: Mapping[str, str] | None = None) -> ReportResult:
     """Rule `report`: build_report, with its summary logged (run it inside the stage's stage_logging).
 
     runs: {"engine","model","precision","mode","result"} dicts (result = the JSON path); goldens:
     {(model, precision): path}, [{"model","precision","path"}] or {"model/precision": path} (the rule's
     params.goldens); budgets: report.budgets; noise: {"model/precision/class": noise-model path} (params.noise);
     conventions: {"model/precision/variant": convention-variant path} (params.conventions);
-    noise_rule: report.noise; left_out, fail_on_left_out, integrity_key, plot_cache: as build_report. strict: raise StrictFailure (report/gate.py) on a real
+    noise_rule: report.noise; left_out, fail_on_left_out, integrity_key, plot_cache, mutation_resolution,
+    float32_engines: as build_report. strict: raise StrictFailure (report/gate.py) on a real
     divergence, an over-budget row or a failed run, after writing the outputs.
     """
     res = build_report(list(runs), _goldens_from(goldens), out_dir, near_tie=float(near_tie),
@@ -170,7 +180,8 @@ def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str |
                        budgets=budgets, noise=_keyed_by_three(noise, "noise-model", "precision_class"),
                        conventions=_keyed_by_three(conventions, "convention-variant", "variant"),
                        noise_rule=noise_rule, left_out=left_out,
-                       fail_on_left_out=fail_on_left_out, integrity_key=integrity_key, plot_cache=plot_cache)
+                       fail_on_left_out=fail_on_left_out, integrity_key=integrity_key, plot_cache=plot_cache,
+                       mutation_resolution=mutation_resolution, float32_engines=float32_engines)
     logging.getLogger("k2vec.report").info("%s", res.summary)
     if strict and res.strict_problem:
         raise StrictFailure(res.strict_problem)
@@ -203,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--integrity-key", metavar="PATH",
                     help="the results directory's integrity key (results/.integrity.key): check each result's keyed "
                          "record; without it, sha256 records only and no verdict is tamper-proof")
+    ap.add_argument("--mutation-resolution", metavar="PATH",
+                    help="the mutation run's results/mutation/mutation_resolution.csv: name the catalogue's bugs below "
+                         "each reduced-precision verdict's resolution")
+    ap.add_argument("--float32-engine", nargs=2, action="append", default=[], metavar=("ENGINE", "FLOAT32_ENGINE"),
+                    help="the float32 engine of a reduced-precision engine's command family, named where it passes clean")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the strict verdict fails (report/gate.py): a real divergence, an over-budget row, a failed run or a DDTree tree that differs")
     a = ap.parse_args(argv)
     declared = dict(a.precision_class)
@@ -217,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            fingerprint_rtol=a.fingerprint_rtol, budgets=read_budgets(a.budgets),
                            noise={(m, p, c): path for m, p, c, path in a.noise},
                            conventions={(m, p, v): path for m, p, v, path in a.convention}, left_out=dict(a.left_out),
-                           fail_on_left_out=a.fail_on_left_out, integrity_key=a.integrity_key)
+                           fail_on_left_out=a.fail_on_left_out, integrity_key=a.integrity_key,
+                           mutation_resolution=a.mutation_resolution, float32_engines=dict(a.float32_engine))
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from k2vec.model.conventions import CONVENTIONS
 from k2vec.report.gate import FAILING_CLASSES, TREE_DIFFERS, failing
 from k2vec.report.classes import CLASSES, SEVERITY
 from k2vec.report.metrics import Metrics
+from k2vec.report.resolution import resolution_lines, resolution_words
 from k2vec.report.words import plural
 
 # plots (COLORS, PLOTS, row_labels) is imported where the HTML uses it: it loads matplotlib (a quarter of a
@@ -121,10 +122,13 @@ def verdict_line(m: Metrics) -> str:
 
 def score_line(r: pd.Series) -> str:
     """A score run's statistics and verdict (a row of Metrics.score_runs)."""
+    noise = "" if _na(r.get("kl_cells")) else (
+        f" (noise model: mean {fmt(r['noise_kl_mean'], 'e')} p99 {fmt(r['noise_kl_p99'], 'e')}; "
+        f"{int(r['kl_beyond'])}/{int(r['kl_cells'])} positions beyond)")
     return (f"score {r['engine']} {r['model']}/{r['precision']} ({r['precision_class'] or 'reference'}): "
             f"same top-1 {r['same_top1']:.1%}, KL mean {fmt(r['kl_mean'], 'e')} p99 {fmt(r['kl_p99'], 'e')} "
-            f"max {fmt(r['kl_max'], 'e')}, NMSE {fmt(r['logit_nmse'], 'e')}: {r['verdict']}"
-            + (f" ({r['over_budget']})" if not _na(r["over_budget"]) else ""))
+            f"max {fmt(r['kl_max'], 'e')}{noise}, NMSE {fmt(r['logit_nmse'], 'e')}: {r['verdict']}"
+            + "".join(f" ({r[k]})" for k in ("over_budget", "noise_over") if not _na(r.get(k))))
 
 
 def noise_lines(noise_table: pd.DataFrame, rows: pd.DataFrame) -> list[str]:
@@ -211,6 +215,8 @@ def summary_text(m: Metrics) -> str:
     lines += ["  " + line for line in convention_lines(rows)]
     lines += ["  " + score_line(r) for _, r in m.score_runs.iterrows()]
     lines += ["  " + line for line in noise_lines(m.noise_table, rows)]
+    lines += ["  " + line for line in resolution_lines(m.resolution, rows, m.noise_table, m.float32_engines,
+                                                       m.left_out)]
     fp = rows.dropna(subset=["first_bad_step"])
     if len(fp):
         r = fp.sort_values(["first_bad_step", "first_bad_layer"]).iloc[0]
@@ -303,9 +309,9 @@ dl.defs dd { margin: 0 0 0 16px; color: #3e4c59; }
 
 
 def _beyond(r: pd.Series) -> str:
-    """'hidden 3/270, logits 0/90, routing 1/180 beyond' of a noise_table row."""
+    """'hidden 3/270, logits 0/90, KL 0/90, routing 1/180 cells beyond' of a noise_table row."""
     parts = [f"{what} {int(r[k + '_beyond'])}/{int(r[k + '_cells'])}"
-             for what, k in (("hidden", "hidden"), ("logits", "logit"), ("routing", "router"))]
+             for what, k in (("hidden", "hidden"), ("logits", "logit"), ("KL", "kl"), ("routing", "router"))]
     return ", ".join(parts) + " cells beyond"
 
 
@@ -321,10 +327,41 @@ def _noise_section(m: Metrics) -> str:
     return ('<section id="noise"><h2>Noise model</h2><div class="card"><p class="note">Each reduced-precision '
             'engine against what correct engines of its precision show on the same case (emulated rounding '
             f'schedules, docs/report.md "Noise model"): a cell is beyond at over {rule.get("margin", 0):g}x their '
-            f'largest error; over the noise model at more than {rule.get("fraction", 0):.0%} of at least '
+            f'largest error ({rule.get("margin", 0) ** 2:g}x their largest KL); over the noise model at more than {rule.get("fraction", 0):.0%} of at least '
             f'{rule.get("min_cells", 0)} cells of a kind. The held-out column is the worst fraction a correct '
             'schedule shows when judged against the others: the rule\'s false-alarm margin on this case.</p>'
-            + _table("noise-table", header, body) + "</div></section>")
+            + _table("noise-table", header, body) + "</div>" + _resolution_card(m) + "</section>")
+
+
+def _resolution_card(m: Metrics) -> str:
+    """Per bundle and precision: the smallest errors its verdict resolves, the mutants below them, and the
+    clean engines with their float32 run (report/resolution.py)."""
+    from k2vec.report.resolution import clean_engines, float32_advice
+
+    res = m.resolution
+    if res.empty:
+        return ""
+    rule = m.thresholds.get("noise_rule", {})
+    clean = clean_engines(m.rows, m.noise_table)
+    header = [("model/precision", ""), ("precision", ""), ("resolves", "wrap"), ("judged steps", "num"),
+              ("catalogue mutants below it (float32 effect)", "wrap"), ("clean engines: the run that sees below", "wrap")]
+    body = []
+    for _, r in res.iterrows():
+        below = r["below"]
+        mine = clean[(clean["model"] == r["model"]) & (clean["precision"] == r["precision"])
+                     & (clean["precision_class"] == r["precision_class"])]["engine"]
+        body.append([_e(f"{r['model']}/{r['precision']}"), _e(r["precision_class"]), _e(resolution_words(r)),
+                     fmt(r["step_cells"], "int"),
+                     _e(r["mutation_note"]) if not isinstance(below, list) else _e(", ".join(below) or "none"),
+                     "<br>".join(f"<b>{_e(e)}</b>: {_e(float32_advice(e, m.float32_engines, m.left_out))}" for e in mine)
+                     or "\u2013"])
+    return ('<div class="card" id="resolution"><p class="note">Resolution: the smallest error of each kind that '
+            f'the verdict calls over the noise model, were an engine off by it at every cell: {rule.get("margin", 0):g}x '
+            f'the noise model\'s largest error at the {rule.get("fraction", 0):.0%} quantile of judged cells, '
+            f'{rule.get("margin", 0) ** 2:g}x for KL, which is second order in the logit error (docs/report.md '
+            '"Resolution"). An engine of that precision that passes clean is clean down to it, no '
+            'further; the mutation run names the catalogue\'s bugs whose float32 effect stays below it.</p>'
+            + _table("resolution-table", header, body) + "</div>")
 
 
 def _e(v: Any) -> str:
@@ -424,17 +461,24 @@ def _score_table(m: Metrics) -> str:
         return '<p class="note" id="score-table">No score run.</p>'
     sr = sr.sort_values(["reference", "engine", "model", "precision"], kind="stable")
     header = [("engine", ""), ("model/precision", ""), ("precision", ""), ("positions", "num"),
-              ("same top-1", "num"), ("KL mean", "num"), ("KL p99", "num"), ("KL max", "num"), ("NMSE", "num"),
+              ("same top-1", "num"), ("KL mean", "num"), ("KL p99", "num"), ("KL max", "num"),
+              ("noise model KL mean / p99", "num"), ("KL beyond the noise model", "num"), ("NMSE", "num"),
               ("verdict", ""), ("largest KL at", "wrap")]
     body = []
     for _, r in sr.iterrows():
-        verdict = _e(r["verdict"]) + ("" if _na(r["over_budget"]) else f': {_e(r["over_budget"])}')
+        why = "; ".join(str(r[k]) for k in ("over_budget", "noise_over") if not _na(r.get(k)))
+        verdict = _e(r["verdict"]) + (f": {_e(why)}" if why else "")
         body.append([_e(r["engine"]), _e(f"{r['model']}/{r['precision']}"), _e(r["precision_class"] or "\u2013"),
                      str(int(r["positions"])), f"{r['same_top1']:.1%}", fmt(r["kl_mean"], "e"), fmt(r["kl_p99"], "e"),
-                     fmt(r["kl_max"], "e"), fmt(r["logit_nmse"], "e"), verdict, _e(r["top_kl"])])
+                     fmt(r["kl_max"], "e"), f'{fmt(r["noise_kl_mean"], "e")} / {fmt(r["noise_kl_p99"], "e")}',
+                     "\u2013" if _na(r["kl_cells"]) else f'{int(r["kl_beyond"])} / {int(r["kl_cells"])}',
+                     fmt(r["logit_nmse"], "e"), verdict, _e(r["top_kl"])])
     return ('<p class="note">Every engine fed the golden tokens (score mode): its distribution at every '
             'position against the golden\'s. The int4-format rows are the int4 golden model forced on the fp32 '
-            'golden sequence: what INT4 itself costs, for scale.</p>' + _table("score-table", header, body))
+            'golden sequence: what INT4 itself costs, for scale. A reduced-precision run is set beside its noise '
+            'model: the largest mean and p99 KL of the correct rounding schedules on the same bundle, and its '
+            'positions whose KL is beyond the noise rule\'s margin times theirs (over the noise model past the '
+            'rule\'s fraction, docs/report.md "Score statistics").</p>' + _table("score-table", header, body))
 
 
 def _tree_table(m: Metrics) -> str:

@@ -43,6 +43,7 @@ from k2vec.report.golden_data import Golden, ReportError, golden_strength
 from k2vec.report.integrity import CHANGED, RunChecks
 from k2vec.report.logits import STEP_COLUMNS
 from k2vec.report.noise import NoiseModel, Rule, noise_cells, noise_table, noise_verdicts, router_credit
+from k2vec.report.resolution import resolution_table
 from k2vec.report.routing import score_evidence
 from k2vec.report.score import SCORE_COLUMNS, score_stats
 from k2vec.report.words import plural
@@ -93,6 +94,8 @@ class Metrics:
     prompt_strength: pd.DataFrame = field(default_factory=pd.DataFrame)   # per golden x prompt: margins, blind
     noise_calibration: pd.DataFrame = field(default_factory=pd.DataFrame)  # per noise model x held-out schedule
     noise_table: pd.DataFrame = field(default_factory=pd.DataFrame)  # per reduced-precision engine x bundle
+    resolution: pd.DataFrame = field(default_factory=pd.DataFrame)  # per noise model: what its verdict resolves
+    float32_engines: dict[str, str] = field(default_factory=dict)  # reduced-precision engine -> its float32 one
     left_out: dict[str, str] = field(default_factory=dict)  # configured engines with no run -> why
     fail_on_left_out: bool = False  # report.fail_on_left_out: a left-out engine fails the strict verdict
 
@@ -237,7 +240,8 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                     budgets: Mapping[str, Mapping[str, Any]] | None = None,
                     noise: Mapping[tuple[str, str, str], str | Path] | None = None,
                     conventions: Mapping[tuple[str, str, str], str | Path] | None = None,
-                    noise_rule: Mapping[str, Any] | None = None, integrity_key: str | Path | None = None) -> Metrics:
+                    noise_rule: Mapping[str, Any] | None = None, integrity_key: str | Path | None = None,
+                    mutation_resolution: str | Path | None = None) -> Metrics:
     """All report data for `runs` ({"engine","model","precision","mode","result"}, optional
     "precision_class" (default float32), "reference" (the int4-format row: scored, not judged), and for
     the judge (report/judge.py) "bundle" (integrity.RunChecks) and "contract" (the bundle's Expectations:
@@ -250,7 +254,9 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
     declares none and fails the golden on a bundle is judged against each variant there too, and where it
     passes one, its failing rows there are `convention` (_recognise_conventions).
     `integrity_key`: the results directory's integrity key file (digests.integrity_key_path), with which
-    engine results' keyed records are checked; None: their sha256 records, every row not tamper-proof."""
+    engine results' keyed records are checked; None: their sha256 records, every row not tamper-proof.
+    `mutation_resolution`: the mutation run's per-bundle resolvability (report/resolution.py
+    MUTATION_RESOLUTION_FILE), read where it exists: the mutants below each noise model's resolution."""
 
     try:
         budgets = resolve_budgets(budgets)
@@ -308,7 +314,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                                     for (m, p, c), nm in models.items() for rec in nm.calibration(rule)])
         return Metrics(rows, runs_df, steps, acceptance, score_runs, fe, fe_steps, fe_models, ref_steps,
                        {**th, "budgets": budgets, "noise_rule": vars(rule)}, strength, prompt_strength, calibration,
-                       noise_table(rows, calibration, rule))
+                       noise_table(rows, calibration, rule), resolution_table(models, opened, rule, mutation_resolution))
     finally:
         for g in [*opened.values(), *variants.values()]:
             g.close()
@@ -433,7 +439,8 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     _take_score_routing(base, score_routing, opened)
     # score statistics first: a run over its budget gets no tie credit in its greedy / DDTree rows either
     judged = base["status"] == "ok"
-    scored = score_stats(base[judged & (base["kind"] == "score")], steps, budgets)
+    scored = score_stats(base[judged & (base["kind"] == "score")], steps, budgets,
+                         {k: nm.kl_stats() for k, nm in noise_models.items()}, rule)
     over = {(r.engine, r.model, r.precision): r.over_budget for r in scored.itertuples() if r.over_budget}
     # An engine's noise is a property of the engine on these weights, not of one prompt: one prompt's
     # errors before its divergence can be 10x smaller than the same engine's elsewhere (bfloat16 on the
@@ -442,7 +449,10 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     keys = pd.MultiIndex.from_frame(base[["engine", "model", "precision", "prompt"]])
     base["score_noise"] = noise.reindex(keys.droplevel("prompt")).to_numpy(float) if len(noise) else np.nan
     base["run_over_budget"] = [over.get(k[:3]) for k in keys]
-    base["noise_over"] = noise_verdicts(base, rule)
+    # over the noise model: by the cells of every mode pooled, else by its score run's KL alone
+    kl_over = {(r.engine, r.model, r.precision): r.noise_over for r in scored.itertuples() if r.noise_over}
+    pooled = noise_verdicts(base, rule)
+    base["noise_over"] = np.where(pd.notna(pooled), pooled, np.array([kl_over.get(k[:3]) for k in keys], object))
     base["noise_router_credit"] = router_credit(noise_models, opened, base, rule)
     classified = classify(base, budgets, near_tie=th["near_tie"], router_near_tie=th["router_near_tie"])
     classified["class"] = _not_judged_class(base["status"], classified["class"])

@@ -3,15 +3,17 @@
 The noise model of a golden and a precision holds S emulated correct engines (rounding schedules), fed the
 golden tokens. From them, per prompt and step (and layer): the envelope, the largest error any schedule
 shows there, of the residual stream after each layer (relative L2 against the golden fingerprint) and of
-the logits (largest |error| over the golden's top-K ids). A step is judged only where every schedule routes
+the logits (largest |error| over the golden's top-K ids) and of their distribution (KL(golden || schedule),
+as the report takes an engine's). A step is judged only where every schedule routes
 as the golden at the fed position: where a correct engine may flip an expert, the error is a routing
 effect, not rounding.
 
 The rule (docs/report.md "Noise model"). An engine's cells, on the steps up to its first divergence
 (inclusive: that step was fed the golden's tokens too): each (step, layer) of its residual stream and each
-step of its logits, on judged steps before its first flipped expert (from there its state follows another
-routing, through the flipped layer and the KV cache); and each router decision. A hidden or logit cell is
-*beyond* the noise model when its error exceeds `margin` times the envelope there; a router cell when the
+step of its logits (their largest error, and their KL), on judged steps before its first flipped expert (from
+there its state follows another routing, through the flipped layer and the KV cache); and each router
+decision. A hidden or logit cell is *beyond* the noise model when its error exceeds `margin` times the
+envelope there, a KL cell at `margin` squared (Rule.kl_margin); a router cell when the
 engine flips a decision that no schedule flips, with a golden margin over twice `margin` times the largest
 movement of that margin under the schedules. The engine on one bundle (all its rows there, every mode
 pooled: its rounding is a property of the engine, not of one prompt or mode) is *over the noise model* when
@@ -38,7 +40,7 @@ import pandas as pd
 from k2vec.digests import IntegrityError, verify_kdtr
 from k2vec.kdtr import open_bundle
 from k2vec.report.golden_data import Golden, ReportError
-from k2vec.report.logits import lookup
+from k2vec.report.logits import lookup, topk_kl
 
 # The rule's defaults (config.yaml report.noise, docs/report.md "Noise model").
 NOISE_RULE = {"margin": 2.0, "fraction": 0.2, "min_cells": 6}
@@ -64,6 +66,17 @@ class Rule:
         if rule.margin < 1 or not 0 < rule.fraction < 1 or rule.min_cells < 1:
             raise ReportError("report.noise: margin must be >= 1, fraction in (0, 1), min_cells >= 1")
         return rule
+
+    @property
+    def kl_margin(self) -> float:
+        """The margin of a KL cell: KL is second order in the logit error (half its square, weighted by the
+        distribution), so the logits' `margin` is its square on KL. With `margin` itself, a held-out correct
+        schedule puts about twice as many of its KL cells beyond as of its logit cells."""
+        return self.margin ** 2
+
+    def margin_of(self, kind: str) -> float:
+        """The margin of a cell kind (CELL_KINDS' stem)."""
+        return self.kl_margin if kind == "kl" else self.margin
 
 
 class NoiseModel:
@@ -105,6 +118,9 @@ class NoiseModel:
         # a golden id the schedule did not list is at most its K-th logit away
         err = np.where(found, err, np.abs(logits[..., -1:] - g.topk_logits[None]))
         self.logit_abs = err.max(-1)                                                # [S, P, N]
+        # KL(golden || schedule) per position, taken as an engine's is (logits.topk_kl)
+        self.kl = topk_kl(np.broadcast_to(g.topk_ids, ids.shape[:1] + g.topk_ids.shape),
+                          np.broadcast_to(g.topk_logits, ids.shape[:1] + g.topk_logits.shape), ids, logits)
         # every schedule routes as the golden at the fed position of step j (sets, every MoE layer)
         fed = g.fed_positions(np.arange(P))                                         # [P, N]
         same = np.ones((S, P, g.N), bool)
@@ -126,27 +142,56 @@ class NoiseModel:
         self.judged = same.all(0)                                                   # [P, N]
         self.env_hidden = np.maximum(self.hidden_rel.max(0), ENVELOPE_FLOOR)        # [P, N, L]
         self.env_logit = np.maximum(self.logit_abs.max(0), ENVELOPE_FLOOR)          # [P, N]
+        self.env_kl = np.maximum(np.nan_to_num(self.kl).max(0), ENVELOPE_FLOOR)     # [P, N]
         self.same_top1 = (self.tokens == g.tokens[None]).mean(axis=(1, 2))          # [S]
 
     def calibration(self, rule: Rule) -> list[dict]:
         """Each schedule held out and judged by the rule against the envelope of the others: the fraction
-        of its cells beyond (hidden states, logits). A correct engine's fractions look like these."""
+        of its cells beyond (hidden states, logits, KL). A correct engine's fractions look like these."""
         out = []
         for s, name in enumerate(self.schedules):
             rest = [t for t in range(len(self.schedules)) if t != s]
             judged = self.routes_as_golden[rest].all(0) & self.routes_as_golden[s]
-            env_h = np.maximum(self.hidden_rel[rest].max(0), ENVELOPE_FLOOR)
-            env_l = np.maximum(self.logit_abs[rest].max(0), ENVELOPE_FLOOR)
-            h = (self.hidden_rel[s] > rule.margin * env_h)[judged]
-            lg = (self.logit_abs[s] > rule.margin * env_l)[judged]
-            out.append({"schedule": name, "hidden_cells": int(h.size), "hidden_beyond": float(h.mean()) if h.size else np.nan,
-                        "logit_cells": int(lg.size), "logit_beyond": float(lg.mean()) if lg.size else np.nan})
+            rec = {"schedule": name}
+            for kind, err in (("hidden", self.hidden_rel), ("logit", self.logit_abs), ("kl", self.kl)):
+                env = np.maximum(np.nan_to_num(err[rest]).max(0), ENVELOPE_FLOOR)
+                beyond = (err[s] > rule.margin_of(kind) * env)[judged]
+                rec[f"{kind}_cells"] = int(beyond.size)
+                rec[f"{kind}_beyond"] = float(beyond.mean()) if beyond.size else np.nan
+            out.append(rec)
         return out
 
+    def kl_stats(self) -> tuple[float, float]:
+        """(mean, p99) of KL(golden || schedule) over every position, the largest of the schedules: what a
+        correct engine's score run shows, beside an engine's (the score table)."""
+        kl = self.kl.reshape(len(self.schedules), -1)
+        return float(np.nanmax(np.nanmean(kl, axis=1))), float(np.nanmax(np.nanpercentile(kl, 99, axis=1)))
 
-NOISE_COLUMNS = ("noise_hidden_cells", "noise_hidden_beyond", "noise_logit_cells", "noise_logit_beyond",
-                 "noise_router_cells", "noise_router_beyond", "noise_credit")
-_COUNTS = NOISE_COLUMNS[:6]
+    def resolution(self, rule: Rule) -> dict:
+        """The smallest error of each kind that the rule calls over this noise model, were an engine off by
+        that much at every judged cell: `margin` times the envelope's order statistic just past `fraction`
+        of the cells (more than `fraction` of them beyond is the verdict). hidden_rel: the residual stream's
+        relative L2 error over all layers' cells, hidden_rel_layers: per layer; logit_abs: the largest
+        top-K logit error of a step; kl: KL(golden || engine) of a step. NaN with fewer than `min_cells`
+        cells (not judged)."""
+        def threshold(env: np.ndarray, margin: float = rule.margin) -> float:
+            env = env.ravel()
+            if env.size < rule.min_cells:
+                return np.nan
+            k = int(np.floor(rule.fraction * env.size))
+            return float(margin * np.partition(env, k)[k])
+        hidden = self.env_hidden[self.judged]                                       # [cells, L]
+        return {"hidden_rel": threshold(hidden), "hidden_rel_layers": [threshold(h) for h in hidden.T],
+                "logit_abs": threshold(self.env_logit[self.judged]),
+                "kl": threshold(self.env_kl[self.judged], rule.kl_margin),
+                "hidden_cells": int(hidden.size), "step_cells": int(self.judged.sum())}
+
+
+# the cell kinds: (name in the report's words, column stem)
+CELL_KINDS = (("hidden-state error", "hidden"), ("logit error", "logit"), ("KL", "kl"), ("routing error", "router"))
+_KIND_WORDS = {k: words for words, k in CELL_KINDS}
+_COUNTS = tuple(f"noise_{k}_{what}" for _, k in CELL_KINDS for what in ("cells", "beyond"))
+NOISE_COLUMNS = (*_COUNTS, "noise_credit")
 
 
 def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[str, str], precision_class: np.ndarray,
@@ -174,9 +219,10 @@ def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[st
     # routing (through the flipped layer and the KV cache), which its router cells judge instead
     g_fed = any_model.fed[prompt]                                                          # [R, N]
     own_route = g_fed < first_flip[:, None]
-    step_abs = np.full((R, N), np.nan)
+    step_abs, step_kl = np.full((R, N), np.nan), np.full((R, N), np.nan)
     if len(steps):
-        step_abs[steps["i"].to_numpy(int), steps["step"].to_numpy(int)] = steps["abs_max"].to_numpy(float)
+        at = steps["i"].to_numpy(int), steps["step"].to_numpy(int)
+        step_abs[at], step_kl[at] = steps["abs_max"].to_numpy(float), steps["kl"].to_numpy(float)
     hidden = cells.get("hidden_rel") or [None] * R
     for c in np.unique(precision_class[have]):
         nm = models[(key[0], key[1], c)]
@@ -186,6 +232,11 @@ def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[st
         lg = ok & np.isfinite(step_abs[rows])
         beyond = lg & (step_abs[rows] > rule.margin * nm.env_logit[p])
         out["noise_logit_cells"][rows], out["noise_logit_beyond"][rows] = lg.sum(1), beyond.sum(1)
+        # KL cells: the same steps, the step's KL(golden || engine) against the schedules' largest there, at the
+        # margin's square (Rule.kl_margin)
+        kl = ok & np.isfinite(step_kl[rows])
+        out["noise_kl_cells"][rows] = kl.sum(1)
+        out["noise_kl_beyond"][rows] = (kl & (step_kl[rows] > rule.kl_margin * nm.env_kl[p])).sum(1)
         # router cells: each decision up to the divergence; beyond where the engine flips one that no
         # schedule flips and whose golden margin is over twice margin x the noise model's movement of it
         if differs.shape[-1]:
@@ -220,20 +271,22 @@ def noise_verdicts(rows, rule: Rule) -> np.ndarray:
     keyed = rows[rows["noise_hidden_cells"].notna()]
     sums = keyed.groupby(["engine", "model", "precision"])[list(_COUNTS)].sum()
     reasons = {}
-    for k, s in sums.iterrows():
-        parts = []
-        for what, cells, beyond in (("hidden-state", s.noise_hidden_cells, s.noise_hidden_beyond),
-                                    ("logit", s.noise_logit_cells, s.noise_logit_beyond),
-                                    ("routing", s.noise_router_cells, s.noise_router_beyond)):
-            if cells >= rule.min_cells and beyond > rule.fraction * cells:
-                parts.append(f"{what} error beyond {rule.margin:g}x the noise model at {int(beyond)} of "
-                             f"{int(cells)} cells ({beyond / cells:.0%} > {rule.fraction:.0%})")
-        if parts:
-            reasons[k] = "; ".join(parts)
+    for key, s in sums.iterrows():
+        parts = [over_rule(k, s[f"noise_{k}_cells"], s[f"noise_{k}_beyond"], rule) for _, k in CELL_KINDS]
+        if any(parts):
+            reasons[key] = "; ".join(p for p in parts if p)
     for j, k in enumerate(zip(rows["engine"], rows["model"], rows["precision"])):
         if pd.notna(rows["noise_hidden_cells"].iloc[j]):
             why[j] = reasons.get(k)
     return why
+
+
+def over_rule(kind: str, cells: float, beyond: float, rule: Rule, unit: str = "cells") -> str | None:
+    """Why `beyond` of `cells` cells of one kind (CELL_KINDS' stem) are over the noise model by the rule, or None."""
+    if cells >= rule.min_cells and beyond > rule.fraction * cells:
+        return (f"{_KIND_WORDS[kind]} beyond {rule.margin_of(kind):g}x the noise model at {int(beyond)} of "
+                f"{int(cells)} {unit} ({beyond / cells:.0%} > {rule.fraction:.0%})")
+    return None
 
 
 def router_credit(models: Mapping[tuple[str, str, str], NoiseModel], goldens: Mapping[tuple[str, str], Golden],
@@ -258,8 +311,8 @@ def router_credit(models: Mapping[tuple[str, str, str], NoiseModel], goldens: Ma
     return out
 
 
-NOISE_TABLE_COLUMNS = ["engine", "model", "precision", "precision_class", "hidden_cells", "hidden_beyond",
-                       "logit_cells", "logit_beyond", "router_cells", "router_beyond", "held_out_worst", "verdict"]
+NOISE_TABLE_COLUMNS = ["engine", "model", "precision", "precision_class",
+                       *(c.removeprefix("noise_") for c in _COUNTS), "held_out_worst", "verdict"]
 
 
 def noise_table(rows, calibration, rule: Rule) -> pd.DataFrame:
@@ -273,12 +326,12 @@ def noise_table(rows, calibration, rule: Rule) -> pd.DataFrame:
     keys = ["engine", "model", "precision", "precision_class"]
     t = keyed.groupby(keys, sort=True)[list(_COUNTS)].sum().reset_index()
     t.columns = keys + [c.removeprefix("noise_") for c in _COUNTS]
-    worst = (calibration.assign(worst=calibration[["hidden_beyond", "logit_beyond"]].max(axis=1))
+    worst = (calibration.assign(worst=calibration[["hidden_beyond", "logit_beyond", "kl_beyond"]].max(axis=1))
              .groupby(["model", "precision", "precision_class"])["worst"].max()) if len(calibration) else None
     t["held_out_worst"] = [np.nan if worst is None else worst.get((m, p, c), np.nan)
                            for m, p, c in zip(t["model"], t["precision"], t["precision_class"])]
     why = keyed.groupby(["engine", "model", "precision"])["noise_over"].first()
-    few = (t[["hidden_cells", "logit_cells", "router_cells"]] < rule.min_cells).all(axis=1)
+    few = (t[[f"{k}_cells" for _, k in CELL_KINDS]] < rule.min_cells).all(axis=1)
     t["verdict"] = [("over the noise model: " + why[(e, m, p)]) if pd.notna(why.get((e, m, p))) else
                     f"too few cells (fewer than {rule.min_cells} of each kind): not judged" if f else "within"
                     for e, m, p, f in zip(t["engine"], t["model"], t["precision"], few)]

@@ -1,0 +1,145 @@
+"""What a reduced-precision verdict cannot see: each bundle's resolution at each precision judged by a noise
+model, the catalogue mutants below it, and the float32 run that would see them (docs/report.md "Resolution").
+
+The resolution of a bundle at a precision is the smallest error of each kind that the noise rule calls over
+the noise model, were an engine off by that much at every cell (NoiseModel.resolution): `margin` times the
+envelope at its `fraction` quantile of cells. An engine of that precision that passes clean is clean down to
+it, no further: a bug whose effect stays below it is rounding to the verdict. Which bugs those are is what the
+mutation run measures (k2vec.mutation.score): each mutant's float32 runs judged by the same noise model,
+per bundle, in MUTATION_RESOLUTION_FILE beside mutation.csv; the report reads it where it exists and was made
+from the same golden.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import pandas as pd
+
+from k2vec.report.gate import failing
+from k2vec.report.golden_data import Golden, ReportError
+from k2vec.report.noise import NoiseModel, Rule
+
+# Written by the mutation report (k2vec.mutation.score), read here: one row per mutant, compute precision and
+# bundle its float32 runs were judged on. The fractions are of each kind's cells beyond the noise model;
+# resolvable: the rule's verdict on them; catch_rate: of the mutant's own runs at that precision there; below:
+# neither resolvable nor caught there (in REQUIRED_CATCH_RATE of its rows), the mutants the report names.
+MUTATION_RESOLUTION_FILE = "mutation_resolution.csv"
+MUTATION_RESOLUTION_COLUMNS = ["mutant", "compute", "model", "precision", "golden_sha256", "hidden_beyond",
+                               "logit_beyond", "kl_beyond", "router_beyond", "resolvable", "catch_rate", "below"]
+RESOLUTION_COLUMNS = ["model", "precision", "precision_class", "golden_sha256", "hidden_rel", "hidden_rel_layers", "logit_abs", "kl",
+                      "hidden_cells", "step_cells", "below", "mutation_note"]
+EXAMPLES = 4   # mutants named in a summary line ("e.g. ...")
+
+
+def resolution_table(models: Mapping[tuple[str, str, str], NoiseModel], goldens: Mapping[tuple[str, str], Golden],
+                     rule: Rule, mutation: str | Path | None = None) -> pd.DataFrame:
+    """One row per noise model (bundle x precision): its resolution (NoiseModel.resolution); below: the
+    catalogue mutants whose float32 effect is below it on that bundle, from the mutation run's `mutation`
+    file (MUTATION_RESOLUTION_FILE) where it exists, else None and mutation_note says why."""
+    measured = read_mutation_resolution(mutation)
+    out = []
+    for (m, p, c), nm in sorted(models.items()):
+        below, note = _below(measured, m, p, c, goldens[(m, p)].sha256)
+        out.append({"model": m, "precision": p, "precision_class": c, "golden_sha256": goldens[(m, p)].sha256,
+                    **nm.resolution(rule), "below": below,
+                    "mutation_note": note})
+    return pd.DataFrame(out, columns=RESOLUTION_COLUMNS)
+
+
+def read_mutation_resolution(path: str | Path | None) -> pd.DataFrame | None:
+    """The mutation run's per-bundle resolvability, or None where it has not run (no file)."""
+    if path is None or not Path(path).exists():
+        return None
+    try:
+        t = pd.read_csv(path)
+    except (OSError, ValueError) as err:
+        raise ReportError(f"{path}: unreadable: {err}; rerun `snakemake mutation_report`") from None
+    missing = [c for c in MUTATION_RESOLUTION_COLUMNS if c not in t]
+    if missing:
+        raise ReportError(f"{path}: not the mutation run's resolution table (no column {missing[0]}); rerun "
+                          f"`snakemake mutation_report`")
+    return t
+
+
+def _below(measured: pd.DataFrame | None, model: str, precision: str, precision_class: str, golden_sha256: str
+           ) -> tuple[list[str] | None, str | None]:
+    if measured is None:
+        return None, "no mutation run: `snakemake mutation_report` names the catalogue's bugs below it"
+    t = measured[(measured["model"] == model) & (measured["precision"] == precision)
+                 & (measured["compute"] == precision_class)]
+    if not len(t):
+        return None, f"the mutation run did not judge {model}/{precision} at {precision_class}"
+    if not (t["golden_sha256"] == golden_sha256).all():
+        return None, "the mutation run's results are of another golden: rerun `snakemake mutation_report`"
+    return sorted(t.loc[t["below"].astype(bool), "mutant"]), None
+
+
+def float32_advice(engine: str, float32_engines: Mapping[str, str], left_out: Mapping[str, str]) -> str:
+    """Which run shows what a reduced-precision engine's verdict cannot: its float32 counterpart (the same
+    command family, k2vec.config.engines.float32_counterparts) where one is configured."""
+    other = float32_engines.get(engine)
+    if other is None:
+        return (f"the float32 run of this engine (none is configured: add one, engines.<name> with {engine}'s "
+                f"command at float32 and precision: float32)")
+    return f"the float32 run of this engine: {other}" + (" (left out of this run)" if other in left_out else "")
+
+
+def resolution_words(r: Mapping) -> str:
+    """'hidden-state rel. error 2.1e-02 (by layer 1.0e-02, 3.4e-02), logit error 1.5e-01, KL 3.2e-04'."""
+    def e(v) -> str:
+        return "\u2013" if v is None or not np.isfinite(v) else f"{v:.2e}"
+    layers = ", ".join(e(v) for v in r["hidden_rel_layers"])
+    return (f"hidden-state rel. error {e(r['hidden_rel'])} (by layer {layers}), logit error {e(r['logit_abs'])}, "
+            f"KL {e(r['kl'])}")
+
+
+def clean_engines(rows: pd.DataFrame, noise_table: pd.DataFrame) -> pd.DataFrame:
+    """The reduced-precision engines and bundles that pass clean: within their noise model, no row that fails
+    the strict verdict (report/gate.py). Columns engine, model, precision, precision_class."""
+    cols = ["engine", "model", "precision", "precision_class"]
+    if noise_table.empty:
+        return pd.DataFrame(columns=cols)
+    within = noise_table[noise_table["verdict"] == "within"][cols]
+    bad = failing(rows)[["engine", "model", "precision"]].drop_duplicates()
+    merged = within.merge(bad, how="left", on=["engine", "model", "precision"], indicator=True)
+    return merged[merged["_merge"] == "left_only"][cols].reset_index(drop=True)
+
+
+def resolution_lines(resolution: pd.DataFrame, rows: pd.DataFrame, noise_table: pd.DataFrame,
+                     float32_engines: Mapping[str, str], left_out: Mapping[str, str]) -> list[str]:
+    """Per clean engine and bundle: clean down to the resolution, the mutants below it, its float32 run; per
+    bundle with no clean engine: its resolution and the mutants below it."""
+    if resolution.empty:
+        return []
+    clean = clean_engines(rows, noise_table)
+    lines = []
+    for _, r in resolution.iterrows():
+        c, below = r["precision_class"], r["below"]
+        examples, note = "", ""
+        if not isinstance(below, list):
+            note = f" ({r['mutation_note']})"
+        elif below:
+            more = f" and {len(below) - EXAMPLES} more" if len(below) > EXAMPLES else ""
+            examples = f" (e.g. {', '.join(below[:EXAMPLES])}{more} of the catalogue)"
+        else:
+            note = " (no catalogue mutant judged on this bundle is below it)"
+        mine = clean[(clean["model"] == r["model"]) & (clean["precision"] == r["precision"])
+                     & (clean["precision_class"] == c)]
+        where = f"{r['model']}/{r['precision']}"
+        if not len(mine):
+            lines.append(f"resolution {where} at {c}: the noise model's verdict resolves {resolution_words(r)}; "
+                         f"bugs smaller than that{examples} need a float32 run{note}")
+        for e in mine["engine"]:
+            lines.append(f"CLEAN {e} {where}: clean at {c} down to {resolution_words(r)}; bugs smaller than that"
+                         f"{examples} need {float32_advice(e, float32_engines, left_out)}{note}")
+    return lines
+
+
+def resolution_csv(resolution: pd.DataFrame) -> pd.DataFrame:
+    """resolution.csv: the table with its lists as text (layers space-separated, mutants ';'-separated)."""
+    return resolution.assign(
+        hidden_rel_layers=resolution["hidden_rel_layers"].map(lambda v: " ".join(f"{x:.6g}" for x in v)),
+        below=resolution["below"].map(lambda v: "; ".join(v) if isinstance(v, list) else ""))
