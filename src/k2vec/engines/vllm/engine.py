@@ -83,10 +83,14 @@ def load(bundle_path: str, dtype: str, threads: int) -> Loaded:
         (checkpoint_cache.__name__,), directory=True)
     t_ckpt = time.perf_counter()
     n_new, k = meta["decoding"]["max_new_tokens"], meta["decoding"]["top_k"]
+    from vllm.platforms import current_platform
+
+    # On a CPU with AMX, vLLM picks its AMX MLA backend, which packs the attention weights into bfloat16 and
+    # refuses a float32 model; its reference CPU MLA computes in the model's dtype.
+    attention = {"backend": "CPU_MLA"} if current_platform.is_cpu() else None
     llm = vllm.LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, seed=0,
                    max_model_len=max(p.size for p in prompts) + n_new, max_num_seqs=1, enable_prefix_caching=False,
-                   logprobs_mode="raw_logits", max_logprobs=k)
-    from vllm.platforms import current_platform
+                   logprobs_mode="raw_logits", max_logprobs=k, attention_config=attention)
 
     device = f"cpu ({platform.machine()})" if current_platform.is_cpu() else torch.cuda.get_device_name(0)
     device += (f", vLLM {vllm.__version__}, torch {torch.__version__}, {dtype}, {threads} thread(s), "
