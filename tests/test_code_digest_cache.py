@@ -52,3 +52,30 @@ def test_a_changed_file_or_a_bad_cache_recomputes(tree, tmp_path, change):
     after = cached(path, tree, calls)
     assert len(calls) == 1
     assert (after == before) == (change in ("comment", "corrupt cache"))
+
+
+def fresh_process():
+    """What a new Snakemake start has: no result of this process's parses, only what a DigestCache loads."""
+    from k2vec.pipeline import code_digest as cd
+    for f in (cd._parse, cd._imports, cd._meaning_of, cd.module_sources):
+        f.cache_clear()
+    cd._FILE_MEMO.clear()
+
+
+def test_after_an_edit_only_the_edited_file_is_read_again(tree, tmp_path, monkeypatch):
+    """A digest over several files, one edited: the others' meanings come from the cache's per-file records, and
+    the digest equals a cold computation's."""
+    from k2vec.pipeline import code_digest as cd
+    path = tmp_path / "digests.json"
+    fresh_process()
+    cached(path, tree, [])
+    (tree / "a.py").write_text("def f():\n    return 2\n")
+    fresh_process()
+    read = []
+    meaning_of = cd._meaning_of.__wrapped__
+    monkeypatch.setattr(cd, "_meaning_of", lambda p, *state: read.append(os.path.basename(p)) or meaning_of(p, *state))
+    after = cached(path, tree, [])
+    assert read == ["a.py"]
+    monkeypatch.undo()
+    fresh_process()
+    assert after == code_digest([str(tree / "a.py"), str(tree / "b.py")], str(tree))

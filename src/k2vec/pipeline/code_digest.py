@@ -82,9 +82,32 @@ def _parsed(path: str | Path) -> tuple[bytes, ast.Module | None]:
     return _parse(str(path), st.st_mtime_ns, st.st_size)
 
 
+# Per-file results kept across starts by DigestCache (abspath -> {"state", "imports", "meaning"}), so that after an
+# edit only the edited files are parsed again; read while a file's state (_file_state) is the one recorded.
+_FILE_MEMO: dict[str, dict] = {}
+_FILE_MEMO_CHANGED = [False]   # set when a result is added: DigestCache.save writes the memo then
+
+
+def _memo(path: str | Path, field: str, make: Callable[[], object]):
+    """`make()` for the file at `path`, or the value _FILE_MEMO holds for its current state."""
+    key, state = os.path.abspath(path), _file_state(str(path))
+    entry = _FILE_MEMO.get(key)
+    if not (isinstance(entry, dict) and entry.get("state") == state):
+        entry = _FILE_MEMO[key] = {"state": state}
+    if field not in entry:
+        entry[field] = make()
+        _FILE_MEMO_CHANGED[0] = True
+    return entry[field]
+
+
 @lru_cache(maxsize=None)
 def _imports(path: Path) -> tuple[frozenset[str], frozenset[str]]:
     """Package modules imported by the file at `path`: (at import time, only inside function bodies)."""
+    eager, deferred = _memo(path, "imports", lambda: [sorted(m) for m in _read_imports(path)])
+    return frozenset(eager), frozenset(deferred)
+
+
+def _read_imports(path: Path) -> tuple[frozenset[str], frozenset[str]]:
     tree = _parsed(path)[1]
     if tree is None:
         tree = ast.parse(path.read_text(), str(path))   # raises the SyntaxError, naming the file
@@ -163,14 +186,14 @@ def _meaning_of(path: str, mtime_ns: int, size: int) -> bytes:
 
 
 def code_digest(paths: list[str] | tuple[str, ...], root: str) -> str:
-    """sha256 over the meaning of each file (see `_meaning`) and its path relative to `root`, so a moved
-    or copied checkout has the same digest."""
+    """sha256 over each file's path relative to `root` (a moved or copied checkout has the same digest) and the
+    sha256 of its meaning (see `_meaning`), which _FILE_MEMO keeps per file."""
     h = hashlib.sha256()
     for path in sorted(paths, key=lambda p: os.path.relpath(p, root)):
-        meaning = _meaning(os.path.abspath(path))
-        h.update(f"{Path(os.path.relpath(path, root)).as_posix()}\0{len(meaning)}\0".encode())
-        h.update(meaning)
-    return "code-meaning:" + h.hexdigest()
+        path = os.path.abspath(path)
+        meaning = _memo(path, "meaning", lambda: hashlib.sha256(_meaning(path)).hexdigest())
+        h.update(f"{Path(os.path.relpath(path, root)).as_posix()}\0{meaning}\0".encode())
+    return "code-meaning-2:" + h.hexdigest()
 
 
 def _file_state(path: str) -> list[int] | None:
@@ -186,10 +209,12 @@ class DigestCache:
     """Code digests kept across Snakemake starts, in a JSON file: each under a key (the stage and its modules),
     with the state of every file it covers, and reused only while none of those files changed (their
     mtime, size, inode and ctime). Reading the imports and syntax trees of every stage's modules takes about
-    1.5 s per workflow start on a 2-core machine; checking the files' states, milliseconds. A cache that cannot
-    be read, or of another format, is ignored (and rewritten)."""
+    1.5 s per workflow start on a 2-core machine; checking the files' states, milliseconds. Beside them, per
+    file, its imports and the sha256 of its meaning (_FILE_MEMO): after an edit, a digest that covers the
+    edited file is made again from the other files' kept results, parsing the edited file alone. A cache that
+    cannot be read, or of another format, is ignored (and rewritten)."""
 
-    FORMAT = "k2vec-code-digests-1"
+    FORMAT = "k2vec-code-digests-2"
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -197,8 +222,10 @@ class DigestCache:
         self.dirty = False
         try:
             data = json.loads(self.path.read_text())
-            if isinstance(data, dict) and data.get("format") == self.FORMAT and isinstance(data.get("entries"), dict):
+            if isinstance(data, dict) and data.get("format") == self.FORMAT and isinstance(data.get("entries"), dict) \
+                    and isinstance(data.get("files"), dict):
                 self.entries = data["entries"]
+                _FILE_MEMO.update(data["files"])
         except (OSError, ValueError):
             pass
 
@@ -218,13 +245,14 @@ class DigestCache:
     def save(self) -> None:
         """Write the cache if it changed (atomically: a half-written cache would only be ignored, but a reader
         must never see one)."""
-        if not self.dirty:
+        if not (self.dirty or _FILE_MEMO_CHANGED[0]):
             return
         from k2vec.atomic import write_text_atomic
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.path, json.dumps({"format": self.FORMAT, "entries": self.entries}))
-            self.dirty = False
+            files = {p: e for p, e in _FILE_MEMO.items() if e.get("state") is not None}
+            write_text_atomic(self.path, json.dumps({"format": self.FORMAT, "entries": self.entries, "files": files}))
+            self.dirty = _FILE_MEMO_CHANGED[0] = False
         except OSError:
             pass   # a cache: the next start recomputes
