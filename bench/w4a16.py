@@ -383,17 +383,19 @@ def tensor_core(bm, bn, bk, planes=True, warps=4, stages=3, split=0, **extra):
 
 def dense_candidates(m: int) -> list[dict]:
     """Packed-dequant tensor-core tiles, weight as B or (SWAP_AB) as A, with and without split-K (SPLIT_CTAS:
-    programs to aim for)."""
+    programs to aim for); CUDA-core one-row tiles at M <= 2."""
     bm = 16 if m <= 16 else m
     splits = (0, 264, 528) if m <= 16 else (0, 132, 264)
     cands = [tensor_core(bm, bn, bk, warps=w, stages=st, split=sp)
-             for bn, bk, w, st in ((32, 256, 4, 3), (64, 256, 4, 3), (128, 256, 8, 3)) for sp in splits]
+             for bn, bk, w, st in ((32, 256, 4, 3), (64, 256, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3))
+             for sp in splits]
     cands += [tensor_core(bm, bn, bk, warps=w, stages=st, split=sp, SWAP_AB=True)
-              for bn, bk, w, st in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 256, 8, 3)) for sp in splits]
+              for bn, bk, w, st in ((64, 256, 4, 3), (128, 256, 8, 3)) for sp in splits[1:]]
     if m > 16:
-        cands += [tensor_core(16, 64, 256, split=sp) for sp in (0, 264)]
-    if m == 1:
-        cands += [one_row(32, 1024, warps=8), one_row(32, 512, split=264), one_row(64, 512, split=528)]
+        cands += [tensor_core(16, bn, 256, split=sp) for bn in (64, 128) for sp in (0, 264)]
+    if m <= 2:
+        cands += [one_row(32, 1024, warps=8), one_row(32, 512, split=264), one_row(64, 512, split=528),
+                  one_row(32, 512, split=528)]
     return cands
 
 
@@ -401,22 +403,22 @@ SWEEP_MOE_MS = (1, 4, 16, 64)
 
 
 def moe_candidates(m: int) -> list[tuple[dict, dict]]:
-    """One pair per program on tensor cores (gate/up split over K at small M), and the expert-sorted path."""
+    """One pair per program on tensor cores (gate/up split over K at small M) or CUDA cores (one row), and the
+    expert-sorted tensor-core path."""
     down = tensor_core(16, 64, 256, SORTED=False)
     splits = (0, 1056, 2112) if m == 1 else (0, 1056) if m <= 4 else (0,)
     cands = [(tensor_core(16, bn, bk, warps=w, split=sp, SORTED=False, SWAP_AB=swap), down)
-             for bn, bk, w, swap in ((32, 256, 4, False), (64, 256, 4, False), (64, 256, 4, True),
-                                     (64, 128, 4, True), (128, 256, 8, True))
+             for bn, bk, w, swap in ((32, 256, 4, False), (64, 256, 4, False), (64, 512, 4, False),
+                                     (64, 256, 4, True), (128, 256, 8, True))
              for sp in splits]
     gate_up = tensor_core(16, 64, 256, SORTED=False, split=1056 if m == 1 else 0)
     cands += [(gate_up, tensor_core(16, bn, bk, SORTED=False, SWAP_AB=swap))
-              for bn, bk, swap in ((32, 256, False), (128, 256, False), (64, 256, True), (128, 256, True))]
+              for bn, bk, swap in ((32, 256, False), (128, 256, False), (64, 512, False), (64, 256, True))]
     if m >= 16:
         cands += [(tensor_core(16, bn, 256, SORTED=True, SWAP_AB=swap), tensor_core(16, bn, 256, SORTED=True,
                                                                                    SWAP_AB=swap))
                   for bn, swap in ((64, False), (128, False), (64, True))]
-    if m == 1:
-        cands += [(one_row(32, 512), one_row(32, 512))]
+    cands += [(one_row(32, 512), one_row(32, 512)), (one_row(32, 512, split=1056), one_row(32, 512))]
     return cands
 
 
@@ -531,17 +533,22 @@ def guarded(log, what, fn, *args):
 
 
 def profile(device, log) -> None:
-    """One dense M=1 K=7168->N=4096 call and one fused MoE M=1 call on the K2 layer, for ncu."""
+    """Dense K=7168->N=4096 at M = 1 and 16, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
     k, n = 7168, 4096
     gen = verify.generator(device, "profile")
     w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
-    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     layer = K2Layer(device, with_bf16=False)
-    ids, wts = layer.routing(1)
-    xm = torch.randn(1, HIDDEN, device=device, dtype=torch.bfloat16)
+    calls = []
+    for m in (1, 16):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        calls.append(lambda x=x: w4a16_linear(x, w))
+    for m in (1, 16):
+        ids, wts = layer.routing(m)
+        xm = torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16)
+        calls.append(lambda xm=xm, ids=ids, wts=wts: fused_moe(xm, layer.experts, ids, wts))
     for _ in range(2):
-        w4a16_linear(x, w)
-        fused_moe(xm, layer.experts, ids, wts)
+        for call in calls:
+            call()
     torch.cuda.synchronize()
     log("profile calls done")
 

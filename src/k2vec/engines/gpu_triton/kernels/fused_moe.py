@@ -117,7 +117,8 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                 X_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, SORTED: tl.constexpr,
                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT_K, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
-                SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, OUT_PLANES: tl.constexpr):
+                SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+                OUT_PLANES: tl.constexpr):
     """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
     OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input.
     SPLIT_K > 1: K split over the grid's third axis, partials (gate and up apart) reduced as in w4a16."""
@@ -139,14 +140,15 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     s_e = s_ptr + expert.to(tl.int64) * stride_se
     x_rows = pairs // X_ROW_DIV
-    k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
+    kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
-                     k_lo, k_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB)
+                     kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB,
+                     EVEN_K)
     if GATED:
         up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
-                        s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, k_lo, k_hi,
+                        s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                        SWAP_AB)
+                        SWAP_AB, EVEN_K)
     else:
         up = acc
     if SPLIT_K == 1:
@@ -221,6 +223,7 @@ def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, 
         x, w, s, y, pair_ids, block_expert, route_w, ws, counters, num_pairs, n, k, num_experts,
         x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
         X_ROW_DIV=x_row_div, GATED=gated, WEIGHTED=weighted, SORTED=sorted_, G=group_size, SPLIT_K=splits,
+        EVEN_K=k % cfg["BLOCK_K"] == 0,
         OUT_PLANES=out_planes, BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32,
         **launch_keys(cfg, x.dtype, bf16_scales))
 

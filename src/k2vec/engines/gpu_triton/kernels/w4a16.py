@@ -109,6 +109,17 @@ def _x_plane(x_rows, e: tl.constexpr, i, k_words, x_mask, X_PLANES: tl.constexpr
 
 
 @triton.jit
+def _per_word(s, axis: tl.constexpr, WORDS_PER_GROUP: tl.constexpr):
+    """Group scales [groups, n] (axis 0) or [n, groups] (axis 1) repeated to one per word along that axis."""
+    if axis == 0:
+        return tl.reshape(tl.broadcast_to(s[:, None, :], [s.shape[0], WORDS_PER_GROUP, s.shape[1]]),
+                          [s.shape[0] * WORDS_PER_GROUP, s.shape[1]])
+    else:
+        return tl.reshape(tl.broadcast_to(s[:, :, None], [s.shape[0], s.shape[1], WORDS_PER_GROUP]),
+                          [s.shape[0], s.shape[1] * WORDS_PER_GROUP])
+
+
+@triton.jit
 def _x_plane_t(x_rows, e: tl.constexpr, i, k_words, x_mask):
     """Plane-major activations (SWAP_AB needs X_PLANES) of plane e at words i, transposed ([words, rows])."""
     return tl.load(x_rows[None, :] + e * k_words + i[:, None], mask=x_mask, other=0.0)
@@ -123,13 +134,14 @@ def _dot(acc, a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K, k_lo, k_hi,
+def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
-               PACKED: tl.constexpr, SWAP_AB: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N] = x[rows, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T for one W4A16 weight.
+               PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
-    k_lo: a multiple of BLOCK_K; k_hi <= K. X_PLANES: x rows are stored plane-major (x[8i + e] at
+    The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
+    and vectorises the loads and pipelines them (an offset from a runtime start hid that). X_PLANES: x rows are stored plane-major (x[8i + e] at
     e * K/8 + i), so each plane's loads are contiguous and vectorise; otherwise they are stride-8 gathers.
     SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
     instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
@@ -139,7 +151,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     """
     WORDS: tl.constexpr = BLOCK_K // 8
     WORDS_PER_GROUP: tl.constexpr = G // 8
-    k_words = K // 8
+    k_words = tl.multiple_of(K // 8, WORDS_PER_GROUP)     # K is a multiple of G: aligned plane starts
     offs_w = tl.arange(0, WORDS)
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
@@ -151,9 +163,9 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            i = k0 // 8 + offs_w
-            i_mask = i < k_words
+        for kt in range(kt_lo, kt_hi):
+            i = kt * WORDS + offs_w
+            i_mask = (i < k_words) | EVEN_K     # EVEN_K: no K tail, constant masks keep loads wide
             mask = n_mask[:, None] & i_mask[None, :]
             words = tl.load(w_rows[:, None] + i[None, :], mask=mask, other=0)
             x_mask = row_mask[:, None] & i_mask[None, :]
@@ -161,8 +173,9 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             for e in tl.static_range(8):
                 part += _code(words, e) * _x_plane(x_rows, e, i, k_words, x_mask, X_PLANES).to(tl.float32)
             if SCALE_GROUPS:
-                g = k0 // G + tl.arange(0, GROUPS)
-                s = _load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & (g < K // G)[None, :], BF16_SCALES)
+                g = kt * GROUPS + tl.arange(0, GROUPS)
+                s = _load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & ((g < K // G) | EVEN_K)[None, :],
+                                 BF16_SCALES)
                 acc += tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
             else:
                 acc += part * _load_scales(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask, BF16_SCALES)
@@ -172,10 +185,14 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
         # pointer arithmetic), the weight dequantized in registers just before the dot
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            i = k0 // 8 + offs_w
-            i_mask = i < k_words
+        TILE_GROUPS: tl.constexpr = WORDS // WORDS_PER_GROUP
+        for kt in range(kt_lo, kt_hi):
+            i = kt * WORDS + offs_w
+            i_mask = (i < k_words) | EVEN_K     # EVEN_K: no K tail, constant masks keep loads wide
             mask = i_mask[:, None] & n_mask[None, :]
+            # the tile's group scales, loaded contiguously per row and repeated to one per word in registers
+            g = kt * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
+            g_mask = (g < K // G) | EVEN_K
             if not SWAP_AB:
                 words = tl.load(w_rows[None, :] + i[:, None], mask=mask, other=0)
             x_mask = row_mask[:, None] & i_mask[None, :]
@@ -186,7 +203,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                 words_t = tl.load(w_rows[:, None] + i[None, :], mask=mask_t, other=0)
                 xm_t = i_mask[:, None] & row_mask[None, :]
                 if PACKED:
-                    s_t = tl.load(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask=mask_t, other=0)
+                    s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
+                                            other=0), 1, WORDS_PER_GROUP)
                     w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words_t, s_t)
                     acc_t = _dot(acc_t, w0, _x_plane_t(x_rows, 0, i, k_words, xm_t), IEEE)
                     acc_t = _dot(acc_t, w1, _x_plane_t(x_rows, 1, i, k_words, xm_t), IEEE)
@@ -197,12 +215,14 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                     acc_t = _dot(acc_t, w6, _x_plane_t(x_rows, 6, i, k_words, xm_t), IEEE)
                     acc_t = _dot(acc_t, w7, _x_plane_t(x_rows, 7, i, k_words, xm_t), IEEE)
                 else:
-                    s_t = _load_scales(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask_t, BF16_SCALES)
+                    s_t = _per_word(_load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & g_mask[None, :],
+                                                 BF16_SCALES), 1, WORDS_PER_GROUP)
                     for e in tl.static_range(8):
                         x_t = _x_plane_t(x_rows, e, i, k_words, xm_t)
                         acc_t = _dot(acc_t, (_code(words_t, e) * s_t).to(x_t.dtype), x_t, IEEE)
             elif PACKED:
-                s_bits = tl.load(s_rows[None, :] + (i // WORDS_PER_GROUP)[:, None], mask=mask, other=0)
+                s_bits = _per_word(tl.load(s_rows[None, :] + g[:, None], mask=g_mask[:, None] & n_mask[None, :],
+                                           other=0), 0, WORDS_PER_GROUP)
                 w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, s_bits)
                 acc = _dot(acc, _x_plane(x_rows, 0, i, k_words, x_mask, X_PLANES), w0, IEEE)
                 acc = _dot(acc, _x_plane(x_rows, 1, i, k_words, x_mask, X_PLANES), w1, IEEE)
@@ -213,7 +233,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                 acc = _dot(acc, _x_plane(x_rows, 6, i, k_words, x_mask, X_PLANES), w6, IEEE)
                 acc = _dot(acc, _x_plane(x_rows, 7, i, k_words, x_mask, X_PLANES), w7, IEEE)
             else:
-                s = _load_scales(s_rows[None, :] + (i // WORDS_PER_GROUP)[:, None], mask, BF16_SCALES)
+                s = _per_word(_load_scales(s_rows[None, :] + g[:, None], g_mask[:, None] & n_mask[None, :], BF16_SCALES),
+                              0, WORDS_PER_GROUP)
                 for e in tl.static_range(8):
                     x_e = _x_plane(x_rows, e, i, k_words, x_mask, X_PLANES)
                     acc = _dot(acc, x_e, (_code(words, e) * s).to(x_e.dtype), IEEE)
@@ -224,10 +245,11 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
 
 @triton.jit
 def _k_range(K, pid_k, SPLIT_K, BLOCK_K: tl.constexpr):
-    """[k_lo, k_hi) of split pid_k: the K tiles dealt out in contiguous runs (the last runs may be empty)."""
-    chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = pid_k * chunk
-    return k_lo, tl.minimum(k_lo + chunk, K)
+    """K tiles [kt_lo, kt_hi) of split pid_k: the tiles dealt out in contiguous runs (the last runs may be empty)."""
+    tiles = tl.cdiv(K, BLOCK_K)
+    run = tl.cdiv(tiles, SPLIT_K)
+    kt_lo = pid_k * run
+    return kt_lo, tl.minimum(kt_lo + run, tiles)
 
 
 @triton.jit
@@ -263,7 +285,7 @@ def _split_sum(ws_ptr, tile, mask, SPLIT_K, PARTS: tl.constexpr, part: tl.conste
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_K, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
-                  SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr):
+                  SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -271,10 +293,10 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     row_mask = rows < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
+    kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
-                     k_lo, k_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                     SWAP_AB)
+                     kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
+                     SWAP_AB, EVEN_K)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -399,5 +421,6 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     _w4a16_kernel[(n_tiles, m_tiles, splits)](
         x, words, scales, out, ws, counters, m, weight.n, weight.k,
         x.stride(0), words.stride(0), scales.stride(0), out.stride(0), G=weight.group_size, SPLIT_K=splits,
+        EVEN_K=weight.k % cfg["BLOCK_K"] == 0,
         BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, **launch_keys(cfg, x.dtype, bf16_scales))
     return out
