@@ -92,7 +92,8 @@ def split_configs() -> list:
     pair = dict(tc, SORTED=False)
     return [tc, dict(tc, PACKED=False), dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SCALE_GROUPS=True,
                                              SPLIT_K=3),
-            (pair, pair), (dict(tc, SORTED=True), dict(tc, SORTED=True, SPLIT_K=2))]
+            (pair, pair), (dict(tc, SORTED=True), dict(tc, SORTED=True, SPLIT_K=2)),
+            (pair, dict(pair, SPLIT_K=1, COMBINE=True))]
 
 
 def _worker_init(device: str) -> None:
@@ -418,7 +419,9 @@ def moe_candidates(m: int) -> list[tuple[dict, dict]]:
         cands += [(tensor_core(16, bn, 256, SORTED=True, SWAP_AB=swap), tensor_core(16, bn, 256, SORTED=True,
                                                                                    SWAP_AB=swap))
                   for bn, swap in ((64, False), (128, False), (64, True))]
-    cands += [(one_row(32, 512), one_row(32, 512)), (one_row(32, 512, split=1056), one_row(32, 512))]
+    cands += [(gate_up, tensor_core(16, bn, 256, SORTED=False, COMBINE=True)) for bn in (64, 128)]
+    cands += [(one_row(32, 512), one_row(32, 512)), (one_row(32, 512, split=1056), one_row(32, 512)),
+              (one_row(32, 512, split=1056), dict(one_row(32, 512), COMBINE=True))]
     return cands
 
 

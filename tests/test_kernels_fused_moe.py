@@ -28,11 +28,20 @@ PATHS = {"one-row": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SCAL
          "one-pair-tc": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True),
          "one-pair-tc-swap": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SWAP_AB=True)}
 # split-K (gate and up reduced apart, then SiLU): hidden 288 = 2.25 tiles of 128, so 3 splits over 3 tiles and
-# 2 over 2 for the down projection (intermediate 160); the sorted path splits too
+# 2 over 2 for the down projection (intermediate 160); the sorted path splits too; COMBINE: top-3 rows summed
+# by the down launch
 SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SPLIT_K=3),
                "one-row-split": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
                "sorted-swap-split": both(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True,
-                                         SPLIT_K=2)}
+                                         SPLIT_K=2),
+               # the down launch sums each token's top-k rows itself (the split-K reduction over j)
+               "one-pair-tc-combine": (dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True,
+                                            SPLIT_K=2),
+                                       dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True,
+                                            COMBINE=True)),
+               "one-row-combine": (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True),
+                                   dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True,
+                                        COMBINE=True))}
 
 
 def cpu_case(m, g, sd, act, path):

@@ -116,12 +116,14 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                 num_pairs, N, K, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                 X_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, SORTED: tl.constexpr,
                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT_K, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
+                SPLIT_K, TOP_K, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
                 SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
-                OUT_PLANES: tl.constexpr):
+                OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr):
     """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
     OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input.
-    SPLIT_K > 1: K split over the grid's third axis, partials (gate and up apart) reduced as in w4a16."""
+    SPLIT_K > 1: K split over the grid's third axis, partials (gate and up apart) reduced as in w4a16.
+    COMBINE (down, one pair per program, no split): y is the output [M, N]; the weighted rows of a token's TOP_K
+    pairs are summed in j order by the last of them to arrive (the split-K reduction with j as the split)."""
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -151,7 +153,18 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                         SWAP_AB, EVEN_K)
     else:
         up = acc
-    if SPLIT_K == 1:
+    if COMBINE:
+        acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+        token = pid_b // TOP_K
+        tile = token * tl.num_programs(0) + pid_n
+        mask = row_mask[:, None] & n_mask[None, :]
+        _split_arrive(acc, ws_ptr, tile, pid_b % TOP_K, mask, TOP_K, 1, 0, BLOCK_M, BLOCK_N)
+        if _split_is_last(cnt_ptr, tile, TOP_K):
+            total = _split_sum(ws_ptr, tile, mask, TOP_K, 1, 0, BLOCK_M, BLOCK_N)
+            y_ptrs = y_ptr + (token.to(tl.int64) * stride_ym + offs_n)[None, :] + tl.zeros([BLOCK_M, 1], tl.int64)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(cnt_ptr + tile, 0)
+    elif SPLIT_K == 1:
         _moe_epilogue(acc, up, y_ptr, pairs, row_mask, offs_n, n_mask, route_w_ptr, N, stride_ym,
                       GATED, WEIGHTED, OUT_PLANES)
     else:
@@ -210,22 +223,25 @@ def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, n, k, num_experts,
-            x_row_div, gated, weighted, sorted_, group_size, cfg, out_planes):
+            x_row_div, gated, weighted, sorted_, group_size, cfg, out_planes, combine_top_k=0):
+    """One MoE GEMM launch; combine_top_k > 0: the down launch writes the output rows itself (COMBINE)."""
     bf16_scales = s.dtype == torch.bfloat16
     s = s.view(torch.int16) if bf16_scales else s
     w = w.view(torch.int32)     # the packed bytes as words (see w4a16._int4_tile)
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     # the split is sized on the pairs (the real work); spare sorted blocks return at once
-    splits = split_k(cfg, k, n_tiles * min(num_blocks, num_pairs))
-    floats = n_tiles * num_blocks * splits * (2 if gated else 1) * cfg["BLOCK_M"] * cfg["BLOCK_N"]
-    ws, counters = split_buffers(x.device, n_tiles * num_blocks, floats if splits > 1 else 1)
+    splits = 1 if combine_top_k else split_k(cfg, k, n_tiles * min(num_blocks, num_pairs))
+    parts = combine_top_k or splits * (2 if gated else 1)
+    tiles = n_tiles * (num_pairs // combine_top_k if combine_top_k else num_blocks)
+    floats = tiles * parts * cfg["BLOCK_M"] * cfg["BLOCK_N"]
+    ws, counters = split_buffers(x.device, tiles, floats if parts > 1 else 1)
     _moe_kernel[(n_tiles, num_blocks, splits)](
         x, w, s, y, pair_ids, block_expert, route_w, ws, counters, num_pairs, n, k, num_experts,
         x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
         X_ROW_DIV=x_row_div, GATED=gated, WEIGHTED=weighted, SORTED=sorted_, G=group_size, SPLIT_K=splits,
-        EVEN_K=k % cfg["BLOCK_K"] == 0,
+        TOP_K=max(combine_top_k, 1), COMBINE=combine_top_k > 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
         OUT_PLANES=out_planes, BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32,
-        **launch_keys(cfg, x.dtype, bf16_scales))
+        **launch_keys({key: v for key, v in cfg.items() if key != "COMBINE"}, x.dtype, bf16_scales))
 
 
 def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -263,6 +279,11 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _launch(x, experts.w13, experts.s13, h, pair_ids, block_expert, route_w, num_pairs, num_blocks, inter, hidden,
             experts.num_experts, top_k, True, False, sorted_, experts.group_size, cfg13, cfg2["X_PLANES"])
+    if cfg2.get("COMBINE") and not sorted_ and out.dtype == x.dtype and out.stride(1) == 1:
+        # the down launch sums each token's pairs into `out` itself
+        _launch(h, experts.w2, experts.s2, out, pair_ids, block_expert, route_w, num_pairs, num_blocks, hidden,
+                inter, experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2, False, top_k)
+        return out
     y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     _launch(h, experts.w2, experts.s2, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, hidden, inter,
             experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2, False)
