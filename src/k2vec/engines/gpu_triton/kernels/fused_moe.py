@@ -185,13 +185,17 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
 
 # M upper bound -> tile configs of (gate/up, down). SORTED False: one (token, expert) pair per program, on CUDA
 # cores (BLOCK_M 1) or tensor cores with the pair in row 0 of 16 (BLOCK_M 16); SORTED (BLOCK_M >= 16): pairs
-# grouped by expert, for many tokens per expert; top-8 over 384 experts leaves about one pair per expert up to
-# M = 64. The one-pair CUDA-core path stays the default at every M and dtype: in the 2026-12-02 H200 sweep
-# (bench/RESULTS.md, issue 27) it won at M = 1, and the tensor-core candidates at M = 4..64 were slower than its
-# 2026-11-30 times.
+# grouped by expert. MOE_CONFIGS (bfloat16/float16 activations): the winners of the H200 sweep of bench/w4a16.py
+# (bench/RESULTS.md, 2026-12-02, issue 27).
+_PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
+_SORTED_TC = dict(_PAIR_TC, SORTED=True)
+MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
+    (1, (dict(_PAIR_TC, SWAP_AB=True), _PAIR_TC)),
+    (4, (dict(_PAIR_TC, SPLIT_CTAS=1056), _PAIR_TC)),
+    (1 << 62, (_SORTED_TC, _SORTED_TC)),
+]
+# float32 activations: the 2026-11-30 sweep's one-pair CUDA-core path at every M
 _ONE_PAIR = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)
-MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [(1 << 62, (_ONE_PAIR, _ONE_PAIR))]
-# float32 activations: the same (the 2026-11-30 sweep's)
 MOE_CONFIGS_FP32: list[tuple[int, tuple[dict, dict]]] = [(1 << 62, (_ONE_PAIR, _ONE_PAIR))]
 
 

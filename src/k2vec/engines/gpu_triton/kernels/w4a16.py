@@ -315,10 +315,20 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # 2026-12-02, issue 27), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid has
 # about this many programs (see split_k).
 DENSE_CONFIGS: list[tuple[int, dict]] = [
-    (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, SPLIT_CTAS=264, num_warps=4,
+    (1, dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, SPLIT_CTAS=528, num_warps=4,
              num_stages=3)),
-    (32, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)),
-    (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=8, num_stages=3)),
+    (2, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (8, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=132, num_warps=8,
+              num_stages=3)),
 ]
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
 DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
