@@ -67,6 +67,15 @@ def correctness_jobs(smoke: bool) -> list[tuple[str, list, dict]]:
                          {"flip": flip}))
             jobs.append(("check_moe", [m, 8, 96, 32, 3, 6, 32, "float32", "float32"] if smoke else
                          [m, 40, 288, 160, 8, 30, 32, "float32", "float32"], {"flip": flip}))
+    # split-K on every tile path, K = 18G not a multiple of the split (empty last splits), N = 1000 (partial tiles)
+    for cfg in split_configs():
+        for m in ((1, 3) if smoke else (1, 3, 16, 64)):
+            for act in ("float32", "float16" if smoke else "bfloat16"):    # the interpreter mishandles bf16
+                n, k = (37, 9 * 32) if smoke else (1000, 18 * 32)
+                if not isinstance(cfg, tuple):
+                    jobs.append(("check_dense", [m, n, k, 32, "bfloat16", act], {"config": cfg}))
+                else:
+                    jobs.append(("check_moe", [m, 8, 18 * 32, 5 * 32, 3, 6, 32, "bfloat16", act], {"config": cfg}))
     if not smoke:   # the real K2 shapes, float32 and bf16 activations
         for k, n in DENSE_SHAPES:
             for m in MS:
@@ -75,6 +84,16 @@ def correctness_jobs(smoke: bool) -> list[tuple[str, list, dict]]:
             jobs.append(("check_moe", [m, 16, HIDDEN, INTER, TOP_K, 16, 32, "bfloat16", "float32"], {}))
             jobs.append(("check_moe", [m, 16, HIDDEN, INTER, TOP_K, 16, 32, "bfloat16", "bfloat16"], {}))
     return jobs
+
+
+def split_configs() -> list:
+    """Explicit split-K configs for the correctness grid: dense (dicts) and MoE ((gate/up, down) pairs)."""
+    tc = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SPLIT_K=4)
+    pair = dict(tc, SORTED=False)
+    return [tc, dict(tc, PACKED=False), dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SCALE_GROUPS=True,
+                                             SPLIT_K=3),
+            (pair, pair), (dict(tc, SORTED=True), dict(tc, SORTED=True, SPLIT_K=2)),
+            (pair, dict(pair, SPLIT_K=1, COMBINE=True))]
 
 
 def _worker_init(device: str) -> None:
@@ -112,10 +131,10 @@ def _warm(job) -> str:
     device = torch.device(f"cuda:{torch.cuda.current_device()}")
     try:
         gen = verify.generator(device, "warm")
-        if kind == "dense":
-            k, n = DENSE_SHAPES[0]
-            w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
-            w4a16_linear(torch.randn(m, k, device=device, dtype=torch.bfloat16), w, config=cfg)
+        if kind == "dense":     # every shape: the split (a specialisation when 1) depends on it
+            for k, n in DENSE_SHAPES:
+                w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+                w4a16_linear(torch.randn(m, k, device=device, dtype=torch.bfloat16), w, config=cfg)
         else:
             experts = verify.random_experts(16, HIDDEN, INTER, 32, "bfloat16", gen, device)
             ids, wts = verify.random_routing(m, TOP_K, 16, 16, gen, device)
@@ -289,9 +308,41 @@ class K2Layer:
             return out
         return call, len(groups)
 
+    def grouped_call(self, x, ids, w):
+        """The same work as two `torch._grouped_mm` calls over all E experts (CUTLASS grouped GEMM), with the
+        sorting by expert on the device: what a bf16 engine would run. Weights are the [E, K, N] views of the
+        [E, N, K] tensors (column-major B)."""
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(EXPERTS, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = order // TOP_K
+        gu = torch._grouped_mm(x[rows], self.w13_bf16.transpose(1, 2), offs=offs)
+        act = torch.nn.functional.silu(gu[:, :INTER]) * gu[:, INTER:]
+        y = torch._grouped_mm(act, self.w2_bf16.transpose(1, 2), offs=offs).float() * w.reshape(-1)[order, None]
+        out = torch.empty_like(y).index_copy_(0, order, y)
+        return out.view(x.shape[0], TOP_K, HIDDEN).sum(dim=1)
+
+    def grouped_available(self, log) -> bool:
+        """torch._grouped_mm runs here and matches the per-expert bf16 graph (M = 4)."""
+        try:
+            x = torch.randn(4, HIDDEN, device=self.w13_bf16.device, dtype=torch.bfloat16)
+            ids, w = self.routing(4)
+            got = self.grouped_call(x, ids, w)
+            want = self.bf16_call(x, ids, w)[0]()
+            err = float((got.float() - want).norm() / want.norm())
+            log(f"bf16 baseline: torch._grouped_mm vs per-expert graph, rel. err {err:.2e}")
+            return err < 2e-2
+        except Exception as exc:
+            log(f"bf16 baseline: torch._grouped_mm unavailable ({type(exc).__name__}: {str(exc)[:300]}); "
+                "using the per-expert graph")
+            return False
+
 
 def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
     rows = []
+    grouped = layer.grouped_available(log)
     for m in MS:
         cfg = None
         routings = [layer.routing(m) for _ in range(8)]
@@ -302,10 +353,14 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
         outs = [torch.empty(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in range(r)]
         ours = graph_time_us([lambda x=x, rw=rw, o=o: fused_moe(x, layer.experts, rw[0], rw[1], out=o, config=cfg)
                               for x, rw, o in zip(xs, routings, outs)])
-        bf16_calls = [layer.bf16_call(x, *rw)[0] for x, rw in zip(xs[:2], routings[:2])]
-        bf16 = graph_time_us(bf16_calls, batches=3, replays=1, min_calls=4)
+        if grouped:
+            bf16 = graph_time_us([lambda x=x, rw=rw: layer.grouped_call(x, *rw) for x, rw in zip(xs, routings)])
+        else:
+            bf16_calls = [layer.bf16_call(x, *rw)[0] for x, rw in zip(xs[:2], routings[:2])]
+            bf16 = graph_time_us(bf16_calls, batches=3, replays=1, min_calls=4)
         read = plain_read_us(int(nbytes), device)
         row = dict(m=m, used_experts=statistics.mean(used[:r]), ours_us=ours, bf16_us=bf16, read_us=read,
+                   bf16_kind="torch._grouped_mm" if grouped else "per-expert graph",
                    weight_bytes=nbytes, gbps=nbytes / ours / 1e3, read_frac=read / ours, speedup_bf16=bf16 / ours,
                    config=cfg or pick_config(MOE_CONFIGS, m))
         rows.append(row)
@@ -317,47 +372,71 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
 
 # ---------------------------------------------------------------- sweep
 
-def one_row(bn, bk, planes=True, groups=True, warps=4):
+def one_row(bn, bk, planes=True, groups=True, warps=4, split=0):
     return dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes, SCALE_GROUPS=groups, num_warps=warps,
-                num_stages=3)
+                num_stages=3, SPLIT_CTAS=split)
 
 
-def tensor_core(bm, bn, bk, planes=True, warps=4, stages=3):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes, num_warps=warps, num_stages=stages)
-
-
-VARIANTS = ((False, False), (True, False), (True, True))    # (X_PLANES, SCALE_GROUPS)
+def tensor_core(bm, bn, bk, planes=True, warps=4, stages=3, split=0, **extra):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes, num_warps=warps, num_stages=stages,
+                SPLIT_CTAS=split, **extra)
 
 
 def dense_candidates(m: int) -> list[dict]:
-    if m == 1:
-        return [one_row(bn, bk, p, g) for bn, bk in ((8, 1024), (16, 1024), (32, 1024), (16, 512), (32, 512),
-                                                     (64, 512)) for p, g in VARIANTS] + \
-               [one_row(32, 1024, warps=8), one_row(64, 1024, warps=8)]
-    tc = [tensor_core(16, 32, 256, False), tensor_core(16, 32, 256), tensor_core(16, 64, 256),
-          tensor_core(16, 32, 128), tensor_core(16, 64, 128), tensor_core(16, 128, 256, warps=8)]
-    if m >= 32:
-        tc += [tensor_core(m, 64, 128), tensor_core(m, 64, 256, warps=8)]
-    return tc + ([one_row(16, 1024), one_row(32, 512), one_row(32, 1024)] if m <= 8 else [])
+    """Packed-dequant tensor-core tiles, weight as B or (SWAP_AB) as A, with and without split-K (SPLIT_CTAS:
+    programs to aim for); CUDA-core one-row tiles at M <= 2."""
+    bm = 16 if m <= 16 else m
+    splits = (0, 264, 528) if m <= 16 else (0, 132, 264)
+    cands = [tensor_core(bm, bn, bk, warps=w, stages=st, split=sp)
+             for bn, bk, w, st in ((32, 256, 4, 3), (64, 256, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3))
+             for sp in splits]
+    cands += [tensor_core(bm, bn, bk, warps=w, stages=st, split=sp, SWAP_AB=True)
+              for bn, bk, w, st in ((64, 256, 4, 3), (128, 256, 8, 3)) for sp in splits[1:]]
+    if m > 16:
+        cands += [tensor_core(16, bn, 256, split=sp) for bn in (64, 128) for sp in (0, 264)]
+    if m <= 2:
+        cands += [one_row(32, 1024, warps=8), one_row(32, 512, split=264), one_row(64, 512, split=528),
+                  one_row(32, 512, split=528)]
+    return cands
 
 
 SWEEP_MOE_MS = (1, 4, 16, 64)
 
 
 def moe_candidates(m: int) -> list[tuple[dict, dict]]:
-    if m == 1:
-        cands = [one_row(bn, bk, p, g) for bn, bk in ((16, 1024), (32, 1024), (16, 512), (32, 512), (64, 512))
-                 for p, g in VARIANTS]
-    else:
-        cands = [one_row(16, 1024), one_row(32, 512), one_row(16, 512), one_row(16, 1024, False, False),
-                 tensor_core(16, 64, 256, False), tensor_core(16, 64, 256), tensor_core(16, 128, 256),
-                 tensor_core(16, 32, 256)]
-    return [(c, c) for c in cands]
+    """One pair per program on tensor cores (gate/up split over K at small M) or CUDA cores (one row), and the
+    expert-sorted tensor-core path."""
+    down = tensor_core(16, 64, 256, SORTED=False)
+    splits = (0, 1056, 2112) if m == 1 else (0, 1056) if m <= 4 else (0,)
+    cands = [(tensor_core(16, bn, bk, warps=w, split=sp, SORTED=False, SWAP_AB=swap), down)
+             for bn, bk, w, swap in ((32, 256, 4, False), (64, 256, 4, False), (64, 512, 4, False),
+                                     (64, 256, 4, True), (128, 256, 8, True))
+             for sp in splits]
+    gate_up = tensor_core(16, 64, 256, SORTED=False, split=1056 if m == 1 else 0)
+    cands += [(gate_up, tensor_core(16, bn, bk, SORTED=False, SWAP_AB=swap))
+              for bn, bk, swap in ((32, 256, False), (128, 256, False), (64, 512, False), (64, 256, True))]
+    if m >= 16:
+        cands += [(tensor_core(16, bn, 256, SORTED=True, SWAP_AB=swap), tensor_core(16, bn, 256, SORTED=True,
+                                                                                   SWAP_AB=swap))
+                  for bn, swap in ((64, False), (128, False), (64, True))]
+    cands += [(gate_up, tensor_core(16, bn, 256, SORTED=False, COMBINE=True)) for bn in (64, 128)]
+    cands += [(one_row(32, 512), one_row(32, 512)), (one_row(32, 512, split=1056), one_row(32, 512)),
+              (one_row(32, 512, split=1056), dict(one_row(32, 512), COMBINE=True))]
+    return cands
 
 
 def warm_jobs():
-    return ([("dense", m, c) for m in MS for c in dense_candidates(m)]
-            + [("moe", m, c) for m in SWEEP_MOE_MS for c in moe_candidates(m)])
+    """One compile job per distinct kernel: SPLIT_CTAS only matters as split 1 (specialised) or more."""
+    jobs, seen = [], set()
+    for kind, m, cfg in ([("dense", m, c) for m in MS for c in dense_candidates(m)]
+                         + [("moe", m, c) for m in SWEEP_MOE_MS for c in moe_candidates(m)]):
+        key = json.dumps([kind, m > 16 and kind == "dense", [{**c, "SPLIT_CTAS": bool(c.get("SPLIT_CTAS"))}
+                                                             for c in (cfg if kind == "moe" else [cfg])]],
+                         sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            jobs.append((kind, m, cfg))
+    return jobs
 
 
 def run_sweep(device, log, layer: K2Layer) -> dict:
@@ -438,7 +517,8 @@ def markdown(dense, moe, copy, correctness) -> str:
                          f"{r['read_frac']:.0%} | {r['bf16_us']:.1f} | {r['speedup_bf16']:.2f} | {int4} | {sp4} |")
         lines.append("")
     if moe:
-        lines += ["| M | experts used | MB read | ours µs | GB/s | plain read µs | % of read | bf16 µs | × bf16 |",
+        lines += [f"bf16 baseline: {moe[0].get('bf16_kind')}", "",
+                  "| M | experts used | MB read | ours µs | GB/s | plain read µs | % of read | bf16 µs | × bf16 |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in moe:
             lines.append(f"| {r['m']} | {r['used_experts']:.0f} | {r['weight_bytes'] / 1e6:.0f} | {r['ours_us']:.1f} | "
@@ -456,17 +536,22 @@ def guarded(log, what, fn, *args):
 
 
 def profile(device, log) -> None:
-    """One dense M=1 K=7168->N=4096 call and one fused MoE M=1 call on the K2 layer, for ncu."""
+    """Dense K=7168->N=4096 at M = 1 and 16, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
     k, n = 7168, 4096
     gen = verify.generator(device, "profile")
     w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
-    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     layer = K2Layer(device, with_bf16=False)
-    ids, wts = layer.routing(1)
-    xm = torch.randn(1, HIDDEN, device=device, dtype=torch.bfloat16)
+    calls = []
+    for m in (1, 16):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        calls.append(lambda x=x: w4a16_linear(x, w))
+    for m in (1, 16):
+        ids, wts = layer.routing(m)
+        xm = torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16)
+        calls.append(lambda xm=xm, ids=ids, wts=wts: fused_moe(xm, layer.experts, ids, wts))
     for _ in range(2):
-        w4a16_linear(x, w)
-        fused_moe(xm, layer.experts, ids, wts)
+        for call in calls:
+            call()
     torch.cuda.synchronize()
     log("profile calls done")
 
@@ -526,13 +611,19 @@ def main() -> None:
                                                                     "moe_table": tables[1]}, indent=1))
                 log(f"sweep took {time.perf_counter() - t0:.0f} s")
     correctness_async = None
-    if not args.skip_correctness:
-        jobs = [(*job, tables) for job in correctness_jobs(args.smoke)]
+    jobs = [(*job, tables) for job in correctness_jobs(args.smoke)]
+    if not args.skip_correctness and gpus != 1:     # beside the timings only on a GPU of its own
         correctness_async = pool.map_async(_run_check, jobs, chunksize=1)
     if device is not None and not args.skip_timing:
         results["dense"] = guarded(log, "dense timing", time_dense, device, log) or []
+        (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         results["moe"] = (guarded(log, "moe timing", time_moe, device, log, layer) or []) if layer else []
+        (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         log(f"timings took {time.perf_counter() - t0:.0f} s")
+        del layer
+        torch.cuda.empty_cache()
+    if not args.skip_correctness and gpus == 1:
+        correctness_async = pool.map_async(_run_check, jobs, chunksize=1)
     if correctness_async is not None:
         results["correctness"] = correctness_async.get()
         log(f"correctness took {time.perf_counter() - t0:.0f} s")

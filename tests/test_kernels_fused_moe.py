@@ -23,7 +23,25 @@ PATHS = {"one-row": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SCAL
          "sorted": both(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=True),
          # the same paths with interleaved activations and per-word scaling
          "one-row-interleaved": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, X_PLANES=False, SCALE_GROUPS=False),
-         "sorted-interleaved": both(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=False)}
+         "sorted-interleaved": both(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=False),
+         # one pair per program on tensor cores (row 0 of 16), weight as the B or (SWAP_AB) the A operand
+         "one-pair-tc": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True),
+         "one-pair-tc-swap": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SWAP_AB=True)}
+# split-K (gate and up reduced apart, then SiLU): hidden 288 = 2.25 tiles of 128, so 3 splits over 3 tiles and
+# 2 over 2 for the down projection (intermediate 160); the sorted path splits too; COMBINE: top-3 rows summed
+# by the down launch
+SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SPLIT_K=3),
+               "one-row-split": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
+               "sorted-swap-split": both(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True,
+                                         SPLIT_K=2),
+               # the down launch sums each token's top-k rows itself (the split-K reduction over j)
+               "one-pair-tc-combine": (dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True,
+                                            SPLIT_K=2),
+                                       dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True,
+                                            COMBINE=True)),
+               "one-row-combine": (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True),
+                                   dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True,
+                                        COMBINE=True))}
 
 
 def cpu_case(m, g, sd, act, path):
@@ -38,7 +56,10 @@ CPU_GRID = ([(1, g, sd, "float32", "one-row") for g in GROUPS for sd in SCALES]
             + [(m, 32, sd, act, "sorted") for m, sd, act in ((3, "float32", "float32"), (3, "bfloat16", "float16"),
                                                             (33, "float32", "float16"), (33, "bfloat16", "float32"))]
             + [(m, 64, "bfloat16", "float32", path) for m, path in ((3, "one-row-interleaved"),
-                                                                    (16, "sorted-interleaved"))])
+                                                                    (16, "sorted-interleaved"))]
+            + [(3, 32, "bfloat16", act, path) for act, path in (("float32", "one-pair-tc"),
+                                                                ("float16", "one-pair-tc-swap"))])
+SPLIT_GRID = [(m, act, path) for path in SPLIT_PATHS for m, act in ((1, "float32"), (5, "float16"))]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +68,13 @@ def cpu_results():
     flips = [("check_moe", cpu_case(5, 32, "float32", "float32", PATHS[path])[0],
               {"config": PATHS[path], "flip": flip}) for path in ("one-row", "sorted") for flip in ("low", "high")]
     defaults = [("check_moe", cpu_case(m, 32, "bfloat16", "float32", None)[0], {}) for m in (1, 16)]
-    results = run_interpreted(calls + flips + defaults)
-    n = len(calls)
-    return {"grid": results[:n], "flips": results[n:n + len(flips)], "defaults": results[n + len(flips):]}
+    defaults += [("check_moe", cpu_case(m, 32, "bfloat16", "float16", None)[0], {}) for m in (1, 16)]
+    splits = [("check_moe", [m, 8, 288, 160, 3, 6, 32, "bfloat16", act], {"config": SPLIT_PATHS[path]})
+              for m, act, path in SPLIT_GRID]
+    results = run_interpreted(calls + flips + defaults + splits)
+    n, f, d = len(calls), len(flips), len(defaults)
+    return {"grid": results[:n], "flips": results[n:n + f], "defaults": results[n + f:n + f + d],
+            "splits": results[n + f + d:]}
 
 
 @pytest.mark.parametrize("index", range(len(CPU_GRID)), ids=[" ".join(map(str, c)) for c in CPU_GRID])
@@ -62,6 +87,12 @@ def test_interpreted_fused_moe_matches_float64(cpu_results, index):
 def test_interpreted_default_configs_match(cpu_results):
     for result in cpu_results["defaults"]:
         assert result["ok"], result
+
+
+@pytest.mark.parametrize("index", range(len(SPLIT_GRID)), ids=[" ".join(map(str, c)) for c in SPLIT_GRID])
+def test_interpreted_split_k_fused_moe_matches_float64(cpu_results, index):
+    result = cpu_results["splits"][index]
+    assert result["ok"], result
 
 
 def test_interpreted_flipped_nibble_is_detected(cpu_results):

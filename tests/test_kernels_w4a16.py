@@ -19,7 +19,13 @@ CPU_GRID = [(m, 37, 9 * g, g, sd, act)
 # one-row and tensor-core paths at the same M with every activation / scale option (the grid runs the defaults)
 CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=planes, SCALE_GROUPS=groups)
              for planes, groups in ((False, False), (True, False), (True, True))] + \
-            [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=planes) for planes in (False, True)]
+            [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=planes) for planes in (False, True)] + \
+            [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True)]
+# split-K on each tile path; K = 288 / 576 is 4.5 tiles of 64 / 128 (a partial tile), N = 37 (partial N tiles),
+# and 5 tiles over 4 splits leaves the last split empty (runs of 2)
+CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SPLIT_K=4),
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True, SPLIT_K=2)]
 CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip) for m in (1, 16) for flip in ("low", "high")]
 
 
@@ -28,10 +34,14 @@ def cpu_results():
     calls = [("check_dense", list(case), {}) for case in CPU_GRID]
     calls += [("check_dense", [3, 37, 288, 32, "bfloat16", "float32"], {"config": cfg}) for cfg in CPU_PATHS]
     calls += [("check_dense", [3, 37, 576, 64, "float32", "float16"], {"config": cfg}) for cfg in CPU_PATHS]
+    split_calls = [("check_dense", [m, 37, 576, 32, "bfloat16", act], {"config": cfg})
+                   for cfg in CPU_SPLITS for m, act in ((1, "float32"), (3, "float16"))]
     calls += [("check_dense", list(case[:-1]), {"flip": case[-1]}) for case in CPU_FLIPS]
-    results = run_interpreted(calls)
+    results = run_interpreted(calls + split_calls)
+    splits = results[len(calls):]
+    results = results[:len(calls)]
     return {"grid": results[:len(CPU_GRID)], "paths": results[len(CPU_GRID):-len(CPU_FLIPS)],
-            "flips": results[-len(CPU_FLIPS):]}
+            "flips": results[-len(CPU_FLIPS):], "splits": splits}
 
 
 @pytest.mark.parametrize("index", range(len(CPU_GRID)), ids=[" ".join(map(str, c)) for c in CPU_GRID])
@@ -45,6 +55,23 @@ def test_interpreted_every_tile_path_matches(cpu_results):
     assert len(cpu_results["paths"]) == 2 * len(CPU_PATHS)
     for result in cpu_results["paths"]:
         assert result["ok"], result
+
+
+def test_interpreted_split_k_matches(cpu_results):
+    # several split-K launches in one process: a counter left non-zero by one would break the next
+    assert len(cpu_results["splits"]) == 2 * len(CPU_SPLITS)
+    for result in cpu_results["splits"]:
+        assert result["ok"], result
+
+
+def test_split_k_counts_splits_within_k_tiles():
+    from k2vec.engines.gpu_triton.kernels.w4a16 import split_k
+    cfg = dict(BLOCK_K=128)
+    assert split_k({**cfg, "SPLIT_CTAS": 264}, 7168, 32) == 9       # 32 tiles -> 288 programs
+    assert split_k({**cfg, "SPLIT_CTAS": 264}, 2048, 112) == 3
+    assert split_k({**cfg, "SPLIT_CTAS": 264}, 256, 1) == 2          # at most one split per K tile
+    assert split_k({**cfg, "SPLIT_K": 4}, 576, 5) == 4
+    assert split_k(cfg, 7168, 1) == 1                               # no SPLIT_CTAS: no split
 
 
 def test_interpreted_flipped_nibble_is_detected(cpu_results):

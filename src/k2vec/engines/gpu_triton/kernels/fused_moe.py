@@ -29,9 +29,16 @@ import triton.language as tl
 from k2vec.engines.gpu_triton.kernels.int4_layout import _as_tensor, scales_tensor
 from k2vec.engines.gpu_triton.kernels.w4a16 import (
     _int4_tile,
+    _k_range,
+    _split_arrive,
+    _split_is_last,
+    _split_sum,
     check_activation,
     interpreting,
+    launch_keys,
     pick_config,
+    split_buffers,
+    split_k,
     tile_config,
     to_planes,
 )
@@ -90,36 +97,9 @@ def pack_experts(gate: Sequence, up: Sequence, down: Sequence, group_size: int, 
 
 
 @triton.jit
-def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, route_w_ptr,
-                num_pairs, N, K, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-                X_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, SORTED: tl.constexpr,
-                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
-                OUT_PLANES: tl.constexpr):
-    """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
-    OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input."""
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    # block b's expert: from the sorted layout, or (BLOCK_M == 1, unsorted) pair b's own top-k id
-    expert = tl.load(block_expert_ptr + pid_b)
-    if expert >= E:     # a spare block of the sorted layout
-        return
-    if SORTED:
-        pairs = tl.load(pair_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
-    else:
-        pairs = pid_b + tl.arange(0, BLOCK_M)
-    row_mask = pairs < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    w_e = w_ptr + expert.to(tl.int64) * stride_we
-    s_e = s_ptr + expert.to(tl.int64) * stride_se
-    x_rows = pairs // X_ROW_DIV
-    acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
-                     G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS)
+def _moe_epilogue(acc, up, y_ptr, pairs, row_mask, offs_n, n_mask, route_w_ptr, N, stride_ym,
+                  GATED: tl.constexpr, WEIGHTED: tl.constexpr, OUT_PLANES: tl.constexpr):
     if GATED:
-        up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
-                        s_e + N * stride_sn, stride_sn, offs_n, n_mask, K,
-                        G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS)
         acc = acc / (1.0 + tl.exp(-acc)) * up
     if WEIGHTED:
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
@@ -131,12 +111,92 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-# M upper bound -> tile configs of (gate/up, down); BLOCK_M 1 means one pair per program, unsorted. The H200 sweep
-# (bench/RESULTS.md, 2026-11-30) picked the one-pair path at every M it tried (1, 4, 16, 64; top-8 over 384 experts
-# leaves about one pair per expert up to M=64); the expert-sorted tensor-core path (BLOCK_M 16) stays for callers
-# that route many tokens to few experts.
+@triton.jit
+def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, route_w_ptr, ws_ptr, cnt_ptr,
+                num_pairs, N, K, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                X_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, SORTED: tl.constexpr,
+                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT_K, TOP_K, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
+                SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+                OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr):
+    """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
+    OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input.
+    SPLIT_K > 1: K split over the grid's third axis, partials (gate and up apart) reduced as in w4a16.
+    COMBINE (down, one pair per program, no split): y is the output [M, N]; the weighted rows of a token's TOP_K
+    pairs are summed in j order by the last of them to arrive (the split-K reduction with j as the split)."""
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    # block b's expert: from the sorted layout, or (unsorted: one pair per program) pair b's own top-k id
+    expert = tl.load(block_expert_ptr + pid_b)
+    if expert >= E:     # a spare block of the sorted layout
+        return
+    if SORTED:
+        pairs = tl.load(pair_ids_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_mask = pairs < num_pairs
+    else:   # pair b in row 0; with BLOCK_M >= 16 (tensor cores) the other rows are masked padding
+        pairs = pid_b + tl.zeros([BLOCK_M], dtype=tl.int32)
+        row_mask = tl.arange(0, BLOCK_M) == 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    s_e = s_ptr + expert.to(tl.int64) * stride_se
+    x_rows = pairs // X_ROW_DIV
+    kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
+    acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
+                     kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB,
+                     EVEN_K)
+    if GATED:
+        up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
+                        s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
+                        G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
+                        SWAP_AB, EVEN_K)
+    else:
+        up = acc
+    if COMBINE:
+        acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+        token = pid_b // TOP_K
+        tile = token * tl.num_programs(0) + pid_n
+        mask = row_mask[:, None] & n_mask[None, :]
+        _split_arrive(acc, ws_ptr, tile, pid_b % TOP_K, mask, TOP_K, 1, 0, BLOCK_M, BLOCK_N)
+        if _split_is_last(cnt_ptr, tile, TOP_K):
+            total = _split_sum(ws_ptr, tile, mask, TOP_K, 1, 0, BLOCK_M, BLOCK_N)
+            y_ptrs = y_ptr + (token.to(tl.int64) * stride_ym + offs_n)[None, :] + tl.zeros([BLOCK_M, 1], tl.int64)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(cnt_ptr + tile, 0)
+    elif SPLIT_K == 1:
+        _moe_epilogue(acc, up, y_ptr, pairs, row_mask, offs_n, n_mask, route_w_ptr, N, stride_ym,
+                      GATED, WEIGHTED, OUT_PLANES)
+    else:
+        PARTS: tl.constexpr = 2 if GATED else 1
+        tile = pid_b * tl.num_programs(0) + pid_n
+        mask = row_mask[:, None] & n_mask[None, :]
+        _split_arrive(acc, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS, 0, BLOCK_M, BLOCK_N)
+        if GATED:
+            _split_arrive(up, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS, 1, BLOCK_M, BLOCK_N)
+        if _split_is_last(cnt_ptr, tile, SPLIT_K):
+            acc = _split_sum(ws_ptr, tile, mask, SPLIT_K, PARTS, 0, BLOCK_M, BLOCK_N)
+            if GATED:
+                up = _split_sum(ws_ptr, tile, mask, SPLIT_K, PARTS, 1, BLOCK_M, BLOCK_N)
+            _moe_epilogue(acc, up, y_ptr, pairs, row_mask, offs_n, n_mask, route_w_ptr, N, stride_ym,
+                          GATED, WEIGHTED, OUT_PLANES)
+            tl.store(cnt_ptr + tile, 0)
+
+
+# M upper bound -> tile configs of (gate/up, down). SORTED False: one (token, expert) pair per program, on CUDA
+# cores (BLOCK_M 1) or tensor cores with the pair in row 0 of 16 (BLOCK_M 16); SORTED (BLOCK_M >= 16): pairs
+# grouped by expert. MOE_CONFIGS (bfloat16/float16 activations): the winners of the H200 sweep of bench/w4a16.py
+# (bench/RESULTS.md, 2026-12-02, issue 27).
+_PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
+_SORTED_TC = dict(_PAIR_TC, SORTED=True)
+MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
+    (1, (dict(_PAIR_TC, SWAP_AB=True), _PAIR_TC)),
+    (4, (dict(_PAIR_TC, SPLIT_CTAS=1056), _PAIR_TC)),
+    (1 << 62, (_SORTED_TC, _SORTED_TC)),
+]
+# float32 activations: the 2026-11-30 sweep's one-pair CUDA-core path at every M
 _ONE_PAIR = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)
-MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [(1 << 62, (_ONE_PAIR, _ONE_PAIR))]
+MOE_CONFIGS_FP32: list[tuple[int, tuple[dict, dict]]] = [(1 << 62, (_ONE_PAIR, _ONE_PAIR))]
 
 
 def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,16 +225,25 @@ def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, n, k, num_experts,
-            x_row_div, gated, weighted, sorted_, group_size, cfg, out_planes):
+            x_row_div, gated, weighted, sorted_, group_size, cfg, out_planes, combine_top_k=0):
+    """One MoE GEMM launch; combine_top_k > 0: the down launch writes the output rows itself (COMBINE)."""
     bf16_scales = s.dtype == torch.bfloat16
     s = s.view(torch.int16) if bf16_scales else s
     w = w.view(torch.int32)     # the packed bytes as words (see w4a16._int4_tile)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), num_blocks)
-    _moe_kernel[grid](x, w, s, y, pair_ids, block_expert, route_w, num_pairs, n, k, num_experts,
-                      x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
-                      X_ROW_DIV=x_row_div, GATED=gated, WEIGHTED=weighted, SORTED=sorted_, G=group_size,
-                      OUT_PLANES=out_planes,
-                      BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, **cfg)
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    # the split is sized on the pairs (the real work); spare sorted blocks return at once
+    splits = 1 if combine_top_k else split_k(cfg, k, n_tiles * min(num_blocks, num_pairs))
+    parts = combine_top_k or splits * (2 if gated else 1)
+    tiles = n_tiles * (num_pairs // combine_top_k if combine_top_k else num_blocks)
+    floats = tiles * parts * cfg["BLOCK_M"] * cfg["BLOCK_N"]
+    ws, counters = split_buffers(x.device, tiles, floats if parts > 1 else 1)
+    _moe_kernel[(n_tiles, num_blocks, splits)](
+        x, w, s, y, pair_ids, block_expert, route_w, ws, counters, num_pairs, n, k, num_experts,
+        x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
+        X_ROW_DIV=x_row_div, GATED=gated, WEIGHTED=weighted, SORTED=sorted_, G=group_size, SPLIT_K=splits,
+        TOP_K=max(combine_top_k, 1), COMBINE=combine_top_k > 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        OUT_PLANES=out_planes, BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32,
+        **launch_keys({key: v for key, v in cfg.items() if key != "COMBINE"}, x.dtype, bf16_scales))
 
 
 def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -193,24 +262,30 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     flat_ids = topk_ids.reshape(-1).to(torch.int32)
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
     num_pairs = flat_ids.numel()
-    cfg13, cfg2 = config or pick_config(MOE_CONFIGS, m)
+    cfg13, cfg2 = config or pick_config(MOE_CONFIGS_FP32 if x.dtype == torch.float32 else MOE_CONFIGS, m)
     interpret = interpreting()
     cfg13 = tile_config(cfg13, experts.group_size, interpret)
     cfg2 = tile_config(cfg2, experts.group_size, interpret)
-    if cfg13["BLOCK_M"] != cfg2["BLOCK_M"]:
-        raise ValueError("fused_moe: gate/up and down configs must share BLOCK_M (one sorted layout)")
+    sorted_ = cfg13.pop("SORTED", cfg13["BLOCK_M"] > 1)
+    if cfg2.pop("SORTED", cfg2["BLOCK_M"] > 1) != sorted_ or (sorted_ and cfg13["BLOCK_M"] != cfg2["BLOCK_M"]):
+        raise ValueError("fused_moe: gate/up and down configs must share SORTED and, sorted, BLOCK_M (one layout)")
     if cfg13["X_PLANES"]:
         x = to_planes(x)
     block_m = cfg13["BLOCK_M"]
-    if block_m == 1:
-        pair_ids, block_expert, num_blocks, sorted_ = flat_ids, flat_ids, num_pairs, False
+    if not sorted_:
+        pair_ids, block_expert, num_blocks = flat_ids, flat_ids, num_pairs
     else:
         pair_ids, block_expert = sort_pairs_by_expert(flat_ids.long(), experts.num_experts, block_m)
-        num_blocks, sorted_ = block_expert.numel(), True
+        num_blocks = block_expert.numel()
     inter, hidden = experts.intermediate, experts.hidden
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _launch(x, experts.w13, experts.s13, h, pair_ids, block_expert, route_w, num_pairs, num_blocks, inter, hidden,
             experts.num_experts, top_k, True, False, sorted_, experts.group_size, cfg13, cfg2["X_PLANES"])
+    if cfg2.get("COMBINE") and not sorted_ and out.dtype == x.dtype and out.stride(1) == 1:
+        # the down launch sums each token's pairs into `out` itself
+        _launch(h, experts.w2, experts.s2, out, pair_ids, block_expert, route_w, num_pairs, num_blocks, hidden,
+                inter, experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2, False, top_k)
+        return out
     y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     _launch(h, experts.w2, experts.s2, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, hidden, inter,
             experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2, False)

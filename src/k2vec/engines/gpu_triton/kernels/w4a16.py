@@ -3,14 +3,21 @@
 The kernel reads a row's packed bytes as little-endian int32 words: word i holds elements 8i .. 8i+7
 (element 8i+e in bits 4e..4e+3, `docs/int4-format.md`), all in one group since G is a multiple of 8. So
 instead of interleaving nibbles in registers it splits the product into 8 element planes:
-y = sum_e x[:, e::8] @ W_e^T, with the word's one scale shared by all 8. Dequantization happens in
-registers, in float32, right before the product; accumulation is float32.
+y = sum_e x[:, e::8] @ W_e^T, with the word's one scale shared by all 8. Accumulation is float32.
 
 Two tile paths, picked by BLOCK_M:
-* BLOCK_M == 1 (decode): one row per program, multiply-and-add on CUDA cores; the scale is applied to
-  each word's 8-element partial sum (no tensor-core padding of M to 16).
-* BLOCK_M >= 16: `tl.dot` on a [BLOCK_M, BLOCK_K/8] x [BLOCK_K/8, BLOCK_N] tile per element plane, the
-  dequantized weight cast to the activation dtype (float32 dots run with input_precision "ieee").
+* BLOCK_M == 1: one row per program, multiply-and-add on CUDA cores; the scale is applied to each
+  word's 8-element partial sum (no tensor-core padding of M to 16).
+* BLOCK_M >= 16: `tl.dot` on a [BLOCK_M, BLOCK_K/8] x [BLOCK_K/8, BLOCK_N] tile per element plane (rows past
+  M are masked, so M = 1 runs here too). The weight is dequantized in registers: for bfloat16 activations
+  with bfloat16 scales (PACKED) by a few PTX instructions per word that make two bfloat16 values at once;
+  otherwise in float32, cast to the activation dtype (float32 dots run with input_precision "ieee").
+
+Split-K (SPLIT_K > 1): a third grid axis splits K so that small-M grids fill the machine. Each program
+writes its float32 partial tile to a workspace and bumps an integer counter of its output tile; the
+program that arrives last sums the SPLIT_K partials in split order (the same order whichever program is
+last: deterministic), writes the output and zeroes the counter for the next launch (CUDA-graph safe).
+The counters are shared by every launch on the device, so split-K launches must not run concurrently.
 """
 from __future__ import annotations
 
@@ -49,22 +56,102 @@ def _code(words, e: tl.constexpr):
     return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
 
 
-@triton.jit
-def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
-               G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N] = x[rows, :K] @ W[offs_n, :K]^T for one W4A16 weight.
+# Two elements per instruction: lop3 puts nibbles e and e+4 (bits 4e and 16+4e) under the bf16x2 magic
+# 0x4300 (128.0, ulp 1), giving 128+u in each half; u - 8 = (128+u) * 1 - 136 exactly; times the group scale
+# (+ -0.0) rounds the exact product q*s once, as float32 q*s cast to bfloat16 does. $8 = word, $9 = bf16 scale.
+_BF16_PLANES_ASM = tl.constexpr("""
+{
+.reg .b32 w, t, s2, one, bias, nz;
+mov.b32 s2, {$9, $9};
+mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+mov.b32 nz, 0x80008000;
+mov.b32 w, $8;
+lop3.b32 t, w, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, bias;
+fma.rn.bf16x2 t, t, s2, nz;
+mov.b32 {$0, $4}, t;
+shr.u32 w, w, 4;
+lop3.b32 t, w, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, bias;
+fma.rn.bf16x2 t, t, s2, nz;
+mov.b32 {$1, $5}, t;
+shr.u32 w, w, 4;
+lop3.b32 t, w, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, bias;
+fma.rn.bf16x2 t, t, s2, nz;
+mov.b32 {$2, $6}, t;
+shr.u32 w, w, 4;
+lop3.b32 t, w, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, bias;
+fma.rn.bf16x2 t, t, s2, nz;
+mov.b32 {$3, $7}, t;
+}
+""")
 
-    X_PLANES: x rows are stored plane-major (x[8i + e] at e * K/8 + i), so each plane's loads are
-    contiguous and vectorise; otherwise they are stride-8 gathers. SCALE_GROUPS (one-row path): sum
-    each group's words before scaling, loading [BLOCK_N, groups] scales instead of one per word.
+
+@triton.jit
+def _bf16_planes(words, s_bits):
+    """The 8 planes q_e * s of int32 words as bfloat16 (s_bits: each word's bf16 scale as int16 bits)."""
+    return tl.inline_asm_elementwise(_BF16_PLANES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, s_bits],
+                                     dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                                            tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_plane(x_rows, e: tl.constexpr, i, k_words, x_mask, X_PLANES: tl.constexpr):
+    """Activations of element plane e at words i ([rows, words]); plane-major rows load contiguously."""
+    if X_PLANES:
+        return tl.load(x_rows[:, None] + e * k_words + i[None, :], mask=x_mask, other=0.0)
+    else:
+        return tl.load(x_rows[:, None] + 8 * i[None, :] + e, mask=x_mask, other=0.0)
+
+
+@triton.jit
+def _per_word(s, axis: tl.constexpr, WORDS_PER_GROUP: tl.constexpr):
+    """Group scales [groups, n] (axis 0) or [n, groups] (axis 1) repeated to one per word along that axis."""
+    if axis == 0:
+        return tl.reshape(tl.broadcast_to(s[:, None, :], [s.shape[0], WORDS_PER_GROUP, s.shape[1]]),
+                          [s.shape[0] * WORDS_PER_GROUP, s.shape[1]])
+    else:
+        return tl.reshape(tl.broadcast_to(s[:, :, None], [s.shape[0], s.shape[1], WORDS_PER_GROUP]),
+                          [s.shape[0], s.shape[1] * WORDS_PER_GROUP])
+
+
+@triton.jit
+def _x_plane_t(x_rows, e: tl.constexpr, i, k_words, x_mask):
+    """Plane-major activations (SWAP_AB needs X_PLANES) of plane e at words i, transposed ([words, rows])."""
+    return tl.load(x_rows[None, :] + e * k_words + i[:, None], mask=x_mask, other=0.0)
+
+
+@triton.jit
+def _dot(acc, a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
+               G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
+               PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
+
+    The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
+    and vectorises the loads and pipelines them (an offset from a runtime start hid that). X_PLANES: x rows are stored plane-major (x[8i + e] at
+    e * K/8 + i), so each plane's loads are contiguous and vectorise; otherwise they are stride-8 gathers.
+    SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
+    instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
 
     w_ptr: the packed bytes read as int32 words (row stride stride_wn words); word i of a row holds
     elements 8i .. 8i+7, element 8i+e in bits 4e..4e+3, all in group (8i) // G.
     """
     WORDS: tl.constexpr = BLOCK_K // 8
     WORDS_PER_GROUP: tl.constexpr = G // 8
-    k_words = K // 8
+    k_words = tl.multiple_of(K // 8, WORDS_PER_GROUP)     # K is a multiple of G: aligned plane starts
     offs_w = tl.arange(0, WORDS)
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
@@ -76,70 +163,175 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            i = k0 // 8 + offs_w
-            i_mask = i < k_words
+        for kt in range(kt_lo, kt_hi):
+            i = kt * WORDS + offs_w
+            i_mask = (i < k_words) | EVEN_K     # EVEN_K: no K tail, constant masks keep loads wide
             mask = n_mask[:, None] & i_mask[None, :]
             words = tl.load(w_rows[:, None] + i[None, :], mask=mask, other=0)
             x_mask = row_mask[:, None] & i_mask[None, :]
             part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
             for e in tl.static_range(8):
-                if X_PLANES:
-                    x_e = tl.load(x_rows[:, None] + e * k_words + i[None, :], mask=x_mask, other=0.0)
-                else:
-                    x_e = tl.load(x_rows[:, None] + 8 * i[None, :] + e, mask=x_mask, other=0.0)
-                part += _code(words, e) * x_e.to(tl.float32)
+                part += _code(words, e) * _x_plane(x_rows, e, i, k_words, x_mask, X_PLANES).to(tl.float32)
             if SCALE_GROUPS:
-                g = k0 // G + tl.arange(0, GROUPS)
-                s = _load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & (g < K // G)[None, :], BF16_SCALES)
+                g = kt * GROUPS + tl.arange(0, GROUPS)
+                s = _load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & ((g < K // G) | EVEN_K)[None, :],
+                                 BF16_SCALES)
                 acc += tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
             else:
                 acc += part * _load_scales(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask, BF16_SCALES)
         return tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
     else:
         # tensor cores: per element plane e, [BLOCK_M, WORDS] x [WORDS, BLOCK_N] (weight transposed by the
-        # pointer arithmetic), dequantized in float32 and cast to the activation dtype just before the dot
+        # pointer arithmetic), the weight dequantized in registers just before the dot
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            i = k0 // 8 + offs_w
-            i_mask = i < k_words
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        TILE_GROUPS: tl.constexpr = WORDS // WORDS_PER_GROUP
+        for kt in range(kt_lo, kt_hi):
+            i = kt * WORDS + offs_w
+            i_mask = (i < k_words) | EVEN_K     # EVEN_K: no K tail, constant masks keep loads wide
             mask = i_mask[:, None] & n_mask[None, :]
-            words = tl.load(w_rows[None, :] + i[:, None], mask=mask, other=0)
-            s = _load_scales(s_rows[None, :] + (i // WORDS_PER_GROUP)[:, None], mask, BF16_SCALES)
+            # the tile's group scales, loaded contiguously per row and repeated to one per word in registers
+            g = kt * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
+            g_mask = (g < K // G) | EVEN_K
+            if not SWAP_AB:
+                words = tl.load(w_rows[None, :] + i[:, None], mask=mask, other=0)
             x_mask = row_mask[:, None] & i_mask[None, :]
-            for e in tl.static_range(8):
-                if X_PLANES:
-                    x_e = tl.load(x_rows[:, None] + e * k_words + i[None, :], mask=x_mask, other=0.0)
+            if SWAP_AB:
+                # weight as the A operand ([BLOCK_N, WORDS], N on the MMA's M side, where Hopper's wgmma can
+                # take it from registers) and x^T as B: acc^T [BLOCK_N, BLOCK_M]
+                mask_t = n_mask[:, None] & i_mask[None, :]
+                words_t = tl.load(w_rows[:, None] + i[None, :], mask=mask_t, other=0)
+                xm_t = i_mask[:, None] & row_mask[None, :]
+                if PACKED:
+                    s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
+                                            other=0), 1, WORDS_PER_GROUP)
+                    w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words_t, s_t)
+                    acc_t = _dot(acc_t, w0, _x_plane_t(x_rows, 0, i, k_words, xm_t), IEEE)
+                    acc_t = _dot(acc_t, w1, _x_plane_t(x_rows, 1, i, k_words, xm_t), IEEE)
+                    acc_t = _dot(acc_t, w2, _x_plane_t(x_rows, 2, i, k_words, xm_t), IEEE)
+                    acc_t = _dot(acc_t, w3, _x_plane_t(x_rows, 3, i, k_words, xm_t), IEEE)
+                    acc_t = _dot(acc_t, w4, _x_plane_t(x_rows, 4, i, k_words, xm_t), IEEE)
+                    acc_t = _dot(acc_t, w5, _x_plane_t(x_rows, 5, i, k_words, xm_t), IEEE)
+                    acc_t = _dot(acc_t, w6, _x_plane_t(x_rows, 6, i, k_words, xm_t), IEEE)
+                    acc_t = _dot(acc_t, w7, _x_plane_t(x_rows, 7, i, k_words, xm_t), IEEE)
                 else:
-                    x_e = tl.load(x_rows[:, None] + 8 * i[None, :] + e, mask=x_mask, other=0.0)
-                w_e = (_code(words, e) * s).to(x_e.dtype)
-                if IEEE:
-                    acc = tl.dot(x_e, w_e, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x_e, w_e, acc)
+                    s_t = _per_word(_load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & g_mask[None, :],
+                                                 BF16_SCALES), 1, WORDS_PER_GROUP)
+                    for e in tl.static_range(8):
+                        x_t = _x_plane_t(x_rows, e, i, k_words, xm_t)
+                        acc_t = _dot(acc_t, (_code(words_t, e) * s_t).to(x_t.dtype), x_t, IEEE)
+            elif PACKED:
+                s_bits = _per_word(tl.load(s_rows[None, :] + g[:, None], mask=g_mask[:, None] & n_mask[None, :],
+                                           other=0), 0, WORDS_PER_GROUP)
+                w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, s_bits)
+                acc = _dot(acc, _x_plane(x_rows, 0, i, k_words, x_mask, X_PLANES), w0, IEEE)
+                acc = _dot(acc, _x_plane(x_rows, 1, i, k_words, x_mask, X_PLANES), w1, IEEE)
+                acc = _dot(acc, _x_plane(x_rows, 2, i, k_words, x_mask, X_PLANES), w2, IEEE)
+                acc = _dot(acc, _x_plane(x_rows, 3, i, k_words, x_mask, X_PLANES), w3, IEEE)
+                acc = _dot(acc, _x_plane(x_rows, 4, i, k_words, x_mask, X_PLANES), w4, IEEE)
+                acc = _dot(acc, _x_plane(x_rows, 5, i, k_words, x_mask, X_PLANES), w5, IEEE)
+                acc = _dot(acc, _x_plane(x_rows, 6, i, k_words, x_mask, X_PLANES), w6, IEEE)
+                acc = _dot(acc, _x_plane(x_rows, 7, i, k_words, x_mask, X_PLANES), w7, IEEE)
+            else:
+                s = _per_word(_load_scales(s_rows[None, :] + g[:, None], g_mask[:, None] & n_mask[None, :], BF16_SCALES),
+                              0, WORDS_PER_GROUP)
+                for e in tl.static_range(8):
+                    x_e = _x_plane(x_rows, e, i, k_words, x_mask, X_PLANES)
+                    acc = _dot(acc, x_e, (_code(words, e) * s).to(x_e.dtype), IEEE)
+        if SWAP_AB:
+            acc = tl.trans(acc_t)
         return acc
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+def _k_range(K, pid_k, SPLIT_K, BLOCK_K: tl.constexpr):
+    """K tiles [kt_lo, kt_hi) of split pid_k: the tiles dealt out in contiguous runs (the last runs may be empty)."""
+    tiles = tl.cdiv(K, BLOCK_K)
+    run = tl.cdiv(tiles, SPLIT_K)
+    kt_lo = pid_k * run
+    return kt_lo, tl.minimum(kt_lo + run, tiles)
+
+
+@triton.jit
+def _split_arrive(acc, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS: tl.constexpr,
+                  part: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write this split's float32 partial `part` (of PARTS per split) of output tile `tile` to the workspace."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    base = ws_ptr + (tile.to(tl.int64) * SPLIT_K * PARTS + pid_k * PARTS + part) * (BLOCK_M * BLOCK_N)
+    tl.store(base + offs, acc, mask=mask)
+
+
+@triton.jit
+def _split_is_last(cnt_ptr, tile, SPLIT_K):
+    """Count this split's arrival at `tile`; true for the last one, which then resets the counter."""
+    tl.debug_barrier()      # every thread's partial is stored before the release below
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return done == SPLIT_K - 1
+
+
+@triton.jit
+def _split_sum(ws_ptr, tile, mask, SPLIT_K, PARTS: tl.constexpr, part: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sum of the SPLIT_K partials `part` of `tile`, in split order (L2 reads: other SMs wrote them)."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(SPLIT_K):
+        base = ws_ptr + (tile.to(tl.int64) * SPLIT_K * PARTS + k * PARTS + part) * (BLOCK_M * BLOCK_N)
+        total += tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr):
+                  SPLIT_K, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
+                  SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
-                     G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS)
+                     kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
+                     SWAP_AB, EVEN_K)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    out_mask = row_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tile = pid_m * tl.num_programs(0) + pid_n
+        _split_arrive(acc, ws_ptr, tile, pid_k, out_mask, SPLIT_K, 1, 0, BLOCK_M, BLOCK_N)
+        if _split_is_last(cnt_ptr, tile, SPLIT_K):
+            total = _split_sum(ws_ptr, tile, out_mask, SPLIT_K, 1, 0, BLOCK_M, BLOCK_N)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(cnt_ptr + tile, 0)
 
 
-# Tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M. Chosen by
-# `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md, 2026-11-30): the one-row path up to M=4 (tensor-core tiles
-# of 16 rows waste 12+ rows there), tensor cores above; plane-major x everywhere.
+# Tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
+# DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
+# 2026-12-02, issue 27), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid has
+# about this many programs (see split_k).
 DENSE_CONFIGS: list[tuple[int, dict]] = [
+    (1, dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, SPLIT_CTAS=528, num_warps=4,
+             num_stages=3)),
+    (2, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (8, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
+              num_stages=3)),
+    (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=132, num_warps=8,
+              num_stages=3)),
+]
+# float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
+DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
     (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_PLANES=True, SCALE_GROUPS=True, num_warps=8, num_stages=3)),
     (4, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)),
     (32, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)),
@@ -152,15 +344,47 @@ def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
 
 
 def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
-    """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16."""
-    cfg = {"X_PLANES": False, "SCALE_GROUPS": False, **config}
+    """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16.
+    Keeps the host-side keys SPLIT_K / SPLIT_CTAS (see split_k), PACKED (False: float32 dequantization) and
+    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES)."""
+    cfg = {"X_PLANES": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False, **config}
     cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group_size)
     if cfg["BLOCK_M"] > 1:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 16)
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 128)
-    if interpret:    # the interpreter ignores warps and stages
+    if interpret:    # the interpreter ignores warps and stages, and runs no inline PTX
         cfg.pop("num_warps", None), cfg.pop("num_stages", None)
+        cfg["PACKED"] = False
     return cfg
+
+
+def split_k(cfg: dict, k: int, tiles: int) -> int:
+    """Splits of K for a grid of `tiles` output tiles: SPLIT_K if given, else enough to reach SPLIT_CTAS programs;
+    at most one split per BLOCK_K tile."""
+    k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
+    want = cfg.get("SPLIT_K") or triton.cdiv(cfg.get("SPLIT_CTAS", 0), tiles)
+    return max(1, min(want, k_tiles))
+
+
+def launch_keys(cfg: dict, activation: torch.dtype, bf16_scales: bool) -> dict:
+    """The kernel's constexpr/launch keys of a tile config (host-side keys dropped); PACKED only where it applies."""
+    out = {key: value for key, value in cfg.items() if key not in ("SPLIT_K", "SPLIT_CTAS")}
+    out["PACKED"] = bool(cfg["PACKED"] and cfg["BLOCK_M"] > 1 and activation == torch.bfloat16 and bf16_scales)
+    out["SWAP_AB"] = bool(cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and cfg["X_PLANES"])
+    return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_buffers(device, tiles: int, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 workspace of `floats`, int32 arrival counters for `tiles` tiles, all zero between launches).
+    The counters are allocated once per device (keep the first call outside CUDA-graph capture)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return torch.empty(floats, dtype=torch.float32, device=device), counters
 
 
 def to_planes(x: torch.Tensor) -> torch.Tensor:
@@ -194,14 +418,20 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
                          f"got {out.dtype} {tuple(out.shape)}")
     if m == 0:
         return out
-    cfg = tile_config(config or pick_config(DENSE_CONFIGS, m), weight.group_size, interpreting())
+    table = DENSE_CONFIGS_FP32 if x.dtype == torch.float32 else DENSE_CONFIGS
+    cfg = tile_config(config or pick_config(table, m), weight.group_size, interpreting())
     bf16_scales = weight.scales.dtype == torch.bfloat16
     scales = weight.scales.view(torch.int16) if bf16_scales else weight.scales
     words = weight.packed.view(torch.int32)
     if cfg["X_PLANES"]:
         x = to_planes(x)
-    grid = (triton.cdiv(weight.n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
-    _w4a16_kernel[grid](x, words, scales, out, m, weight.n, weight.k,
-                        x.stride(0), words.stride(0), scales.stride(0), out.stride(0),
-                        G=weight.group_size, BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, **cfg)
+    n_tiles, m_tiles = triton.cdiv(weight.n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
+    splits = split_k(cfg, weight.k, n_tiles * m_tiles)
+    ws, counters = split_buffers(x.device, n_tiles * m_tiles, n_tiles * m_tiles * splits * cfg["BLOCK_M"] *
+                                 cfg["BLOCK_N"] if splits > 1 else 1)
+    _w4a16_kernel[(n_tiles, m_tiles, splits)](
+        x, words, scales, out, ws, counters, m, weight.n, weight.k,
+        x.stride(0), words.stride(0), scales.stride(0), out.stride(0), G=weight.group_size, SPLIT_K=splits,
+        EVEN_K=weight.k % cfg["BLOCK_K"] == 0,
+        BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, **launch_keys(cfg, x.dtype, bf16_scales))
     return out
