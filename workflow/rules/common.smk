@@ -117,9 +117,11 @@ LEFT_OUT = left_out_engines(
 try:
     # And an engine on a model its `requires_model` rejects (vLLM's MLA on latent widths it does not take):
     # no run there, named in the report as "<engine> on <model>".
+    # (the models resolved only where a running engine has a test: no start-up work otherwise)
+    _TESTED = {n: e for n, e in ENGINES.items() if n not in LEFT_OUT and e["requires_model"] is not None}
     OFF_MODELS = engines_off_models(
-        {n: e for n, e in ENGINES.items() if n not in LEFT_OUT},
-        {m: resolve_model(m, entry) for m, entry in config["models"].items()},
+        _TESTED,
+        {m: resolve_model(m, entry) for m, entry in config["models"].items()} if _TESTED else {},
     )
 except ConfigError as err:
     raise WorkflowError(f"Invalid configuration: {err}") from None
