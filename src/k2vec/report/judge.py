@@ -232,7 +232,7 @@ def _lines(j: Judgement) -> list[str]:
         out.append(f"  noise model: none{where}; judged by the fixed {run['precision_class']} budgets only, "
                    f"tie credit the logit_abs budget (--noise)")
     if run["conventions"]:
-        (key, path), = j.variants.items()
+        (path,) = j.variants.values()
         labels = "; ".join(CONVENTIONS[c].label for c in sorted(run["conventions"]))
         out.append(f"  judged against the variant of the reference that follows {labels}: {path}")
     if run["contract"] is not None:
