@@ -176,18 +176,23 @@ def mutation_run(tmp_path_factory):  # weights, goldens, bundles, 8 numpy runs, 
 def test_default_target_runs_no_mutant(mutation_run):
     _, dry, _, _ = mutation_run
     jobs = scheduled_jobs(dry.stdout)
-    assert jobs.get("engine_run") and "mutant_runs" not in jobs and "mutation_report" not in jobs
+    assert jobs.get("engine_batch_numpy") and "mutant_runs" not in jobs and "mutation_report" not in jobs
 
 
 @pytest.mark.slow
 def test_mutants_caught_and_unmutated_engine_not(mutation_run):
     root, _, scores, rows = mutation_run
-    # every mutant at float32; at bfloat16 (emulated, score runs) those that are not DDTree mutants
+    # every mutant at float32 and at bfloat16 (emulated: score runs; the DDTree mutant's DDTree runs)
     assert sorted(scores.loc[scores["compute"] == "float32", "mutant"]) == sorted(SUBSET)
-    assert sorted(scores.loc[scores["compute"] == "bfloat16", "mutant"]) == sorted(SUBSET[:2])
+    assert sorted(scores.loc[scores["compute"] == "bfloat16", "mutant"]) == sorted(SUBSET)
     assert scores["caught"].all(), scores.to_string()
-    assert (scores["verdict"] == "caught").all(), scores[["mutant", "compute", "verdict"]].to_string()
-    assert (scores["catch_rate"] >= 0.75).all(), scores[["mutant", "catch_rate"]].to_string()
+    plain = scores[(scores["compute"] == "float32") | (scores["area"] != "ddtree")]
+    assert (plain["verdict"] == "caught").all(), scores[["mutant", "compute", "verdict"]].to_string()
+    assert (plain["catch_rate"] >= 0.75).all(), scores[["mutant", "catch_rate"]].to_string()
+    # a tree bug at bfloat16 is seen until the engine leaves the golden's tokens (the recorded drafts follow
+    # them): caught in some rows, and caught in 3/4 of them or said to be below the precision's resolution
+    tree = scores[(scores["compute"] == "bfloat16") & (scores["area"] == "ddtree")].iloc[0]
+    assert tree["verdict"] in ("caught", "below resolution"), tree.to_string()
     assert set(scores["class"]) <= {"real", "over-budget"}
     for engine in ("numpy", "numpy-bfloat16"):   # the unmutated engine at each precision: no false alarm
         control = rows[rows["engine"] == engine]
@@ -200,4 +205,28 @@ def test_mutants_caught_and_unmutated_engine_not(mutation_run):
         "greedy", "score", "ddtree-b1", "ddtree-b4"}
     html = (root / "results/mutation/mutation.html").read_text()
     assert "mutation score float32: 3/3 mutants caught (100.0%)" in html and 'id="mutation-table"' in html
-    assert "bfloat16: 2/2 mutants caught (100.0%)" in html
+    assert "bfloat16: 3/3 mutants caught (100.0%)" in html
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def test_plan_runs_tree_mutants_with_their_greedy_reference_at_every_precision():
+    """At bfloat16 a plain mutant runs its score runs only; a DDTree mutant its DDTree runs where its tree has
+    branches, plus greedy (its lossless check's reference, mutation/plan.py), and the unmutated engine the same
+    modes; at float32 the greedy reference is added where the mutant runs DDTree."""
+    from k2vec.mutation.plan import UNMUTATED, plan
+    case = {"model": {"n_routed_experts": 8, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+                      "q_lora_rank": 32, "rope_scaling": None}, "quantization": {}}
+    modes = ["greedy", "score", "ddtree-b1", "ddtree-b4"]
+    runs = [("numpy", "tiny", "fp32", m) for m in modes]
+    config = {"mutation": {"mutants": ["experts_gelu", "ddtree_positions_index"]}}
+    out, problem = plan(config, {"numpy": {}}, runs, {"tiny": case})
+    assert problem is None
+    assert out[("ddtree_positions_index", "tiny", "fp32", "float32")] == ["greedy", "ddtree-b4"]
+    assert out[("ddtree_positions_index", "tiny", "fp32", "bfloat16")] == ["greedy", "ddtree-b4"]
+    assert out[("experts_gelu", "tiny", "fp32", "bfloat16")] == ["score"]
+    assert out[(UNMUTATED, "tiny", "fp32", "bfloat16")] == modes
+    # without a DDTree mutant the reduced precision runs score runs alone
+    out, _ = plan({"mutation": {"mutants": ["experts_gelu"]}}, {"numpy": {}}, runs, {"tiny": case})
+    assert out[(UNMUTATED, "tiny", "fp32", "bfloat16")] == ["score"]

@@ -327,7 +327,7 @@ def test_the_mutation_run_writes_what_the_report_reads(tmp_path):
                          "caught": [True, True, True, False, True, False, False, False] + [False] * 4})
     planned = pd.DataFrame({"mutant": ["router_logits_bf16", "experts_gelu", "router_group_max"],
                             "compute": "bfloat16"})
-    by_bundle = _bundle_resolution(noise_table, resolution, rows, planned)
+    by_bundle = _bundle_resolution(noise_table, resolution, rows, planned, {}, {})
     assert by_bundle[["mutant", "model", "precision", "golden_sha256", "resolvable", "catch_rate", "below"]
                      ].fillna({"catch_rate": -1}).values.tolist() == [
         ["experts_gelu", "tiny", "fp32", "a" * 64, True, -1, False],   # no bfloat16 run there
@@ -346,3 +346,29 @@ def test_the_mutation_run_writes_what_the_report_reads(tmp_path):
     out = _resolution(scores, by_bundle)
     assert out["verdict"].tolist() == ["below resolution", "missed", "caught"]
     assert out["float32_beyond"].tolist()[:2] == [0.05, 0.75] and np.isnan(out["float32_beyond"].iloc[2])
+
+
+def test_a_tree_mutant_is_resolvable_where_its_float32_effect_comes_before_the_precision_departs():
+    """A DDTree mutant changes tokens, not cells: at bfloat16 it is resolvable on a bundle where, in 3/4 of its
+    float32 DDTree rows, it is caught and leaves the golden before the unmutated bfloat16 engine does (the
+    recorded drafts follow the golden's tokens; past an engine's own departure its tree is barely exercised)."""
+    from k2vec.mutation.score import _tree_ahead
+
+    def row(engine, mutant, pc, model, prompt, first, caught):
+        return {"engine": engine, "mutant": mutant, "precision_class": pc, "model": model, "precision": "fp32",
+                "mode": "ddtree-b4", "accuracy": 0.9, "prompt": prompt, "first_step": first, "caught": caught}
+    rows = pd.DataFrame(
+        # tiny: the bug acts at steps 2, 3, 5, 9; bfloat16 departs at 10, 10, 4, never: 3 of 4 ahead
+        [row("mutant-ddtree_mask_causal", "ddtree_mask_causal", "float32", "tiny", p, f, True)
+         for p, f in enumerate([2, 3, 5, 9])]
+        + [row("numpy-bfloat16", None, "bfloat16", "tiny", p, f, False) for p, f in enumerate([10, 10, 4, np.nan])]
+        # small: the bug acts late, after the bfloat16 engine has left (step 1): 0 of 2; an uncaught row is not ahead
+        + [row("mutant-ddtree_mask_causal", "ddtree_mask_causal", "float32", "small", p, f, c)
+           for p, f, c in [(0, 6, True), (1, np.nan, False)]]
+        + [row("numpy-bfloat16", None, "bfloat16", "small", p, 1.0, False) for p in range(2)])
+    mutants = {"mutant-ddtree_mask_causal": {"name": "ddtree_mask_causal", "area": "ddtree"},
+               "mutant-ddtree_mask_causal-bf16": {"name": "ddtree_mask_causal", "area": "ddtree",
+                                                  "precision": "bfloat16"}}
+    ahead = _tree_ahead(rows, mutants, {"float32": "numpy", "bfloat16": "numpy-bfloat16"})
+    assert ahead[("ddtree_mask_causal", "bfloat16", "tiny", "fp32")] == 0.75
+    assert ahead[("ddtree_mask_causal", "bfloat16", "small", "fp32")] == 0.0

@@ -32,6 +32,7 @@ import pandas as pd
 
 from k2vec.atomic import write_text_atomic
 from k2vec.report.html import CSS, _e, _table, badge, fmt
+from k2vec.mutation.plan import TREE_AREA
 from k2vec.report.metrics import ROW_COLUMNS, compute_metrics
 from k2vec.report.noise import CELL_KINDS
 from k2vec.report.resolution import MUTATION_RESOLUTION_COLUMNS, MUTATION_RESOLUTION_FILE
@@ -114,11 +115,15 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     rows = m.rows[~as_runs]
     names = {e: info["name"] for e, info in mutants.items()}
     rows = rows.assign(mutant=rows["engine"].map(names), caught=rows["class"].isin(CAUGHT_CLASSES))
+    # a DDTree mutant's greedy runs are the reference of its lossless check (mutation/plan.py), not its code
+    # path: its catch rate is over its DDTree rows
+    tree = rows["engine"].map({e: info["area"] == TREE_AREA for e, info in mutants.items()}).fillna(False)
+    rows = rows[~(tree.astype(bool) & (rows["mode"] == "greedy"))]
     scores = mutation_scores(rows, mutants)
     # the mutants run at each reduced precision (not DDTree's: the noise model judges no tree)
     planned = pd.DataFrame([(info["name"], info.get("precision", "float32")) for info in mutants.values()],
                            columns=["mutant", "compute"]).drop_duplicates()
-    by_bundle = _bundle_resolution(m.noise_table, m.resolution, rows, planned)
+    by_bundle = _bundle_resolution(m.noise_table, m.resolution, rows, planned, mutants, controls)
     scores = _resolution(scores, by_bundle)
     control_rows = rows[rows["engine"].isin(list(controls.values()))]
     res = MutationResult(scores, rows, len(control_rows), int(control_rows["caught"].sum()))
@@ -132,8 +137,29 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     return res
 
 
+def _tree_ahead(rows: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]], controls: Mapping[str, str]) -> pd.Series:
+    """Per (DDTree mutant, reduced compute precision, model, precision): the fraction of the mutant's float32
+    DDTree rows that are caught and leave the golden before the unmutated engine at that precision does on the
+    same mode, drafter accuracy and prompt (never, for a control row without a divergence)."""
+    key = ["mode", "accuracy", "prompt"]
+    tree = {info["name"] for info in mutants.values() if info["area"] == TREE_AREA}
+    f32 = rows[rows["mutant"].isin(tree) & (rows["precision_class"] == "float32")]
+    out = {}
+    for compute, control in controls.items():
+        if compute == "float32" or not len(f32):
+            continue
+        ctl = rows[rows["engine"] == control].set_index(["model", "precision", *key])["first_step"].astype(float)
+        at = pd.MultiIndex.from_frame(f32[["model", "precision", *key]])
+        departs = ctl[~ctl.index.duplicated()].reindex(at).fillna(np.inf).to_numpy()
+        ahead = f32["caught"].to_numpy() & (f32["first_step"].astype(float).fillna(np.inf).to_numpy() < departs)
+        frac = f32.assign(ahead=ahead).groupby(["mutant", "model", "precision"])["ahead"].mean()
+        out.update({(mu, compute, mo, pr): v for (mu, mo, pr), v in frac.items()})
+    return pd.Series(out, dtype=float)
+
+
 def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows: pd.DataFrame,
-                       planned: pd.DataFrame) -> pd.DataFrame:
+                       planned: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]],
+                       controls: Mapping[str, str]) -> pd.DataFrame:
     """Per float32 mutant re-judged at a reduced precision and bundle (MUTATION_RESOLUTION_COLUMNS), for the
     (mutant, compute) pairs `planned` (not DDTree's: the noise model judges no tree): the fraction of each
     kind's cells its float32 runs put beyond that bundle's noise model and the rule's verdict on them
@@ -147,7 +173,11 @@ def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows
     out = pd.DataFrame({"mutant": names[0], "compute": names[1], "model": t["model"], "precision": t["precision"]})
     for _, k in CELL_KINDS:
         out[f"{k}_beyond"] = (t[f"{k}_beyond"] / t[f"{k}_cells"].where(t[f"{k}_cells"] > 0)).to_numpy()
-    out["resolvable"] = t["verdict"].str.startswith("over").to_numpy()
+    ahead = _tree_ahead(rows, mutants, controls)
+    keys = pd.MultiIndex.from_frame(out[["mutant", "compute", "model", "precision"]])
+    out["tree_ahead"] = ahead.reindex(keys).to_numpy(float) if len(ahead) else np.nan
+    out["resolvable"] = np.where(out["tree_ahead"].notna(), out["tree_ahead"] >= REQUIRED_CATCH_RATE,
+                                 t["verdict"].str.startswith("over").to_numpy())
     sha = resolution.set_index(["model", "precision", "precision_class"])["golden_sha256"]
     out["golden_sha256"] = sha.reindex(pd.MultiIndex.from_frame(t[["model", "precision", "precision_class"]])).to_numpy()
     out = out.merge(planned, on=["mutant", "compute"])
@@ -159,12 +189,14 @@ def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows
 
 def _resolution(scores: pd.DataFrame, by_bundle: pd.DataFrame) -> pd.DataFrame:
     """float32_beyond: at a reduced precision, the largest fraction of cells (hidden states, logits, KL,
-    routing) that the mutant's float32 runs put beyond that precision's noise model on one bundle; resolvable:
+    routing) that the mutant's float32 runs put beyond that precision's noise model on one bundle (a DDTree
+    mutant's: of its float32 rows ahead of that precision's own departure, tree_ahead); resolvable:
     the noise rule's verdict on them on some bundle; verdict: caught (in at least REQUIRED_CATCH_RATE of its
     rows), below resolution (not resolvable and not caught so), missed (resolvable, yet not caught so), or not
     caught (float32)."""
     scores = scores.copy()
-    g = by_bundle.assign(frac=by_bundle[[f"{k}_beyond" for _, k in CELL_KINDS]].max(axis=1).fillna(0.0)) \
+    g = by_bundle.assign(frac=by_bundle[[*(f"{k}_beyond" for _, k in CELL_KINDS), "tree_ahead"]].max(axis=1)
+                         .fillna(0.0)) \
         .groupby(["mutant", "compute"]).agg(frac=("frac", "max"), over=("resolvable", "any"))
     keys = pd.MultiIndex.from_arrays([scores["mutant"], scores["compute"]])
     scores["float32_beyond"] = g["frac"].reindex(keys).to_numpy(float)
@@ -179,13 +211,13 @@ def _resolution(scores: pd.DataFrame, by_bundle: pd.DataFrame) -> pd.DataFrame:
 
 def summary_line(res: MutationResult) -> str:
     parts = []
-    for compute, s in res.scores.groupby("compute", sort=False):
+    for compute, s in sorted(res.scores.groupby("compute", sort=False), key=lambda g: g[0] != "float32"):
         weak = s[s["catch_rate"] < REQUIRED_CATCH_RATE]
         below = weak[weak["verdict"] == "below resolution"]["mutant"].tolist()
         missed = weak[weak["verdict"] != "below resolution"]["mutant"].tolist()
         parts.append(f"{compute}: {int(s['caught'].sum())}/{len(s)} mutants caught ({fmt(s['caught'].mean(), 'pct')}), "
                      f"{len(s) - len(weak)}/{len(s)} in at least {REQUIRED_CATCH_RATE:.0%} of their rows"
-                     + (f" (below: {', '.join(missed)})" if missed else "")
+                     + (f" (missed: {', '.join(missed)})" if missed else "")
                      + (f"; below {compute}'s resolution: {', '.join(below)}" if below else ""))
     return ("mutation score " + "; ".join(parts)
             + f"; unmutated engine: {res.false_alarms} false alarm(s) in {res.control_rows} rows")

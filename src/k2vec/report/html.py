@@ -92,7 +92,14 @@ def divergence_line(r: pd.Series) -> str:
               f"({r['precision_class']} {source})")
     if not _na(r["over_budget"]):
         s += f"; over budget: {r['over_budget']}"
+    if not _na(r.get("lossless")):
+        s += f"; not lossless: {r['lossless']}"
     return s
+
+
+def why_line(r: pd.Series) -> str:
+    """Why a row without a divergence from the golden has its class: over its budget, or not lossless."""
+    return "; ".join(str(r[k]) for k in ("over_budget", "lossless") if not _na(r.get(k))) or "no reason recorded"
 
 
 def _rank(v: Any) -> str:
@@ -201,7 +208,7 @@ def summary_text(m: Metrics) -> str:
         sub = rows[rows["class"] == cls].sort_values(["run", "prompt"])
         for _, r in sub.head(MAX_TEXT_LINES).iterrows():
             if r["first_step"] is pd.NA or _na(r["first_step"]):
-                lines.append(f"  {cls.upper()}: {_row_where(r)}: {r['over_budget']}")
+                lines.append(f"  {cls.upper()}: {_row_where(r)}: {why_line(r)}")
             else:
                 lines.append(f"  {cls.upper()}: {divergence_line(r)}")
         if len(sub) > MAX_TEXT_LINES:

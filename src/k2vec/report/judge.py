@@ -45,7 +45,7 @@ from k2vec.kdtr import KdtrError, open_bundle
 from k2vec.model.conventions import CONVENTIONS, variant_key
 from k2vec.report import gate
 from k2vec.report.classify import PRECISION_CLASSES
-from k2vec.report.html import divergence_line, fmt, noise_lines, score_line
+from k2vec.report.html import divergence_line, fmt, noise_lines, score_line, why_line
 from k2vec.report.classes import CLASSES
 from k2vec.report.metrics import Metrics, ReportError, compute_metrics, read_budgets
 from k2vec.report.words import plural
@@ -262,7 +262,7 @@ def _lines(j: Judgement) -> list[str]:
     for cls in EXPLAINED:
         for _, r in rows[rows["class"] == cls].iterrows():
             if pd.isna(r["first_step"]):
-                out.append(f"  {cls.upper()}: prompt {_label(r)}: {r['over_budget']}")
+                out.append(f"  {cls.upper()}: prompt {_label(r)}: {why_line(r)}")
             else:
                 out.append(f"  {cls.upper()}: {divergence_line(r)}")
     if (rows["status"] != "ok").any() and (rows["status"] == "ok").any():   # some drafter runs only

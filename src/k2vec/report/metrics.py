@@ -37,6 +37,7 @@ from k2vec.report.classify import BudgetError, classify, resolve_budgets
 from k2vec.report import gate
 from k2vec.report.compare import compare_rows, finish_frame
 from k2vec.report.ddtree import acceptance_hist, compare_tree
+from k2vec.report.lossless import LOSSLESS_COLUMNS, lossless_columns, tie_credit
 from k2vec.report.format_effect_table import format_effect
 from k2vec.report.classes import CLASSES, SEVERITY
 from k2vec.report.golden_data import Golden, ReportError, golden_strength
@@ -60,11 +61,11 @@ ROW_COLUMNS = [
     "logit_rel_mean", "logit_rel_p99", "logit_nmse", "kl_mean", "kl_p99", "kl_max",
     "first_bad_step", "first_bad_layer", "first_bad_rel_err", "fingerprint_rel_max", "fingerprint_rel_before",
     "router_diff_step", "router_diff_layer",
-    "tree_match", "first_tree_diff_round", "first_tree_diff_node", "tree_diff_what",
+    "tree_match", "first_tree_diff_round", "first_tree_diff_node", "tree_diff_what", *LOSSLESS_COLUMNS,
     "accept_mean_engine", "accept_mean_golden", "tokens_per_s", "decode_tokens_per_s", "wall_s",
     "device", "gpu", "gpu_uuid", "reason", "tamper_proof", "tamper_note", "result",
 ]
-OBJECT_COLUMNS = ("class", "tree_diff_what", "tree_match", "router_evidence")
+OBJECT_COLUMNS = ("class", "tree_diff_what", "tree_match", "router_evidence", "lossless")
 
 
 # ------------------------------------------------------------------------------------------ engine rows
@@ -454,6 +455,11 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     pooled = noise_verdicts(base, rule)
     base["noise_over"] = np.where(pd.notna(pooled), pooled, np.array([kl_over.get(k[:3]) for k in keys], object))
     base["noise_router_credit"] = router_credit(noise_models, opened, base, rule)
+    n_steps = max((g.N for g in opened.values()), default=0)
+    for name, values in lossless_columns(base, [it.data for it in items],
+                                         tie_credit(base, noise_models, budgets, rule.margin, n_steps),
+                                         n_steps).items():
+        base[name] = values
     classified = classify(base, budgets, near_tie=th["near_tie"], router_near_tie=th["router_near_tie"])
     classified["class"] = _not_judged_class(base["status"], classified["class"])
     if recognise:

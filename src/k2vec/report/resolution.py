@@ -24,11 +24,16 @@ from k2vec.report.noise import NoiseModel, Rule
 
 # Written by the mutation report (k2vec.mutation.score), read here: one row per mutant, compute precision and
 # bundle its float32 runs were judged on. The fractions are of each kind's cells beyond the noise model;
-# resolvable: the rule's verdict on them; catch_rate: of the mutant's own runs at that precision there; below:
-# neither resolvable nor caught there (in REQUIRED_CATCH_RATE of its rows), the mutants the report names.
+# tree_ahead (DDTree mutants, whose effect is on tokens, not cells): the fraction of its float32 DDTree rows that
+# leave the golden before the unmutated engine of that precision does (the recorded drafts follow the golden's
+# tokens: past an engine's own departure its tree is barely exercised); resolvable: the rule's verdict on the
+# cells, for a DDTree mutant tree_ahead >= REQUIRED_CATCH_RATE; catch_rate: of the mutant's own runs at that
+# precision there; below: neither resolvable nor caught there (in REQUIRED_CATCH_RATE of its rows), the
+# mutants the report names.
 MUTATION_RESOLUTION_FILE = "mutation_resolution.csv"
 MUTATION_RESOLUTION_COLUMNS = ["mutant", "compute", "model", "precision", "golden_sha256", "hidden_beyond",
-                               "logit_beyond", "kl_beyond", "router_beyond", "resolvable", "catch_rate", "below"]
+                               "logit_beyond", "kl_beyond", "router_beyond", "tree_ahead", "resolvable", "catch_rate",
+                               "below"]
 RESOLUTION_COLUMNS = ["model", "precision", "precision_class", "golden_sha256", "hidden_rel", "hidden_rel_layers", "logit_abs", "kl",
                       "hidden_cells", "step_cells", "below", "mutation_note"]
 EXAMPLES = 4   # mutants named in a summary line ("e.g. ...")
