@@ -27,7 +27,8 @@ from test_workflow import scheduled_jobs
 
 # The random model of the reference tests, widened so that every MLP input dimension is a multiple of
 # the INT4 group size (32), with YaRN's mscale on cos/sin differing from the plain get_mscale.
-MCFG = {**CFG, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "q_lora_rank": 32}
+MCFG = {**CFG, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "q_lora_rank": 32,
+        "routed_scaling_factor": 2.827}   # K2's: router_scaling_truncated changes it (2.8)
 PROMPTS = [[5, 17, 200, 3, 9, 41], [250, 1, 2, 3, 4, 5, 6, 7], [9, 120, 33]]
 N_NEW = 6
 
@@ -230,3 +231,10 @@ def test_plan_runs_tree_mutants_with_their_greedy_reference_at_every_precision()
     # without a DDTree mutant the reduced precision runs score runs alone
     out, _ = plan({"mutation": {"mutants": ["experts_gelu"]}}, {"numpy": {}}, runs, {"tiny": case})
     assert out[(UNMUTATED, "tiny", "fp32", "bfloat16")] == ["score"]
+
+
+def test_the_mixing_ladder_names_catalogue_mutants_in_growing_order():
+    from k2vec.mutation.ladder import MIXING_LADDER
+    assert all(name in MUTANTS and MUTANTS[name].area == "router" for name, _ in MIXING_LADDER)
+    sizes = [float(label.rstrip("%")) for _, label in MIXING_LADDER]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)

@@ -372,3 +372,19 @@ def test_a_tree_mutant_is_resolvable_where_its_float32_effect_comes_before_the_p
     ahead = _tree_ahead(rows, mutants, {"float32": "numpy", "bfloat16": "numpy-bfloat16"})
     assert ahead[("ddtree_mask_causal", "bfloat16", "tiny", "fp32")] == 0.75
     assert ahead[("ddtree_mask_causal", "bfloat16", "small", "fp32")] == 0.0
+
+
+def test_resolution_in_mixing_weight_terms_is_the_smallest_ladder_step_not_below():
+    from k2vec.report.resolution import _mixing_scale
+
+    def measured(below_by_mutant):
+        return pd.DataFrame([{"mutant": m, "compute": "bfloat16", "model": "tiny", "precision": "int4", "below": b}
+                             for m, b in below_by_mutant.items()])
+    t = measured({"router_scaling_truncated": True, "router_scaling_5pct_low": False,
+                  "router_scaling_10pct_low": False, "experts_gelu": False})
+    assert _mixing_scale(t, "tiny", "int4", "bfloat16") == "routed mixing weights off by 5% or more (1% is below it)"
+    t = measured({"router_scaling_truncated": True, "router_scaling_5pct_low": True, "router_scaling_10pct_low": True})
+    assert _mixing_scale(t, "tiny", "int4", "bfloat16") == "routed mixing weights off by up to 10% are all below it"
+    assert _mixing_scale(t, "tiny", "fp32", "bfloat16") is None                 # no step judged on that bundle
+    t = measured({"router_scaling_truncated": False})
+    assert _mixing_scale(t, "tiny", "int4", "bfloat16") == "routed mixing weights off by 1% or more"

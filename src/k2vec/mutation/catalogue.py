@@ -362,6 +362,28 @@ def _scaling_v3_value(p, model):
         logits, bias, dataclasses.replace(d, routed_scaling_factor=d.routed_scaling_factor * 2.5 / 2.827)))
 
 
+def _scaled_by(factor: float):
+    """routed_scaling_factor x `factor`: the routed experts' mixing weights off by (1 - factor)."""
+    def install(p, model):
+        _route_with(p, lambda route, logits, bias, d: route(
+            logits, bias, dataclasses.replace(d, routed_scaling_factor=d.routed_scaling_factor * factor)))
+    return install
+
+
+def _truncated_scale(m) -> float:
+    """routed_scaling_factor cut to one decimal (2.827 -> 2.8), as a fraction of itself."""
+    f = float(m.get("routed_scaling_factor", 1.0))
+    return np.floor(f * 10) / 10 / f
+
+
+def _scale_truncated(p, model):
+    _scaled_by(_truncated_scale({"routed_scaling_factor": model.dims.routed_scaling_factor}))(p, model)
+
+
+def _truncation_changes(m, q, precision, kind, budget) -> bool:
+    return _scaled(m, q, precision, kind, budget) and _truncated_scale(m) != 1.0
+
+
 def _router_logits_bf16(p, model):
     _route_with(p, lambda route, logits, bias, d: route(round_to_bf16(logits.astype(np.float32)).astype(logits.dtype),
                                                         bias, d))
@@ -528,6 +550,17 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("router_scaling_v3_value", "router", _scaled, _scaling_v3_value,
        "routed_scaling_factor 12% low: x 2.5 / 2.827",
        "DeepSeek-V3's routed_scaling_factor 2.5 hard-coded in an engine run on Kimi K2 (2.827)"),
+    # with router_scaling_v3_value (12%) and router_scaling_missing, the mixing-weight ladder
+    # (k2vec.mutation.ladder): a bundle's resolution in mixing-weight terms
+    _m("router_scaling_truncated", "router", _truncation_changes, _scale_truncated,
+       "routed_scaling_factor cut to one decimal: 2.827 -> 2.8 (1% low)",
+       "a scaling constant typed in by hand from the model card"),
+    _m("router_scaling_5pct_low", "router", _scaled, _scaled_by(0.95),
+       "routed experts' mixing weights 5% low: routed_scaling_factor x 0.95",
+       "a mixing weight scaled twice by a near-1 factor (a partial fold of a scale into the weights)"),
+    _m("router_scaling_10pct_low", "router", _scaled, _scaled_by(0.9),
+       "routed experts' mixing weights 10% low: routed_scaling_factor x 0.9",
+       "a routed scale folded into quantized expert weights and applied again at 90%"),
     _m("router_logits_bf16", "router", _moe, _router_logits_bf16,
        "router logits rounded to bfloat16 before scoring",
        "the gate GEMM run in bf16 where the reference routes in float32"),

@@ -20,6 +20,7 @@ import pandas as pd
 
 from k2vec.report.gate import failing
 from k2vec.report.golden_data import Golden, ReportError
+from k2vec.mutation.ladder import MIXING_LADDER
 from k2vec.report.noise import NoiseModel, Rule
 
 # Written by the mutation report (k2vec.mutation.score), read here: one row per mutant, compute precision and
@@ -35,7 +36,7 @@ MUTATION_RESOLUTION_COLUMNS = ["mutant", "compute", "model", "precision", "golde
                                "logit_beyond", "kl_beyond", "router_beyond", "tree_ahead", "resolvable", "catch_rate",
                                "below"]
 RESOLUTION_COLUMNS = ["model", "precision", "precision_class", "golden_sha256", "hidden_rel", "hidden_rel_layers", "logit_abs", "kl",
-                      "hidden_cells", "step_cells", "below", "mutation_note"]
+                      "hidden_cells", "step_cells", "below", "mixing_scale", "mutation_note"]
 EXAMPLES = 4   # mutants named in a summary line ("e.g. ...")
 
 
@@ -50,6 +51,7 @@ def resolution_table(models: Mapping[tuple[str, str, str], NoiseModel], goldens:
         below, note = _below(measured, m, p, c, goldens[(m, p)].sha256)
         out.append({"model": m, "precision": p, "precision_class": c, "golden_sha256": goldens[(m, p)].sha256,
                     **nm.resolution(rule), "below": below,
+                    "mixing_scale": _mixing_scale(measured, m, p, c) if below is not None else None,
                     "mutation_note": note})
     return pd.DataFrame(out, columns=RESOLUTION_COLUMNS)
 
@@ -80,6 +82,22 @@ def _below(measured: pd.DataFrame | None, model: str, precision: str, precision_
     if not (t["golden_sha256"] == golden_sha256).all():
         return None, "the mutation run's results are of another golden: rerun `snakemake mutation_report`"
     return sorted(t.loc[t["below"].astype(bool), "mutant"]), None
+
+
+def _mixing_scale(measured: pd.DataFrame, model: str, precision: str, precision_class: str) -> str | None:
+    """The smallest step of the mixing-weight ladder (catalogue.MIXING_LADDER) not below the bundle's resolution,
+    and the largest below it: 'routed mixing weights off by 5% or more (1% is below it)'; None where the
+    mutation run judged no step of it there."""
+    t = measured[(measured["model"] == model) & (measured["precision"] == precision)
+                 & (measured["compute"] == precision_class)].set_index("mutant")["below"].astype(bool)
+    steps = [(name, label, bool(t[name])) for name, label in MIXING_LADDER if name in t.index]
+    if not steps:
+        return None
+    seen = [label for _, label, below in steps if not below]
+    hidden = [label for _, label, below in steps if below]
+    if not seen:
+        return f"routed mixing weights off by up to {hidden[-1]} are all below it"
+    return f"routed mixing weights off by {seen[0]} or more" + (f" ({hidden[-1]} is below it)" if hidden else "")
 
 
 def float32_advice(engine: str, float32_engines: Mapping[str, str], left_out: Mapping[str, str]) -> str:
@@ -131,6 +149,8 @@ def resolution_lines(resolution: pd.DataFrame, rows: pd.DataFrame, noise_table: 
             examples = f" (e.g. {', '.join(below[:EXAMPLES])}{more} of the catalogue)"
         else:
             note = " (no catalogue mutant judged on this bundle is below it)"
+        if isinstance(r.get("mixing_scale"), str):
+            note += f"; it sees {r['mixing_scale']}"
         mine = clean[(clean["model"] == r["model"]) & (clean["precision"] == r["precision"])
                      & (clean["precision_class"] == c)]
         where = f"{r['model']}/{r['precision']}"
