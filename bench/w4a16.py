@@ -107,6 +107,7 @@ def split_configs() -> list:
             (dict(row, SORTED=False, SPLIT_GU=True), dict(row, SORTED=False, SPLIT_K=1, COMBINE=True)),
             (dict(row, SORTED=False, SPLIT_GU=True, SPLIT_K=1), dict(pair, SPLIT_K=1)),
             dict(row, CODES_ASM=True), dict(row, CODES_ASM=True, SPLIT_K=1),     # GPU only (inline PTX)
+            dict(row, BLOCK_M=2), dict(row, BLOCK_M=4, CODES_ASM=True), dict(row, BLOCK_M=8, CODES_ASM=True, SPLIT_K=1),
             (dict(row, SORTED=False, SPLIT_GU=True, CODES_ASM=True),
              dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, CODES_ASM=True))]
 
@@ -406,45 +407,39 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """M = 1: one-row GEMV tiles (X_WIDE, PREFETCH) with the codes made by prmt (CODES_ASM) or by shift and mask;
-    the committed config of each M. (Measured and dropped in this change's earlier sweeps: X_WIDE on the
-    tensor-core tiles, 1.3-2x slower at every M; one-row tiles at M = 2.)"""
+    """M = 2-16: CUDA-core GEMV tiles of BLOCK_M rows (X_WIDE, PREFETCH, CODES_ASM: each code made once, used for
+    every row; the weight read once per BLOCK_M rows) against the committed tensor-core tile; the committed config
+    of each M. (Measured and dropped in this change's earlier sweeps: X_WIDE on the tensor-core tiles, 1.3-2x
+    slower at every M; one-row tiles at M = 2.)"""
     cands = [OLD_DENSE[m]]
-    if m == 1:
-        cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True)
-                  for bn, bk, w, sp in ((32, 512, 4, 132), (32, 512, 4, 264), (32, 512, 4, 528), (32, 1024, 8, 132),
-                                        (64, 256, 4, 264), (64, 512, 4, 264), (128, 256, 4, 264), (64, 256, 4, 132),
-                                        (16, 1024, 4, 264))]
-        cands += [prefetch_row(32, 512, split=264), prefetch_row(64, 256, split=264)]
+    rows = {2: (2,), 4: (4, 2), 8: (8, 4), 16: (8, 16)}.get(m, ())
+    cands += [dict(one_row(bn, bk, warps=w, split=sp, wide=True), BLOCK_M=bm, PREFETCH=True, CODES_ASM=True)
+              for bm in rows for bn, bk, w in ((16, 512, 4), (16, 1024, 8), (32, 512, 8), (16, 512, 8), (32, 1024, 8))
+              for sp in (132, 264)]
     return cands
 
 
-SWEEP_MOE_MS = (1, 4, 16, 64)
+SWEEP_MOE_MS = (1, 4, 8, 16, 32, 64)
 OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP_MOE_MS}
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
-    """Gate/up tiles at M <= 4: one-row GEMV tiles (X_WIDE, PREFETCH, CODES_ASM), gate and up apart (SPLIT_GU) or
-    together, split over K or not; the tensor-core SPLIT_GU tile split over K."""
-    if m >= 16:
+    """Gate/up tiles at M = 8-32: the one-row GEMV tiles of M <= 4 (X_WIDE, PREFETCH, CODES_ASM, SPLIT_GU), one
+    pair per program (an expert with several tokens is read once per token), against the committed sorted tiles."""
+    if m not in (8, 16, 32):
         return []
     pair = dict(SORTED=False)
-    splits = (0, 1056)
-    cands = [prefetch_row(bn, bk, warps=w, split=sp, SPLIT_GU=gu, CODES_ASM=True, **pair)
-             for bn, bk, w, gu in ((32, 512, 4, True), (64, 256, 4, True), (64, 256, 4, False)) for sp in splits]
-    cands += [tensor_core(16, 64, 256, split=1056 if m == 1 else 0, SPLIT_GU=True, **pair)]
-    return cands
+    return [prefetch_row(bn, bk, warps=w, SPLIT_GU=True, CODES_ASM=True, **pair)
+            for bn, bk, w in ((32, 512, 4), (64, 256, 4))]
 
 
 def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
-    """Down tiles for a chosen gate/up tile (one pair per program): one-row GEMV tiles with CODES_ASM, summing
-    each token's rows (COMBINE) or not."""
+    """Down tiles for a chosen one-pair gate/up tile: one-row GEMV tiles with CODES_ASM."""
     if sorted_:
         return []
     pair = dict(SORTED=False)
     return [prefetch_row(bn, bk, warps=w, CODES_ASM=True, **pair, **({"COMBINE": True} if comb else {}))
-            for bn, bk, w, comb in ((64, 256, 4, True), (32, 512, 4, True), (64, 512, 8, True), (128, 256, 4, True),
-                                    (64, 256, 4, False))]
+            for bn, bk, w, comb in ((64, 256, 4, False), (64, 256, 4, True), (32, 512, 4, False))]
 
 
 def down_reference(m: int, sorted_: bool) -> dict:

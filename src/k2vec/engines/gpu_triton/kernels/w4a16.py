@@ -232,21 +232,21 @@ def _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt, kt_hi, K, k_words, 
 
 
 @triton.jit
+def _codes8(words, CODES_ASM: tl.constexpr):
+    """The 8 codes of int32 words as float32: by prmt (CODES_ASM) or shift, mask and magic number (_code)."""
+    if CODES_ASM:
+        return _f32_codes(words)
+    else:
+        return (_code(words, 0), _code(words, 1), _code(words, 2), _code(words, 3), _code(words, 4),
+                _code(words, 5), _code(words, 6), _code(words, 7))
+
+
+@triton.jit
 def _row_part(words, xv, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_PER_GROUP: tl.constexpr,
               CODES_ASM: tl.constexpr):
     """Scaled group sums [BLOCK_N, GROUPS] of one K tile of the one-row path (x as [1, WORDS, 8])."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
-    if CODES_ASM:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _f32_codes(words)
-    else:
-        c0 = _code(words, 0)
-        c1 = _code(words, 1)
-        c2 = _code(words, 2)
-        c3 = _code(words, 3)
-        c4 = _code(words, 4)
-        c5 = _code(words, 5)
-        c6 = _code(words, 6)
-        c7 = _code(words, 7)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
     part = c0 * x0.to(tl.float32)
     part += c1 * x1.to(tl.float32)
     part += c2 * x2.to(tl.float32)
@@ -256,6 +256,24 @@ def _row_part(words, xv, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_P
     part += c6 * x6.to(tl.float32)
     part += c7 * x7.to(tl.float32)
     return tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
+
+
+@triton.jit
+def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+               WORDS_PER_GROUP: tl.constexpr, CODES_ASM: tl.constexpr):
+    """Scaled group sums [BLOCK_M, BLOCK_N, GROUPS] of one K tile for BLOCK_M rows (x as [BLOCK_M, WORDS, 8]):
+    each code is made once and multiplied into every row."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
+    part = c0[None, :, :] * x0.to(tl.float32)[:, None, :]
+    part += c1[None, :, :] * x1.to(tl.float32)[:, None, :]
+    part += c2[None, :, :] * x2.to(tl.float32)[:, None, :]
+    part += c3[None, :, :] * x3.to(tl.float32)[:, None, :]
+    part += c4[None, :, :] * x4.to(tl.float32)[:, None, :]
+    part += c5[None, :, :] * x5.to(tl.float32)[:, None, :]
+    part += c6[None, :, :] * x6.to(tl.float32)[:, None, :]
+    part += c7[None, :, :] * x7.to(tl.float32)[:, None, :]
+    return tl.sum(tl.reshape(part, [BLOCK_M, BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=3) * s[None, :, :]
 
 
 @triton.jit
@@ -271,7 +289,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     e * K/8 + i), so each plane's loads are contiguous and vectorise; otherwise they are stride-8 gathers.
     X_WIDE (instead of X_PLANES): x in natural order, each word's 8 elements one 16-byte load, split into the
     planes in registers (no plane-major copy of x before the launch).
-    PREFETCH (one-row path, with X_WIDE and SCALE_GROUPS): the next K tile's weight words, x and scales are
+    PREFETCH (CUDA cores, with X_WIDE and SCALE_GROUPS; BLOCK_M 1 or a few rows, each code used for every row):
+    the next K tile's weight words, x and scales are
     loaded before this tile's arithmetic (registers double-buffered by hand), so a program's DRAM reads overlap
     its dequantisation instead of alternating with it. CODES_ASM (PREFETCH, GPU only): codes by _f32_codes.
     SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
@@ -287,7 +306,19 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
-    if BLOCK_M == 1:
+    if PREFETCH and BLOCK_M > 1:
+        # a few rows on CUDA cores: the one-row GEMV with each code used for BLOCK_M rows (the weight read once)
+        GROUPS_M: tl.constexpr = WORDS // WORDS_PER_GROUP
+        acc = tl.zeros([BLOCK_M, BLOCK_N, GROUPS_M], dtype=tl.float32)
+        words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt_lo, kt_hi, K,
+                                        k_words, G, WORDS, BF16_SCALES, EVEN_K)
+        for kt in range(kt_lo, kt_hi):
+            words, xv, s = words_n, xv_n, s_n
+            words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 1, kt_hi, K,
+                                            k_words, G, WORDS, BF16_SCALES, EVEN_K)
+            acc += _rows_part(words, xv, s, BLOCK_M, BLOCK_N, GROUPS_M, WORDS_PER_GROUP, CODES_ASM)
+        return tl.sum(acc, axis=2)
+    elif BLOCK_M == 1:
         # one row: multiply-and-add on CUDA cores, partial sums reduced once at the end
         GROUPS: tl.constexpr = WORDS // WORDS_PER_GROUP
         if SCALE_GROUPS:
@@ -503,8 +534,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # about this many programs (see split_k). M = 1: the one-row GEMV with natural-order x and a prefetched next K tile,
 # split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up").
 DENSE_CONFIGS: list[tuple[int, dict]] = [
-    (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_CTAS=132,
-             num_warps=4, num_stages=3)),
+    (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
+             SPLIT_CTAS=132, num_warps=8, num_stages=3)),
     (2, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
               num_stages=3)),
     (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
@@ -539,12 +570,12 @@ def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
            "PREFETCH": False, "CODES_ASM": False, **config}
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
-    if cfg["PREFETCH"] and not (cfg["BLOCK_M"] == 1 and cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
-        raise ValueError(f"PREFETCH is a one-row path (BLOCK_M 1) with X_WIDE and SCALE_GROUPS, got {config}")
+    if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
+        raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
         raise ValueError(f"CODES_ASM is an option of the PREFETCH one-row path, got {config}")
     cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group_size)
-    if cfg["BLOCK_M"] > 1:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
+    if cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 16)
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 128)
     if interpret:    # the interpreter ignores warps and stages, and runs no inline PTX
