@@ -407,15 +407,22 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """M = 2-16: CUDA-core GEMV tiles of BLOCK_M rows (X_WIDE, PREFETCH, CODES_ASM: each code made once, used for
-    every row; the weight read once per BLOCK_M rows) against the committed tensor-core tile; the committed config
+    """M = 1: one-row GEMV tiles (X_WIDE, PREFETCH, CODES_ASM) of other shapes and splits; M = 2-16: packed
+    tensor-core tiles (X_PLANES) with smaller K tiles (fewer registers), more splits, 4 stages; the committed config
     of each M. (Measured and dropped in this change's earlier sweeps: X_WIDE on the tensor-core tiles, 1.3-2x
-    slower at every M; one-row tiles at M = 2.)"""
+    slower at every M; one-row tiles at M = 2; CUDA-core GEMV tiles of 2-8 rows at M = 2-16, 1.1-5x slower than
+    the tensor-core tiles.)"""
     cands = [OLD_DENSE[m]]
-    rows = {2: (2,), 4: (4, 2), 8: (8, 4), 16: (8, 16)}.get(m, ())
-    cands += [dict(one_row(bn, bk, warps=w, split=sp, wide=True), BLOCK_M=bm, PREFETCH=True, CODES_ASM=True)
-              for bm in rows for bn, bk, w in ((16, 512, 4), (16, 1024, 8), (32, 512, 8), (16, 512, 8), (32, 1024, 8))
-              for sp in (132, 264)]
+    if m == 1:
+        cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True)
+                  for bn, bk, w, sp in ((32, 1024, 8, 264), (64, 1024, 8, 132), (32, 2048, 8, 132),
+                                        (16, 2048, 8, 132), (16, 1024, 8, 264), (32, 1024, 4, 132))]
+    elif m <= 16:
+        cands += [tensor_core(16, bn, bk, warps=w, stages=st, split=sp, **({"SWAP_AB": True} if swap else {}))
+                  for bn, bk, w, st, swap, sp in ((64, 128, 4, 3, True, 264), (64, 128, 4, 3, True, 528),
+                                                  (64, 256, 4, 3, True, 528), (64, 256, 4, 3, False, 528),
+                                                  (128, 256, 8, 3, True, 264), (32, 256, 4, 3, False, 264),
+                                                  (64, 256, 4, 4, True, 264), (64, 256, 4, 4, False, 264))]
     return cands
 
 
@@ -424,22 +431,13 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
-    """Gate/up tiles at M = 8-32: the one-row GEMV tiles of M <= 4 (X_WIDE, PREFETCH, CODES_ASM, SPLIT_GU), one
-    pair per program (an expert with several tokens is read once per token), against the committed sorted tiles."""
-    if m not in (8, 16, 32):
-        return []
-    pair = dict(SORTED=False)
-    return [prefetch_row(bn, bk, warps=w, SPLIT_GU=True, CODES_ASM=True, **pair)
-            for bn, bk, w in ((32, 512, 4), (64, 256, 4))]
+    """None in this sweep: the committed tiles are timed as the references (this change's earlier sweeps measured
+    the one-row GEMV, SPLIT_GU and CODES_ASM tiles, bench/RESULTS.md)."""
+    return []
 
 
 def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
-    """Down tiles for a chosen one-pair gate/up tile: one-row GEMV tiles with CODES_ASM."""
-    if sorted_:
-        return []
-    pair = dict(SORTED=False)
-    return [prefetch_row(bn, bk, warps=w, CODES_ASM=True, **pair, **({"COMBINE": True} if comb else {}))
-            for bn, bk, w, comb in ((64, 256, 4, False), (64, 256, 4, True), (32, 512, 4, False))]
+    return []
 
 
 def down_reference(m: int, sorted_: bool) -> dict:
