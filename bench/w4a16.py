@@ -90,10 +90,26 @@ def split_configs() -> list:
     """Explicit split-K configs for the correctness grid: dense (dicts) and MoE ((gate/up, down) pairs)."""
     tc = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SPLIT_K=4)
     pair = dict(tc, SORTED=False)
+    wide = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_WIDE=True, SPLIT_K=4)     # natural-order x
+    wpair = dict(wide, SORTED=False)
+    # one-row GEMV with natural-order x and the next K tile prefetched; K = 18 * 32 = 4.5 tiles of 128
+    row = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=2)
     return [tc, dict(tc, PACKED=False), dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SCALE_GROUPS=True,
                                              SPLIT_K=3),
             (pair, pair), (dict(tc, SORTED=True), dict(tc, SORTED=True, SPLIT_K=2)),
-            (pair, dict(pair, SPLIT_K=1, COMBINE=True))]
+            (pair, dict(pair, SPLIT_K=1, COMBINE=True)),
+            wide, dict(wide, SWAP_AB=True), dict(wide, SWAP_AB=True, PACKED=False),
+            dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SCALE_GROUPS=True, SPLIT_K=3), row, dict(row, SPLIT_K=3),
+            (dict(wpair, SPLIT_GU=True, SWAP_AB=True), dict(wpair, SPLIT_K=1, COMBINE=True)),
+            (dict(pair, SPLIT_GU=True, SWAP_AB=True), dict(pair, SPLIT_K=1, COMBINE=True)),
+            (dict(pair, SPLIT_GU=True, SPLIT_K=1), dict(pair, SWAP_AB=True)),
+            (dict(tc, SORTED=True, SPLIT_GU=True, SWAP_AB=True), dict(tc, SORTED=True, SPLIT_K=2)),
+            (dict(row, SORTED=False, SPLIT_GU=True), dict(row, SORTED=False, SPLIT_K=1, COMBINE=True)),
+            (dict(row, SORTED=False, SPLIT_GU=True, SPLIT_K=1), dict(pair, SPLIT_K=1)),
+            dict(row, CODES_ASM=True), dict(row, CODES_ASM=True, SPLIT_K=1),     # GPU only (inline PTX)
+            dict(row, BLOCK_M=2), dict(row, BLOCK_M=4, CODES_ASM=True), dict(row, BLOCK_M=8, CODES_ASM=True, SPLIT_K=1),
+            (dict(row, SORTED=False, SPLIT_GU=True, CODES_ASM=True),
+             dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, CODES_ASM=True))]
 
 
 def _worker_init(device: str) -> None:
@@ -372,67 +388,81 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
 
 # ---------------------------------------------------------------- sweep
 
-def one_row(bn, bk, planes=True, groups=True, warps=4, split=0):
-    return dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes, SCALE_GROUPS=groups, num_warps=warps,
-                num_stages=3, SPLIT_CTAS=split)
+def one_row(bn, bk, planes=True, groups=True, warps=4, split=0, wide=False):
+    return dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes and not wide, SCALE_GROUPS=groups,
+                num_warps=warps, num_stages=3, SPLIT_CTAS=split, **({"X_WIDE": True} if wide else {}))
 
 
-def tensor_core(bm, bn, bk, planes=True, warps=4, stages=3, split=0, **extra):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes, num_warps=warps, num_stages=stages,
-                SPLIT_CTAS=split, **extra)
+def tensor_core(bm, bn, bk, planes=True, warps=4, stages=3, split=0, wide=False, **extra):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes and not wide, num_warps=warps,
+                num_stages=stages, SPLIT_CTAS=split, **({"X_WIDE": True} if wide else {}), **extra)
+
+
+# the committed configs (the previous sweep's winners), timed beside the candidates as references
+OLD_DENSE = {m: dict(pick_config(DENSE_CONFIGS, m)) for m in MS}
+
+
+def prefetch_row(bn, bk, warps=4, split=0, **extra):
+    return dict(one_row(bn, bk, warps=warps, split=split, wide=True), PREFETCH=True, **extra)
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """Packed-dequant tensor-core tiles, weight as B or (SWAP_AB) as A, with and without split-K (SPLIT_CTAS:
-    programs to aim for); CUDA-core one-row tiles at M <= 2."""
-    bm = 16 if m <= 16 else m
-    splits = (0, 264, 528) if m <= 16 else (0, 132, 264)
-    cands = [tensor_core(bm, bn, bk, warps=w, stages=st, split=sp)
-             for bn, bk, w, st in ((32, 256, 4, 3), (64, 256, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3))
-             for sp in splits]
-    cands += [tensor_core(bm, bn, bk, warps=w, stages=st, split=sp, SWAP_AB=True)
-              for bn, bk, w, st in ((64, 256, 4, 3), (128, 256, 8, 3)) for sp in splits[1:]]
-    if m > 16:
-        cands += [tensor_core(16, bn, 256, split=sp) for bn in (64, 128) for sp in (0, 264)]
-    if m <= 2:
-        cands += [one_row(32, 1024, warps=8), one_row(32, 512, split=264), one_row(64, 512, split=528),
-                  one_row(32, 512, split=528)]
+    """M = 1: one-row GEMV tiles (X_WIDE, PREFETCH, CODES_ASM) of other shapes and splits; M = 2-16: packed
+    tensor-core tiles (X_PLANES) with smaller K tiles (fewer registers), more splits, 4 stages; the committed config
+    of each M. (Measured and dropped in this change's earlier sweeps: X_WIDE on the tensor-core tiles, 1.3-2x
+    slower at every M; one-row tiles at M = 2; CUDA-core GEMV tiles of 2-8 rows at M = 2-16, 1.1-5x slower than
+    the tensor-core tiles.)"""
+    cands = [OLD_DENSE[m]]
+    if m == 1:
+        cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True)
+                  for bn, bk, w, sp in ((32, 1024, 8, 264), (64, 1024, 8, 132), (32, 2048, 8, 132),
+                                        (16, 2048, 8, 132), (16, 1024, 8, 264), (32, 1024, 4, 132))]
+    elif m <= 16:
+        cands += [tensor_core(16, bn, bk, warps=w, stages=st, split=sp, **({"SWAP_AB": True} if swap else {}))
+                  for bn, bk, w, st, swap, sp in ((64, 128, 4, 3, True, 264), (64, 128, 4, 3, True, 528),
+                                                  (64, 256, 4, 3, True, 528), (64, 256, 4, 3, False, 528),
+                                                  (128, 256, 8, 3, True, 264), (32, 256, 4, 3, False, 264),
+                                                  (64, 256, 4, 4, True, 264), (64, 256, 4, 4, False, 264))]
     return cands
 
 
-SWEEP_MOE_MS = (1, 4, 16, 64)
+SWEEP_MOE_MS = (1, 4, 8, 16, 32, 64)
+OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP_MOE_MS}
+
+
+def moe_gate_up_candidates(m: int) -> list[dict]:
+    """None in this sweep: the committed tiles are timed as the references (this change's earlier sweeps measured
+    the one-row GEMV, SPLIT_GU and CODES_ASM tiles, bench/RESULTS.md)."""
+    return []
+
+
+def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
+    return []
+
+
+def down_reference(m: int, sorted_: bool) -> dict:
+    """The down tile paired with every gate/up candidate: the committed one."""
+    return dict(OLD_MOE[m][1], SORTED=sorted_)
 
 
 def moe_candidates(m: int) -> list[tuple[dict, dict]]:
-    """One pair per program on tensor cores (gate/up split over K at small M) or CUDA cores (one row), and the
-    expert-sorted tensor-core path."""
-    down = tensor_core(16, 64, 256, SORTED=False)
-    splits = (0, 1056, 2112) if m == 1 else (0, 1056) if m <= 4 else (0,)
-    cands = [(tensor_core(16, bn, bk, warps=w, split=sp, SORTED=False, SWAP_AB=swap), down)
-             for bn, bk, w, swap in ((32, 256, 4, False), (64, 256, 4, False), (64, 512, 4, False),
-                                     (64, 256, 4, True), (128, 256, 8, True))
-             for sp in splits]
-    gate_up = tensor_core(16, 64, 256, SORTED=False, split=1056 if m == 1 else 0)
-    cands += [(gate_up, tensor_core(16, bn, bk, SORTED=False, SWAP_AB=swap))
-              for bn, bk, swap in ((32, 256, False), (128, 256, False), (64, 512, False), (64, 256, True))]
-    if m >= 16:
-        cands += [(tensor_core(16, bn, 256, SORTED=True, SWAP_AB=swap), tensor_core(16, bn, 256, SORTED=True,
-                                                                                   SWAP_AB=swap))
-                  for bn, swap in ((64, False), (128, False), (64, True))]
-    cands += [(gate_up, tensor_core(16, bn, 256, SORTED=False, COMBINE=True)) for bn in (64, 128)]
-    cands += [(one_row(32, 512), one_row(32, 512)), (one_row(32, 512, split=1056), one_row(32, 512)),
-              (one_row(32, 512, split=1056), dict(one_row(32, 512), COMBINE=True))]
+    """Every (gate/up, down) pair the warm-up compiles: gate/up candidates with the committed down tile, down
+    candidates with the committed gate/up tile (the sweep times gate/up first, then down with the best gate/up)."""
+    old13, old2 = OLD_MOE[m]
+    cands = [(old13, old2)]
+    for gu in moe_gate_up_candidates(m):
+        cands.append((gu, down_reference(m, gu["SORTED"])))
+    sorted_ = m >= 16
+    cands += [(dict(old13, SORTED=sorted_), d) for d in moe_down_candidates(m, sorted_)]
     return cands
 
 
 def warm_jobs():
-    """One compile job per distinct kernel: SPLIT_CTAS only matters as split 1 (specialised) or more."""
+    """One compile job per distinct kernel (SPLIT_K is a compile-time constant: the warm-up runs every shape)."""
     jobs, seen = [], set()
     for kind, m, cfg in ([("dense", m, c) for m in MS for c in dense_candidates(m)]
                          + [("moe", m, c) for m in SWEEP_MOE_MS for c in moe_candidates(m)]):
-        key = json.dumps([kind, m > 16 and kind == "dense", [{**c, "SPLIT_CTAS": bool(c.get("SPLIT_CTAS"))}
-                                                             for c in (cfg if kind == "moe" else [cfg])]],
-                         sort_keys=True)
+        key = json.dumps([kind, m if (kind == "moe" or m > 16) else 0, cfg], sort_keys=True)
         if key not in seen:
             seen.add(key)
             jobs.append((kind, m, cfg))
@@ -440,7 +470,8 @@ def warm_jobs():
 
 
 def run_sweep(device, log, layer: K2Layer) -> dict:
-    """Best config per M: dense by the sum of its times over the three K2 shapes, MoE on the K2 layer."""
+    """Best config per M: dense by the sum of its times over the three K2 shapes; MoE on the K2 layer, gate/up
+    tiles first (with the reference down tile), then down tiles with the best gate/up tile."""
     rows = []
     weights = {}
     for k, n in DENSE_SHAPES:
@@ -464,24 +495,43 @@ def run_sweep(device, log, layer: K2Layer) -> dict:
             rows.append(dict(kind="dense", m=m, config=cfg, us=times))
             scores.append((sum(times), times, cfg))
         total, times, cfg = min(scores, key=lambda t: t[0])
-        log(f"sweep dense M={m}: best {cfg} " + " ".join(f"{t:.1f}" for t in times) + " us")
+        ref = next(t for s, t, c in scores if c is OLD_DENSE[m]) if any(c is OLD_DENSE[m] for *_, c in scores) else []
+        log(f"sweep dense M={m}: best {cfg} " + " ".join(f"{t:.1f}" for t in times) + " us; reference "
+            + " ".join(f"{t:.1f}" for t in ref))
         dense_table.append([m if m < MS[-1] else 1 << 62, cfg])
+    del weights
     moe_table = []
+
+    def time_moe_cfg(m, cfg, xs, routings):
+        try:
+            us = graph_time_us([lambda x=x, rw=rw: fused_moe(x, layer.experts, rw[0], rw[1], config=cfg)
+                                for x, rw in zip(xs, routings)], batches=3, replays=1, min_calls=8)
+        except Exception as exc:
+            log(f"sweep moe M={m} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
+            return None
+        rows.append(dict(kind="moe", m=m, config=cfg, us=us))
+        return us
+
     for m in SWEEP_MOE_MS:
         routings = [layer.routing(m) for _ in range(8)]
         xs = [torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in routings]
-        scores = []
-        for cfg in moe_candidates(m):
-            try:
-                us = graph_time_us([lambda x=x, rw=rw: fused_moe(x, layer.experts, rw[0], rw[1], config=cfg)
-                                    for x, rw in zip(xs, routings)], batches=3, replays=1, min_calls=8)
-            except Exception as exc:
-                log(f"sweep moe M={m} {cfg[0]}: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            rows.append(dict(kind="moe", m=m, config=cfg, us=us))
-            scores.append((us, cfg))
+        old13, old2 = OLD_MOE[m]
+        ref = time_moe_cfg(m, (old13, old2), xs, routings)
+        scores = [(ref, (old13, old2))] if ref else []
+        for gu in moe_gate_up_candidates(m):
+            cfg = (gu, down_reference(m, gu["SORTED"]))
+            us = time_moe_cfg(m, cfg, xs, routings)
+            if us:
+                scores.append((us, cfg))
+        us, (best13, _) = min(scores, key=lambda t: t[0])
+        for down in moe_down_candidates(m, best13.get("SORTED", best13["BLOCK_M"] > 1)):
+            cfg = (best13, down)
+            t = time_moe_cfg(m, cfg, xs, routings)
+            if t:
+                scores.append((t, cfg))
         us, cfg = min(scores, key=lambda t: t[0])
-        log(f"sweep moe M={m}: best {cfg[0]} {us:.1f} us")
+        log(f"sweep moe M={m}: best {cfg} {us:.1f} us (reference {ref:.1f} us)" if ref else
+            f"sweep moe M={m}: best {cfg} {us:.1f} us")
         moe_table.append([m if m < SWEEP_MOE_MS[-1] else 1 << 62, cfg])
     return {"rows": rows, "dense_table": dense_table, "moe_table": moe_table}
 

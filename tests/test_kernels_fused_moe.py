@@ -41,7 +41,17 @@ SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, B
                                             COMBINE=True)),
                "one-row-combine": (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True),
                                    dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True,
-                                        COMBINE=True))}
+                                        COMBINE=True)),
+               # gate and up in separate programs (SPLIT_GU), split over K or not; one-row tiles with natural-order
+               # x (X_WIDE) and the next K tile prefetched (PREFETCH), gate/up split 3 ways, down summing top-k rows
+               "one-pair-tc-gu-split": (dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True,
+                                             SWAP_AB=True, SPLIT_GU=True, SPLIT_K=3),
+                                        dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True)),
+               "sorted-gu": both(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SPLIT_GU=True),
+               "one-row-prefetch-gu": (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
+                                            PREFETCH=True, SPLIT_GU=True, SPLIT_K=3),
+                                       dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
+                                            PREFETCH=True, COMBINE=True))}
 
 
 def cpu_case(m, g, sd, act, path):

@@ -25,7 +25,17 @@ CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=planes, SCALE_GROU
 # and 5 tiles over 4 splits leaves the last split empty (runs of 2)
 CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SPLIT_K=4),
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True, SPLIT_K=2)]
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True, SPLIT_K=2),
+              # natural-order x split into planes in registers (X_WIDE), on tensor cores and one-row; the one-row
+              # GEMV with the next K tile prefetched (PREFETCH): 9 tiles of 64 over 4 splits (runs of 3, the last
+              # empty) and unsplit
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True, SPLIT_K=2),
+              dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, SPLIT_K=3),
+              dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4),
+              dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True),
+              # the same GEMV over 2 and 4 rows per program (each code used for every row), M = 3 a partial row tile
+              dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4),
+              dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True)]
 CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip) for m in (1, 16) for flip in ("low", "high")]
 
 
@@ -67,7 +77,7 @@ def test_interpreted_split_k_matches(cpu_results):
 def test_split_k_counts_splits_within_k_tiles():
     from k2vec.engines.gpu_triton.kernels.w4a16 import split_k
     cfg = dict(BLOCK_K=128)
-    assert split_k({**cfg, "SPLIT_CTAS": 264}, 7168, 32) == 9       # 32 tiles -> 288 programs
+    assert split_k({**cfg, "SPLIT_CTAS": 264}, 7168, 32) == 8       # 9 wanted: runs of 7 of 56 K tiles, 8 splits
     assert split_k({**cfg, "SPLIT_CTAS": 264}, 2048, 112) == 3
     assert split_k({**cfg, "SPLIT_CTAS": 264}, 256, 1) == 2          # at most one split per K tile
     assert split_k({**cfg, "SPLIT_K": 4}, 576, 5) == 4

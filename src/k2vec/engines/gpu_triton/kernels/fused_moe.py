@@ -116,17 +116,25 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                 num_pairs, N, K, E, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
                 X_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, SORTED: tl.constexpr,
                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT_K, TOP_K, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
-                SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
-                OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr):
+                SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr,
+                X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
+                EVEN_K: tl.constexpr, OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr, X_WIDE: tl.constexpr,
+                SPLIT_GU: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr):
     """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
     OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input.
     SPLIT_K > 1: K split over the grid's third axis, partials (gate and up apart) reduced as in w4a16.
     COMBINE (down, one pair per program, no split): y is the output [M, N]; the weighted rows of a token's TOP_K
-    pairs are summed in j order by the last of them to arrive (the split-K reduction with j as the split)."""
+    pairs are summed in j order by the last of them to arrive (the split-K reduction with j as the split).
+    SPLIT_GU (GATED): gate and up columns in separate programs (grid axis 0 twice the N tiles), each with half the
+    registers of a program doing both; their partials meet in the workspace like split-K partials (2 * SPLIT_K
+    arrivals per tile) and the last to arrive sums each in split order and applies SiLU * up."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if SPLIT_GU:
+        half = pid_n // n_tiles     # 0: gate rows, 1: up rows
+        pid_n = pid_n % n_tiles
     # block b's expert: from the sorted layout, or (unsorted: one pair per program) pair b's own top-k id
     expert = tl.load(block_expert_ptr + pid_b)
     if expert >= E:     # a spare block of the sorted layout
@@ -143,20 +151,23 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
     s_e = s_ptr + expert.to(tl.int64) * stride_se
     x_rows = pairs // X_ROW_DIV
     kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
+    if SPLIT_GU:
+        w_e += half.to(tl.int64) * N * stride_wn
+        s_e += half.to(tl.int64) * N * stride_sn
     acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB,
-                     EVEN_K)
-    if GATED:
+                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM)
+    if GATED and not SPLIT_GU:
         up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
                         s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                        SWAP_AB, EVEN_K)
+                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM)
     else:
         up = acc
     if COMBINE:
         acc = acc * tl.load(route_w_ptr + pairs, mask=row_mask, other=0.0)[:, None]
         token = pid_b // TOP_K
-        tile = token * tl.num_programs(0) + pid_n
+        tile = token * n_tiles + pid_n
         mask = row_mask[:, None] & n_mask[None, :]
         _split_arrive(acc, ws_ptr, tile, pid_b % TOP_K, mask, TOP_K, 1, 0, BLOCK_M, BLOCK_N)
         if _split_is_last(cnt_ptr, tile, TOP_K):
@@ -164,17 +175,21 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
             y_ptrs = y_ptr + (token.to(tl.int64) * stride_ym + offs_n)[None, :] + tl.zeros([BLOCK_M, 1], tl.int64)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(cnt_ptr + tile, 0)
-    elif SPLIT_K == 1:
+    elif SPLIT_K == 1 and not SPLIT_GU:
         _moe_epilogue(acc, up, y_ptr, pairs, row_mask, offs_n, n_mask, route_w_ptr, N, stride_ym,
                       GATED, WEIGHTED, OUT_PLANES)
     else:
         PARTS: tl.constexpr = 2 if GATED else 1
-        tile = pid_b * tl.num_programs(0) + pid_n
+        ARRIVALS: tl.constexpr = 2 * SPLIT_K if SPLIT_GU else SPLIT_K
+        tile = pid_b * n_tiles + pid_n
         mask = row_mask[:, None] & n_mask[None, :]
-        _split_arrive(acc, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS, 0, BLOCK_M, BLOCK_N)
-        if GATED:
-            _split_arrive(up, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS, 1, BLOCK_M, BLOCK_N)
-        if _split_is_last(cnt_ptr, tile, SPLIT_K):
+        if SPLIT_GU:
+            _split_arrive(acc, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS, half, BLOCK_M, BLOCK_N)
+        else:
+            _split_arrive(acc, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS, 0, BLOCK_M, BLOCK_N)
+            if GATED:
+                _split_arrive(up, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS, 1, BLOCK_M, BLOCK_N)
+        if _split_is_last(cnt_ptr, tile, ARRIVALS):
             acc = _split_sum(ws_ptr, tile, mask, SPLIT_K, PARTS, 0, BLOCK_M, BLOCK_N)
             if GATED:
                 up = _split_sum(ws_ptr, tile, mask, SPLIT_K, PARTS, 1, BLOCK_M, BLOCK_N)
@@ -186,13 +201,19 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
 # M upper bound -> tile configs of (gate/up, down). SORTED False: one (token, expert) pair per program, on CUDA
 # cores (BLOCK_M 1) or tensor cores with the pair in row 0 of 16 (BLOCK_M 16); SORTED (BLOCK_M >= 16): pairs
 # grouped by expert. MOE_CONFIGS (bfloat16/float16 activations): the winners of the H200 sweep of bench/w4a16.py
-# (bench/RESULTS.md, 2026-12-02, issue 27).
+# (bench/RESULTS.md, 2026-12-02, issue 27, "GEMV and split gate/up"): gate and up in separate programs
+# (SPLIT_GU) at every M; at M <= 8 both launches as one-row GEMV tiles (X_WIDE, PREFETCH, CODES_ASM; one pair per
+# program: top-8 of 384 experts gives about one pair per expert there), at M <= 4 the down launch summing each
+# token's rows itself (COMBINE); from M = 9 the expert-sorted tensor-core tiles.
 _PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
 _SORTED_TC = dict(_PAIR_TC, SORTED=True)
+_ROW_GEMV = dict(BLOCK_M=1, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True,
+                 CODES_ASM=True, num_warps=4, num_stages=3)
+_ROW_GATE_UP = dict(_ROW_GEMV, BLOCK_N=32, BLOCK_K=512, SPLIT_GU=True)
 MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
-    (1, (dict(_PAIR_TC, SWAP_AB=True), _PAIR_TC)),
-    (4, (dict(_PAIR_TC, SPLIT_CTAS=1056), _PAIR_TC)),
-    (1 << 62, (_SORTED_TC, _SORTED_TC)),
+    (4, (_ROW_GATE_UP, dict(_ROW_GEMV, COMBINE=True))),
+    (8, (_ROW_GATE_UP, _ROW_GEMV)),
+    (1 << 62, (dict(_SORTED_TC, SPLIT_GU=True), _SORTED_TC)),
 ]
 # float32 activations: the 2026-11-30 sweep's one-pair CUDA-core path at every M
 _ONE_PAIR = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)
@@ -231,19 +252,22 @@ def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, 
     s = s.view(torch.int16) if bf16_scales else s
     w = w.view(torch.int32)     # the packed bytes as words (see w4a16._int4_tile)
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    split_gu = bool(gated and cfg.get("SPLIT_GU"))     # gate and up in separate programs
+    halves = 2 if split_gu else 1
     # the split is sized on the pairs (the real work); spare sorted blocks return at once
-    splits = 1 if combine_top_k else split_k(cfg, k, n_tiles * min(num_blocks, num_pairs))
+    splits = 1 if combine_top_k else split_k(cfg, k, halves * n_tiles * min(num_blocks, num_pairs))
     parts = combine_top_k or splits * (2 if gated else 1)
     tiles = n_tiles * (num_pairs // combine_top_k if combine_top_k else num_blocks)
     floats = tiles * parts * cfg["BLOCK_M"] * cfg["BLOCK_N"]
     ws, counters = split_buffers(x.device, tiles, floats if parts > 1 else 1)
-    _moe_kernel[(n_tiles, num_blocks, splits)](
+    _moe_kernel[(halves * n_tiles, num_blocks, splits)](
         x, w, s, y, pair_ids, block_expert, route_w, ws, counters, num_pairs, n, k, num_experts,
         x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
         X_ROW_DIV=x_row_div, GATED=gated, WEIGHTED=weighted, SORTED=sorted_, G=group_size, SPLIT_K=splits,
         TOP_K=max(combine_top_k, 1), COMBINE=combine_top_k > 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
-        OUT_PLANES=out_planes, BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32,
-        **launch_keys({key: v for key, v in cfg.items() if key != "COMBINE"}, x.dtype, bf16_scales))
+        OUT_PLANES=out_planes, BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, SPLIT_GU=split_gu,
+        **launch_keys({key: v for key, v in cfg.items() if key not in ("COMBINE", "SPLIT_GU")}, x.dtype,
+                      bf16_scales))
 
 
 def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

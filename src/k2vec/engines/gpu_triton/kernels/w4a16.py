@@ -99,6 +99,45 @@ def _bf16_planes(words, s_bits):
                                      is_pure=True, pack=1)
 
 
+# The 8 codes of a word as exact float32, in 2.4 instructions each (CODES_ASM): the nibbles of even and odd elements
+# masked into bytes (lo: elements 0, 2, 4, 6; hi: 1, 3, 5, 7, shifted down by 4), each byte permuted (prmt) into the
+# low byte of the float 2^23 (0x4B000000), giving 2^23 + u exactly, minus 2^23 + 8: q = u - 8, the same float32 value
+# as _code computes with a shift, a mask and an or per element.
+_F32_CODES_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi, t;
+and.b32 lo, $8, 0x0F0F0F0F;
+shr.u32 hi, $8, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 t, lo, 0x4B000000, 0x7540;
+sub.f32 $0, t, 0f4B000008;
+prmt.b32 t, hi, 0x4B000000, 0x7540;
+sub.f32 $1, t, 0f4B000008;
+prmt.b32 t, lo, 0x4B000000, 0x7541;
+sub.f32 $2, t, 0f4B000008;
+prmt.b32 t, hi, 0x4B000000, 0x7541;
+sub.f32 $3, t, 0f4B000008;
+prmt.b32 t, lo, 0x4B000000, 0x7542;
+sub.f32 $4, t, 0f4B000008;
+prmt.b32 t, hi, 0x4B000000, 0x7542;
+sub.f32 $5, t, 0f4B000008;
+prmt.b32 t, lo, 0x4B000000, 0x7543;
+sub.f32 $6, t, 0f4B000008;
+prmt.b32 t, hi, 0x4B000000, 0x7543;
+sub.f32 $7, t, 0f4B000008;
+}
+""")
+
+
+@triton.jit
+def _f32_codes(words):
+    """The 8 codes q_e of int32 words as float32 (CODES_ASM; the same values as _code(words, e))."""
+    return tl.inline_asm_elementwise(_F32_CODES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                                     dtype=(tl.float32, tl.float32, tl.float32, tl.float32,
+                                            tl.float32, tl.float32, tl.float32, tl.float32),
+                                     is_pure=True, pack=1)
+
+
 @triton.jit
 def _x_plane(x_rows, e: tl.constexpr, i, k_words, x_mask, X_PLANES: tl.constexpr):
     """Activations of element plane e at words i ([rows, words]); plane-major rows load contiguously."""
@@ -126,6 +165,46 @@ def _x_plane_t(x_rows, e: tl.constexpr, i, k_words, x_mask):
 
 
 @triton.jit
+def _split8(v):
+    """v [A, B, 8] -> its 8 slices v[:, :, e] ([A, B] each), by three register-only splits of the last axis."""
+    a: tl.constexpr = v.shape[0]
+    b: tl.constexpr = v.shape[1]
+    even, odd = tl.split(tl.reshape(v, [a, b, 4, 2]))        # e = 2j, 2j + 1
+    s0, s2 = tl.split(tl.reshape(even, [a, b, 2, 2]))         # e = 4c, 4c + 2
+    s1, s3 = tl.split(tl.reshape(odd, [a, b, 2, 2]))          # e = 4c + 1, 4c + 3
+    x0, x4 = tl.split(s0)
+    x2, x6 = tl.split(s2)
+    x1, x5 = tl.split(s1)
+    x3, x7 = tl.split(s3)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _x_wide(x_rows, i, x_mask, T: tl.constexpr):
+    """X_WIDE: x in its natural order, the 8 elements of each word i as one 16-byte load (bf16/fp16), split into
+    the 8 element planes in registers: [rows, words] each, or (T) [words, rows]. No plane-major copy of x."""
+    r8 = tl.arange(0, 8)
+    if T:
+        v = tl.load(x_rows[None, :, None] + 8 * i[:, None, None] + r8[None, None, :], mask=x_mask[:, :, None],
+                    other=0.0)
+    else:
+        v = tl.load(x_rows[:, None, None] + 8 * i[None, :, None] + r8[None, None, :], mask=x_mask[:, :, None],
+                    other=0.0)
+    return _split8(v)
+
+
+@triton.jit
+def _fdot(acc, words, e: tl.constexpr, s, x, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc += plane e of `words` dequantised in float32 (times the per-word scales s), cast to x's dtype, dotted
+    with x's plane e (SWAP_AB: weight as the A operand)."""
+    w = (_code(words, e) * s).to(x.dtype)
+    if SWAP_AB:
+        return _dot(acc, w, x, IEEE)
+    else:
+        return _dot(acc, x, w, IEEE)
+
+
+@triton.jit
 def _dot(acc, a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -134,15 +213,86 @@ def _dot(acc, a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt, kt_hi, K, k_words, G: tl.constexpr,
+               WORDS: tl.constexpr, BF16_SCALES: tl.constexpr, EVEN_K: tl.constexpr):
+    """One-row PREFETCH path: K tile kt's weight words [BLOCK_N, WORDS], natural-order x [1, WORDS, 8] and group
+    scales [BLOCK_N, groups], all masked off when kt >= kt_hi (the prefetch after the last tile). The masks
+    compare word indices with kt_hi * WORDS, constant over each tile, so the loads stay 16 bytes wide."""
+    GROUPS: tl.constexpr = WORDS // (G // 8)
+    i = kt * WORDS + tl.arange(0, WORDS)
+    i_mask = ((i < k_words) | EVEN_K) & (i < kt_hi * WORDS)
+    words = tl.load(w_rows[:, None] + i[None, :], mask=n_mask[:, None] & i_mask[None, :], other=0)
+    x_mask = row_mask[:, None] & i_mask[None, :]
+    xv = tl.load(x_rows[:, None, None] + 8 * i[None, :, None] + tl.arange(0, 8)[None, None, :],
+                 mask=x_mask[:, :, None], other=0.0)
+    g = kt * GROUPS + tl.arange(0, GROUPS)
+    s = _load_scales(s_rows[:, None] + g[None, :],
+                     n_mask[:, None] & (((g < K // G) | EVEN_K) & (g < kt_hi * GROUPS))[None, :], BF16_SCALES)
+    return words, xv, s
+
+
+@triton.jit
+def _codes8(words, CODES_ASM: tl.constexpr):
+    """The 8 codes of int32 words as float32: by prmt (CODES_ASM) or shift, mask and magic number (_code)."""
+    if CODES_ASM:
+        return _f32_codes(words)
+    else:
+        return (_code(words, 0), _code(words, 1), _code(words, 2), _code(words, 3), _code(words, 4),
+                _code(words, 5), _code(words, 6), _code(words, 7))
+
+
+@triton.jit
+def _row_part(words, xv, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_PER_GROUP: tl.constexpr,
+              CODES_ASM: tl.constexpr):
+    """Scaled group sums [BLOCK_N, GROUPS] of one K tile of the one-row path (x as [1, WORDS, 8])."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
+    part = c0 * x0.to(tl.float32)
+    part += c1 * x1.to(tl.float32)
+    part += c2 * x2.to(tl.float32)
+    part += c3 * x3.to(tl.float32)
+    part += c4 * x4.to(tl.float32)
+    part += c5 * x5.to(tl.float32)
+    part += c6 * x6.to(tl.float32)
+    part += c7 * x7.to(tl.float32)
+    return tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
+
+
+@triton.jit
+def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+               WORDS_PER_GROUP: tl.constexpr, CODES_ASM: tl.constexpr):
+    """Scaled group sums [BLOCK_M, BLOCK_N, GROUPS] of one K tile for BLOCK_M rows (x as [BLOCK_M, WORDS, 8]):
+    each code is made once and multiplied into every row."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
+    part = c0[None, :, :] * x0.to(tl.float32)[:, None, :]
+    part += c1[None, :, :] * x1.to(tl.float32)[:, None, :]
+    part += c2[None, :, :] * x2.to(tl.float32)[:, None, :]
+    part += c3[None, :, :] * x3.to(tl.float32)[:, None, :]
+    part += c4[None, :, :] * x4.to(tl.float32)[:, None, :]
+    part += c5[None, :, :] * x5.to(tl.float32)[:, None, :]
+    part += c6[None, :, :] * x6.to(tl.float32)[:, None, :]
+    part += c7[None, :, :] * x7.to(tl.float32)[:, None, :]
+    return tl.sum(tl.reshape(part, [BLOCK_M, BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=3) * s[None, :, :]
+
+
+@triton.jit
 def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
-               PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+               PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
+               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
     The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
     and vectorises the loads and pipelines them (an offset from a runtime start hid that). X_PLANES: x rows are stored plane-major (x[8i + e] at
     e * K/8 + i), so each plane's loads are contiguous and vectorise; otherwise they are stride-8 gathers.
+    X_WIDE (instead of X_PLANES): x in natural order, each word's 8 elements one 16-byte load, split into the
+    planes in registers (no plane-major copy of x before the launch).
+    PREFETCH (CUDA cores, with X_WIDE and SCALE_GROUPS; BLOCK_M 1 or a few rows, each code used for every row):
+    the next K tile's weight words, x and scales are
+    loaded before this tile's arithmetic (registers double-buffered by hand), so a program's DRAM reads overlap
+    its dequantisation instead of alternating with it. CODES_ASM (PREFETCH, GPU only): codes by _f32_codes.
     SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
     instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
 
@@ -156,29 +306,61 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
-    if BLOCK_M == 1:
+    if PREFETCH and BLOCK_M > 1:
+        # a few rows on CUDA cores: the one-row GEMV with each code used for BLOCK_M rows (the weight read once)
+        GROUPS_M: tl.constexpr = WORDS // WORDS_PER_GROUP
+        acc = tl.zeros([BLOCK_M, BLOCK_N, GROUPS_M], dtype=tl.float32)
+        words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt_lo, kt_hi, K,
+                                        k_words, G, WORDS, BF16_SCALES, EVEN_K)
+        for kt in range(kt_lo, kt_hi):
+            words, xv, s = words_n, xv_n, s_n
+            words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 1, kt_hi, K,
+                                            k_words, G, WORDS, BF16_SCALES, EVEN_K)
+            acc += _rows_part(words, xv, s, BLOCK_M, BLOCK_N, GROUPS_M, WORDS_PER_GROUP, CODES_ASM)
+        return tl.sum(acc, axis=2)
+    elif BLOCK_M == 1:
         # one row: multiply-and-add on CUDA cores, partial sums reduced once at the end
         GROUPS: tl.constexpr = WORDS // WORDS_PER_GROUP
         if SCALE_GROUPS:
             acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        if PREFETCH:
+            words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt_lo, kt_hi, K,
+                                            k_words, G, WORDS, BF16_SCALES, EVEN_K)
         for kt in range(kt_lo, kt_hi):
-            i = kt * WORDS + offs_w
-            i_mask = (i < k_words) | EVEN_K     # EVEN_K: no K tail, constant masks keep loads wide
-            mask = n_mask[:, None] & i_mask[None, :]
-            words = tl.load(w_rows[:, None] + i[None, :], mask=mask, other=0)
-            x_mask = row_mask[:, None] & i_mask[None, :]
-            part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-            for e in tl.static_range(8):
-                part += _code(words, e) * _x_plane(x_rows, e, i, k_words, x_mask, X_PLANES).to(tl.float32)
-            if SCALE_GROUPS:
-                g = kt * GROUPS + tl.arange(0, GROUPS)
-                s = _load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & ((g < K // G) | EVEN_K)[None, :],
-                                 BF16_SCALES)
-                acc += tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
+            if PREFETCH:
+                words, xv, s = words_n, xv_n, s_n
+                words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 1, kt_hi, K,
+                                                k_words, G, WORDS, BF16_SCALES, EVEN_K)
+                acc += _row_part(words, xv, s, BLOCK_N, GROUPS, WORDS_PER_GROUP, CODES_ASM)
             else:
-                acc += part * _load_scales(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask, BF16_SCALES)
+                i = kt * WORDS + offs_w
+                i_mask = (i < k_words) | EVEN_K     # EVEN_K: no K tail, constant masks keep loads wide
+                mask = n_mask[:, None] & i_mask[None, :]
+                words = tl.load(w_rows[:, None] + i[None, :], mask=mask, other=0)
+                x_mask = row_mask[:, None] & i_mask[None, :]
+                if X_WIDE:
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _x_wide(x_rows, i, x_mask, False)
+                    part = _code(words, 0) * x0.to(tl.float32)
+                    part += _code(words, 1) * x1.to(tl.float32)
+                    part += _code(words, 2) * x2.to(tl.float32)
+                    part += _code(words, 3) * x3.to(tl.float32)
+                    part += _code(words, 4) * x4.to(tl.float32)
+                    part += _code(words, 5) * x5.to(tl.float32)
+                    part += _code(words, 6) * x6.to(tl.float32)
+                    part += _code(words, 7) * x7.to(tl.float32)
+                else:
+                    part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+                    for e in tl.static_range(8):
+                        part += _code(words, e) * _x_plane(x_rows, e, i, k_words, x_mask, X_PLANES).to(tl.float32)
+                if SCALE_GROUPS:
+                    g = kt * GROUPS + tl.arange(0, GROUPS)
+                    s = _load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & ((g < K // G) | EVEN_K)[None, :],
+                                     BF16_SCALES)
+                    acc += tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
+                else:
+                    acc += part * _load_scales(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask, BF16_SCALES)
         return tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
     else:
         # tensor cores: per element plane e, [BLOCK_M, WORDS] x [WORDS, BLOCK_N] (weight transposed by the
@@ -202,42 +384,75 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                 mask_t = n_mask[:, None] & i_mask[None, :]
                 words_t = tl.load(w_rows[:, None] + i[None, :], mask=mask_t, other=0)
                 xm_t = i_mask[:, None] & row_mask[None, :]
+                if X_WIDE:
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _x_wide(x_rows, i, xm_t, True)
+                else:
+                    x0 = _x_plane_t(x_rows, 0, i, k_words, xm_t)
+                    x1 = _x_plane_t(x_rows, 1, i, k_words, xm_t)
+                    x2 = _x_plane_t(x_rows, 2, i, k_words, xm_t)
+                    x3 = _x_plane_t(x_rows, 3, i, k_words, xm_t)
+                    x4 = _x_plane_t(x_rows, 4, i, k_words, xm_t)
+                    x5 = _x_plane_t(x_rows, 5, i, k_words, xm_t)
+                    x6 = _x_plane_t(x_rows, 6, i, k_words, xm_t)
+                    x7 = _x_plane_t(x_rows, 7, i, k_words, xm_t)
                 if PACKED:
                     s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
                                             other=0), 1, WORDS_PER_GROUP)
                     w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words_t, s_t)
-                    acc_t = _dot(acc_t, w0, _x_plane_t(x_rows, 0, i, k_words, xm_t), IEEE)
-                    acc_t = _dot(acc_t, w1, _x_plane_t(x_rows, 1, i, k_words, xm_t), IEEE)
-                    acc_t = _dot(acc_t, w2, _x_plane_t(x_rows, 2, i, k_words, xm_t), IEEE)
-                    acc_t = _dot(acc_t, w3, _x_plane_t(x_rows, 3, i, k_words, xm_t), IEEE)
-                    acc_t = _dot(acc_t, w4, _x_plane_t(x_rows, 4, i, k_words, xm_t), IEEE)
-                    acc_t = _dot(acc_t, w5, _x_plane_t(x_rows, 5, i, k_words, xm_t), IEEE)
-                    acc_t = _dot(acc_t, w6, _x_plane_t(x_rows, 6, i, k_words, xm_t), IEEE)
-                    acc_t = _dot(acc_t, w7, _x_plane_t(x_rows, 7, i, k_words, xm_t), IEEE)
+                    acc_t = _dot(acc_t, w0, x0, IEEE)
+                    acc_t = _dot(acc_t, w1, x1, IEEE)
+                    acc_t = _dot(acc_t, w2, x2, IEEE)
+                    acc_t = _dot(acc_t, w3, x3, IEEE)
+                    acc_t = _dot(acc_t, w4, x4, IEEE)
+                    acc_t = _dot(acc_t, w5, x5, IEEE)
+                    acc_t = _dot(acc_t, w6, x6, IEEE)
+                    acc_t = _dot(acc_t, w7, x7, IEEE)
                 else:
                     s_t = _per_word(_load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & g_mask[None, :],
                                                  BF16_SCALES), 1, WORDS_PER_GROUP)
-                    for e in tl.static_range(8):
-                        x_t = _x_plane_t(x_rows, e, i, k_words, xm_t)
-                        acc_t = _dot(acc_t, (_code(words_t, e) * s_t).to(x_t.dtype), x_t, IEEE)
-            elif PACKED:
-                s_bits = _per_word(tl.load(s_rows[None, :] + g[:, None], mask=g_mask[:, None] & n_mask[None, :],
-                                           other=0), 0, WORDS_PER_GROUP)
-                w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, s_bits)
-                acc = _dot(acc, _x_plane(x_rows, 0, i, k_words, x_mask, X_PLANES), w0, IEEE)
-                acc = _dot(acc, _x_plane(x_rows, 1, i, k_words, x_mask, X_PLANES), w1, IEEE)
-                acc = _dot(acc, _x_plane(x_rows, 2, i, k_words, x_mask, X_PLANES), w2, IEEE)
-                acc = _dot(acc, _x_plane(x_rows, 3, i, k_words, x_mask, X_PLANES), w3, IEEE)
-                acc = _dot(acc, _x_plane(x_rows, 4, i, k_words, x_mask, X_PLANES), w4, IEEE)
-                acc = _dot(acc, _x_plane(x_rows, 5, i, k_words, x_mask, X_PLANES), w5, IEEE)
-                acc = _dot(acc, _x_plane(x_rows, 6, i, k_words, x_mask, X_PLANES), w6, IEEE)
-                acc = _dot(acc, _x_plane(x_rows, 7, i, k_words, x_mask, X_PLANES), w7, IEEE)
+                    acc_t = _fdot(acc_t, words_t, 0, s_t, x0, IEEE, True)
+                    acc_t = _fdot(acc_t, words_t, 1, s_t, x1, IEEE, True)
+                    acc_t = _fdot(acc_t, words_t, 2, s_t, x2, IEEE, True)
+                    acc_t = _fdot(acc_t, words_t, 3, s_t, x3, IEEE, True)
+                    acc_t = _fdot(acc_t, words_t, 4, s_t, x4, IEEE, True)
+                    acc_t = _fdot(acc_t, words_t, 5, s_t, x5, IEEE, True)
+                    acc_t = _fdot(acc_t, words_t, 6, s_t, x6, IEEE, True)
+                    acc_t = _fdot(acc_t, words_t, 7, s_t, x7, IEEE, True)
             else:
-                s = _per_word(_load_scales(s_rows[None, :] + g[:, None], g_mask[:, None] & n_mask[None, :], BF16_SCALES),
-                              0, WORDS_PER_GROUP)
-                for e in tl.static_range(8):
-                    x_e = _x_plane(x_rows, e, i, k_words, x_mask, X_PLANES)
-                    acc = _dot(acc, x_e, (_code(words, e) * s).to(x_e.dtype), IEEE)
+                if X_WIDE:
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _x_wide(x_rows, i, x_mask, False)
+                else:
+                    x0 = _x_plane(x_rows, 0, i, k_words, x_mask, X_PLANES)
+                    x1 = _x_plane(x_rows, 1, i, k_words, x_mask, X_PLANES)
+                    x2 = _x_plane(x_rows, 2, i, k_words, x_mask, X_PLANES)
+                    x3 = _x_plane(x_rows, 3, i, k_words, x_mask, X_PLANES)
+                    x4 = _x_plane(x_rows, 4, i, k_words, x_mask, X_PLANES)
+                    x5 = _x_plane(x_rows, 5, i, k_words, x_mask, X_PLANES)
+                    x6 = _x_plane(x_rows, 6, i, k_words, x_mask, X_PLANES)
+                    x7 = _x_plane(x_rows, 7, i, k_words, x_mask, X_PLANES)
+                if PACKED:
+                    s_bits = _per_word(tl.load(s_rows[None, :] + g[:, None], mask=g_mask[:, None] & n_mask[None, :],
+                                               other=0), 0, WORDS_PER_GROUP)
+                    w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, s_bits)
+                    acc = _dot(acc, x0, w0, IEEE)
+                    acc = _dot(acc, x1, w1, IEEE)
+                    acc = _dot(acc, x2, w2, IEEE)
+                    acc = _dot(acc, x3, w3, IEEE)
+                    acc = _dot(acc, x4, w4, IEEE)
+                    acc = _dot(acc, x5, w5, IEEE)
+                    acc = _dot(acc, x6, w6, IEEE)
+                    acc = _dot(acc, x7, w7, IEEE)
+                else:
+                    s = _per_word(_load_scales(s_rows[None, :] + g[:, None], g_mask[:, None] & n_mask[None, :],
+                                               BF16_SCALES), 0, WORDS_PER_GROUP)
+                    acc = _fdot(acc, words, 0, s, x0, IEEE, False)
+                    acc = _fdot(acc, words, 1, s, x1, IEEE, False)
+                    acc = _fdot(acc, words, 2, s, x2, IEEE, False)
+                    acc = _fdot(acc, words, 3, s, x3, IEEE, False)
+                    acc = _fdot(acc, words, 4, s, x4, IEEE, False)
+                    acc = _fdot(acc, words, 5, s, x5, IEEE, False)
+                    acc = _fdot(acc, words, 6, s, x6, IEEE, False)
+                    acc = _fdot(acc, words, 7, s, x7, IEEE, False)
         if SWAP_AB:
             acc = tl.trans(acc_t)
         return acc
@@ -254,7 +469,7 @@ def _k_range(K, pid_k, SPLIT_K, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _split_arrive(acc, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS: tl.constexpr,
-                  part: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  part, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Write this split's float32 partial `part` (of PARTS per split) of output tile `tile` to the workspace."""
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     base = ws_ptr + (tile.to(tl.int64) * SPLIT_K * PARTS + pid_k * PARTS + part) * (BLOCK_M * BLOCK_N)
@@ -262,20 +477,22 @@ def _split_arrive(acc, ws_ptr, tile, pid_k, mask, SPLIT_K, PARTS: tl.constexpr,
 
 
 @triton.jit
-def _split_is_last(cnt_ptr, tile, SPLIT_K):
-    """Count this split's arrival at `tile`; true for the last one, which then resets the counter."""
+def _split_is_last(cnt_ptr, tile, ARRIVALS):
+    """Count this program's arrival at `tile`; true for the last of ARRIVALS, which then resets the counter."""
     tl.debug_barrier()      # every thread's partial is stored before the release below
     done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    return done == SPLIT_K - 1
+    return done == ARRIVALS - 1
 
 
 @triton.jit
-def _split_sum(ws_ptr, tile, mask, SPLIT_K, PARTS: tl.constexpr, part: tl.constexpr,
+def _split_sum(ws_ptr, tile, mask, SPLIT_K: tl.constexpr, PARTS: tl.constexpr, part: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Sum of the SPLIT_K partials `part` of `tile`, in split order (L2 reads: other SMs wrote them)."""
+    """Sum of the SPLIT_K partials `part` of `tile`, in split order (L2 reads: other SMs wrote them). SPLIT_K is
+    a compile-time constant so the loop unrolls and the SPLIT_K loads are in flight together (a runtime loop
+    waited on each in turn)."""
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(SPLIT_K):
+    for k in tl.static_range(SPLIT_K):
         base = ws_ptr + (tile.to(tl.int64) * SPLIT_K * PARTS + k * PARTS + part) * (BLOCK_M * BLOCK_N)
         total += tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cg")
     return total
@@ -284,8 +501,9 @@ def _split_sum(ws_ptr, tile, mask, SPLIT_K, PARTS: tl.constexpr, part: tl.conste
 @triton.jit
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_K, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
-                  SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+                  SPLIT_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
+                  SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+                  X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -296,7 +514,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                     SWAP_AB, EVEN_K)
+                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -313,10 +531,11 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # Tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
 # DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
 # 2026-12-02, issue 27), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid has
-# about this many programs (see split_k).
+# about this many programs (see split_k). M = 1: the one-row GEMV with natural-order x and a prefetched next K tile,
+# split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up").
 DENSE_CONFIGS: list[tuple[int, dict]] = [
-    (1, dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, SPLIT_CTAS=528, num_warps=4,
-             num_stages=3)),
+    (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
+             SPLIT_CTAS=132, num_warps=8, num_stages=3)),
     (2, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
               num_stages=3)),
     (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
@@ -346,31 +565,42 @@ def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
 def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
     """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16.
     Keeps the host-side keys SPLIT_K / SPLIT_CTAS (see split_k), PACKED (False: float32 dequantization) and
-    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES)."""
-    cfg = {"X_PLANES": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False, **config}
+    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE)."""
+    cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False,
+           "PREFETCH": False, "CODES_ASM": False, **config}
+    if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
+        cfg["X_PLANES"] = False
+    if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
+        raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
+    if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
+        raise ValueError(f"CODES_ASM is an option of the PREFETCH one-row path, got {config}")
     cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group_size)
-    if cfg["BLOCK_M"] > 1:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
+    if cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 16)
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 128)
     if interpret:    # the interpreter ignores warps and stages, and runs no inline PTX
         cfg.pop("num_warps", None), cfg.pop("num_stages", None)
         cfg["PACKED"] = False
+        cfg["CODES_ASM"] = False
     return cfg
 
 
 def split_k(cfg: dict, k: int, tiles: int) -> int:
-    """Splits of K for a grid of `tiles` output tiles: SPLIT_K if given, else enough to reach SPLIT_CTAS programs;
+    """Splits of K for a grid of `tiles` output tiles: SPLIT_K if given, else enough to reach SPLIT_CTAS programs,
+    rounded down so that no split is left empty (the K tiles dealt out in runs of equal length but the last);
     at most one split per BLOCK_K tile."""
     k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
-    want = cfg.get("SPLIT_K") or triton.cdiv(cfg.get("SPLIT_CTAS", 0), tiles)
-    return max(1, min(want, k_tiles))
+    if cfg.get("SPLIT_K"):
+        return max(1, min(cfg["SPLIT_K"], k_tiles))
+    want = max(1, min(triton.cdiv(cfg.get("SPLIT_CTAS", 0), tiles), k_tiles))
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, want))
 
 
 def launch_keys(cfg: dict, activation: torch.dtype, bf16_scales: bool) -> dict:
     """The kernel's constexpr/launch keys of a tile config (host-side keys dropped); PACKED only where it applies."""
     out = {key: value for key, value in cfg.items() if key not in ("SPLIT_K", "SPLIT_CTAS")}
     out["PACKED"] = bool(cfg["PACKED"] and cfg["BLOCK_M"] > 1 and activation == torch.bfloat16 and bf16_scales)
-    out["SWAP_AB"] = bool(cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and cfg["X_PLANES"])
+    out["SWAP_AB"] = bool(cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and (cfg["X_PLANES"] or cfg["X_WIDE"]))
     return out
 
 
