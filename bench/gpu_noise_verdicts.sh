@@ -4,9 +4,11 @@
 #            over-budget row (the noise model judges it);
 #   bugs:    gpu_bf16 with one porting bug at a time, each a one-line edit of gpu_triton/model.py made in a
 #            copy of the tree (never in the shipped engine): routed-expert weights scaled 0.9x, and the
-#            correction bias added into the mixing weights. Greedy and score on the 4 default bundles,
-#            report.strict on: each must be judged real / over-budget and fail the gate.
-# Usage, from the repository root: OUT=dir [WHEELS=.whl] [PARTS="default bugs"] bash bench/gpu_noise_verdicts.sh
+#            correction bias added into the mixing weights (greedy and score), and the DDTree tree attention
+#            causal over node index instead of ancestor-only (gpu_triton/ddtree.py; greedy and DDTree: the
+#            lossless check needs the greedy run). On the 4 default bundles, report.strict on: each must be
+#            judged real / over-budget and fail the gate.
+# Usage, from the repository root: OUT=dir [WHEELS=.whl] [PARTS="default bugs"] [BUGS="scale_0.9 ..."] bash bench/gpu_noise_verdicts.sh
 # Works without GPUs too (gpu_bf16 is then left out and the bug runs have nothing to judge).
 set -u -o pipefail
 : "${OUT:?set OUT to a folder for the outputs}"
@@ -45,24 +47,28 @@ for part in $PARTS; do
         tar czf "$OUT/gpu_bf16-runs.tar.gz" -C "$ROOT" results/runs/gpu_bf16 2>/dev/null
         ;;
     bugs)
-        for bug in scale_0.9 bias_in_weights; do
+        for bug in ${BUGS:-scale_0.9 bias_in_weights tree_mask_causal}; do
             dir=/tmp/k2vec-bug-$bug
             rm -rf "$dir" && mkdir -p "$dir"
             # the tree and whatever results it has (upstream stages are then not redone)
             tar -C "$ROOT" --exclude=./.whl -cf - . | tar -C "$dir" -xf -
             model=$dir/src/k2vec/engines/gpu_triton/model.py
+            modes="greedy score"
             case $bug in
             scale_0.9) sed -i 's/    return ids, weights \* d.routed_scaling_factor$/    return ids, weights * d.routed_scaling_factor * 0.9/' "$model"
                        edited=$(grep -c 'weights \* d.routed_scaling_factor \* 0.9$' "$model") ;;
             bias_in_weights) sed -i 's/    weights = scores.gather(1, ids)$/    weights = (scores + layer.router_bias).gather(1, ids)/' "$model"
                        edited=$(grep -c 'weights = (scores + layer.router_bias).gather(1, ids)$' "$model") ;;
+            tree_mask_causal) model=$dir/src/k2vec/engines/gpu_triton/ddtree.py; modes="greedy ddtree"
+                       sed -i 's/^    visible\[nodes, nodes\] = True$/    visible = torch.ones(n1, n1, dtype=torch.bool, device=parents.device).tril()/' "$model"
+                       edited=$(grep -c 'visible = torch.ones(n1, n1, dtype=torch.bool, device=parents.device).tril()$' "$model") ;;
             esac
             [ "$edited" = 1 ] || { say "$bug: the edit did not apply to $model ($edited lines)"; exit 1; }
-            say "$bug: $(cd "$dir" && git diff --stat -- src/k2vec/engines/gpu_triton/model.py | tail -1)"
-            python3 - "$dir" <<'EOF'
+            say "$bug: $(cd "$dir" && git diff --stat -- src/k2vec/engines/gpu_triton/ | tail -1)"
+            python3 - "$dir" $modes <<'EOF'
 import sys, yaml
 cfg = yaml.safe_load(open(f"{sys.argv[1]}/config.yaml"))
-cfg["engines"] = {"gpu_bf16": {**cfg["engines"]["gpu_bf16"], "modes": ["greedy", "score"]}}
+cfg["engines"] = {"gpu_bf16": {**cfg["engines"]["gpu_bf16"], "modes": sys.argv[2:]}}
 cfg["report"]["strict"] = True
 yaml.safe_dump(cfg, open(f"{sys.argv[1]}/bug.yaml", "w"), sort_keys=False)
 EOF
