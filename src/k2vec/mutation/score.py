@@ -120,7 +120,7 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     tree = rows["engine"].map({e: info["area"] == TREE_AREA for e, info in mutants.items()}).fillna(False)
     rows = rows[~(tree.astype(bool) & (rows["mode"] == "greedy"))]
     scores = mutation_scores(rows, mutants)
-    # the mutants run at each reduced precision (not DDTree's: the noise model judges no tree)
+    # the mutants run at each reduced precision (their resolution is measured there only)
     planned = pd.DataFrame([(info["name"], info.get("precision", "float32")) for info in mutants.values()],
                            columns=["mutant", "compute"]).drop_duplicates()
     by_bundle = _bundle_resolution(m.noise_table, m.resolution, rows, planned, mutants, controls)
@@ -161,7 +161,7 @@ def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows
                        planned: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]],
                        controls: Mapping[str, str]) -> pd.DataFrame:
     """Per float32 mutant re-judged at a reduced precision and bundle (MUTATION_RESOLUTION_COLUMNS), for the
-    (mutant, compute) pairs `planned` (not DDTree's: the noise model judges no tree): the fraction of each
+    (mutant, compute) pairs `planned` (run at that precision): the fraction of each
     kind's cells its float32 runs put beyond that bundle's noise model and the rule's verdict on them
     (resolvable); the catch rate of its runs at that precision there; below: neither (a mutant that flips an
     expert at once leaves few hidden and logit cells to judge, yet its own reduced-precision runs show it);
