@@ -100,3 +100,30 @@ def test_tie_credit_follows_the_noise_model_on_the_golden_path_and_its_widest_af
                                [0.2, 0.6, 0.6, 0.6])
     # no noise model: the precision's logit budget
     np.testing.assert_allclose(credit[2], DEFAULT_BUDGETS["float32"]["logit_abs"])
+
+
+def test_flippable_steps_find_the_first_router_decision_a_correct_engine_may_flip():
+    """A DDTree result records no routing: from the first step whose fed position holds a golden router decision
+    within twice `margin` times the noise model's movement of it, a divergence may be a flipped expert."""
+    from k2vec.report.lossless import flippable_steps
+    margins = np.full((2, 8, 2), 0.5)           # [prompts, positions, MoE layers]
+    env = np.full((2, 8, 2), 0.001)
+    margins[0, 5, 1] = 0.003                     # prompt 0: position 5, layer index 1: 0.003 <= 2 x 2 x 0.001
+    margins[1, 6, 0] = 0.005                     # prompt 1: 0.005 > 0.004, not flippable
+    nm = SimpleNamespace(golden_router_margins=margins, env_router=env,
+                         fed=np.array([[3, 4, 5, 6, 7], [2, 3, 4, 5, 6]]))
+    base = pd.DataFrame({"model": "m", "precision": "int4", "precision_class": "bfloat16", "prompt": [0, 1, 0],
+                         "kind": ["ddtree", "ddtree", "greedy"]})
+    out = flippable_steps(base, {("m", "int4", "bfloat16"): nm}, {("m", "int4"): np.array([1, 2])}, margin=2.0)
+    assert out["step"][0] == 2 and out["router_position"][0] == 5 and out["router_layer"][0] == 2
+    assert out["router_margin"][0] == pytest.approx(0.003)
+    assert np.isinf(out["step"][1]) and np.isnan(out["router_margin"][1])   # nothing a correct engine flips
+    assert np.isnan(out["step"][2])                                        # not a DDTree row
+
+
+def test_a_lossless_breach_from_a_flippable_step_on_is_not_judged():
+    base, data = frame(CASES[2])                 # the DDTree row leaves its greedy at step 2 by 6.0
+    at_2 = lossless_columns(base, data, np.full((2, N), 0.5), N, flippable=np.array([np.nan, 2.0]))
+    assert at_2["own_greedy_step"][1] == 2 and at_2["lossless"][1] is None
+    at_3 = lossless_columns(base, data, np.full((2, N), 0.5), N, flippable=np.array([np.nan, 3.0]))
+    assert at_3["lossless"][1] is not None

@@ -327,7 +327,7 @@ def test_the_mutation_run_writes_what_the_report_reads(tmp_path):
                          "caught": [True, True, True, False, True, False, False, False] + [False] * 4})
     planned = pd.DataFrame({"mutant": ["router_logits_bf16", "experts_gelu", "router_group_max"],
                             "compute": "bfloat16"})
-    by_bundle = _bundle_resolution(noise_table, resolution, rows, planned, {}, {})
+    by_bundle = _bundle_resolution(noise_table, resolution, rows, planned, {}, {}, pd.DataFrame())
     assert by_bundle[["mutant", "model", "precision", "golden_sha256", "resolvable", "catch_rate", "below"]
                      ].fillna({"catch_rate": -1}).values.tolist() == [
         ["experts_gelu", "tiny", "fp32", "a" * 64, True, -1, False],   # no bfloat16 run there
@@ -350,41 +350,32 @@ def test_the_mutation_run_writes_what_the_report_reads(tmp_path):
 
 def test_a_tree_mutant_is_resolvable_where_its_float32_effect_comes_before_the_precision_departs():
     """A DDTree mutant changes tokens, not cells: at bfloat16 it is resolvable on a bundle where, in 3/4 of its
-    float32 DDTree rows, it is caught and leaves the golden before the unmutated bfloat16 engine does (the
-    recorded drafts follow the golden's tokens; past an engine's own departure its tree is barely exercised)."""
+    float32 DDTree rows judged at bfloat16, it is caught and leaves the golden before the unmutated bfloat16
+    engine does (the recorded drafts follow the golden's tokens; past an engine's own departure its tree is
+    barely exercised)."""
     from k2vec.mutation.score import _tree_ahead
 
-    def row(engine, mutant, pc, model, prompt, first, caught):
-        return {"engine": engine, "mutant": mutant, "precision_class": pc, "model": model, "precision": "fp32",
-                "mode": "ddtree-b4", "accuracy": 0.9, "prompt": prompt, "first_step": first, "caught": caught}
+    def row(engine, model, prompt, first, cls):
+        return {"engine": engine, "model": model, "precision": "fp32", "mode": "ddtree-b4", "accuracy": 0.9,
+                "prompt": prompt, "first_step": first, "class": cls}
+    judged = "mutant-ddtree_mask_causal-as-bfloat16"
+    rejudged = pd.DataFrame(
+        # tiny: the bug acts at steps 2, 3, 5, 9, judged at bfloat16 real but the last (a router-near-tie there)
+        [row(judged, "tiny", p, f, c) for p, f, c in [(0, 2, "real"), (1, 3, "real"), (2, 5, "real"),
+                                                       (3, 9, "router-near-tie")]]
+        # small: it acts late, after the bfloat16 engine has left (step 1): 0 of 2
+        + [row(judged, "small", p, f, "real") for p, f in [(0, 6), (1, 7)]]
+        + [row(judged.replace("as-bfloat16", "as-float16"), "tiny", 0, 2, "real")]  # no control at float16
+        + [{**row("mutant-experts_gelu-as-bfloat16", "tiny", 0, 1, "real"), "mode": "greedy"}])  # not a tree mutant
     rows = pd.DataFrame(
-        # tiny: the bug acts at steps 2, 3, 5, 9; bfloat16 departs at 10, 10, 4, never: 3 of 4 ahead
-        [row("mutant-ddtree_mask_causal", "ddtree_mask_causal", "float32", "tiny", p, f, True)
-         for p, f in enumerate([2, 3, 5, 9])]
-        + [row("numpy-bfloat16", None, "bfloat16", "tiny", p, f, False) for p, f in enumerate([10, 10, 4, np.nan])]
-        # small: the bug acts late, after the bfloat16 engine has left (step 1): 0 of 2; an uncaught row is not ahead
-        + [row("mutant-ddtree_mask_causal", "ddtree_mask_causal", "float32", "small", p, f, c)
-           for p, f, c in [(0, 6, True), (1, np.nan, False)]]
-        + [row("numpy-bfloat16", None, "bfloat16", "small", p, 1.0, False) for p in range(2)])
+        # bfloat16 departs at 10, 10, 4, never on tiny; at step 1 on small
+        [row("numpy-bfloat16", "tiny", p, f, "router-near-tie") for p, f in enumerate([10, 10, 4, np.nan])]
+        + [row("numpy-bfloat16", "small", p, 1.0, "router-near-tie") for p in range(2)])
     mutants = {"mutant-ddtree_mask_causal": {"name": "ddtree_mask_causal", "area": "ddtree"},
-               "mutant-ddtree_mask_causal-bf16": {"name": "ddtree_mask_causal", "area": "ddtree",
-                                                  "precision": "bfloat16"}}
-    ahead = _tree_ahead(rows, mutants, {"float32": "numpy", "bfloat16": "numpy-bfloat16"})
-    assert ahead[("ddtree_mask_causal", "bfloat16", "tiny", "fp32")] == 0.75
+               "mutant-experts_gelu": {"name": "experts_gelu", "area": "experts"}}
+    ahead = _tree_ahead(rows, rejudged, mutants, {"float32": "numpy", "bfloat16": "numpy-bfloat16"})
+    # tiny: steps 2 and 3 before the departures at 10; step 5 after the departure at 4; step 9 not caught
+    assert ahead[("ddtree_mask_causal", "bfloat16", "tiny", "fp32")] == 0.5
     assert ahead[("ddtree_mask_causal", "bfloat16", "small", "fp32")] == 0.0
-
-
-def test_resolution_in_mixing_weight_terms_is_the_smallest_ladder_step_not_below():
-    from k2vec.report.resolution import _mixing_scale
-
-    def measured(below_by_mutant):
-        return pd.DataFrame([{"mutant": m, "compute": "bfloat16", "model": "tiny", "precision": "int4", "below": b}
-                             for m, b in below_by_mutant.items()])
-    t = measured({"router_scaling_truncated": True, "router_scaling_5pct_low": False,
-                  "router_scaling_10pct_low": False, "experts_gelu": False})
-    assert _mixing_scale(t, "tiny", "int4", "bfloat16") == "routed mixing weights off by 5% or more (1% is below it)"
-    t = measured({"router_scaling_truncated": True, "router_scaling_5pct_low": True, "router_scaling_10pct_low": True})
-    assert _mixing_scale(t, "tiny", "int4", "bfloat16") == "routed mixing weights off by up to 10% are all below it"
-    assert _mixing_scale(t, "tiny", "fp32", "bfloat16") is None                 # no step judged on that bundle
-    t = measured({"router_scaling_truncated": False})
-    assert _mixing_scale(t, "tiny", "int4", "bfloat16") == "routed mixing weights off by 1% or more"
+    assert ahead[("ddtree_mask_causal", "float16", "tiny", "fp32")] == 1.0      # no control: never departs
+    assert not any(k[0] == "experts_gelu" for k in ahead.index)

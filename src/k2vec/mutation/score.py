@@ -123,7 +123,7 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     # the mutants run at each reduced precision (their resolution is measured there only)
     planned = pd.DataFrame([(info["name"], info.get("precision", "float32")) for info in mutants.values()],
                            columns=["mutant", "compute"]).drop_duplicates()
-    by_bundle = _bundle_resolution(m.noise_table, m.resolution, rows, planned, mutants, controls)
+    by_bundle = _bundle_resolution(m.noise_table, m.resolution, rows, planned, mutants, controls, m.rows[as_runs])
     scores = _resolution(scores, by_bundle)
     control_rows = rows[rows["engine"].isin(list(controls.values()))]
     res = MutationResult(scores, rows, len(control_rows), int(control_rows["caught"].sum()))
@@ -137,29 +137,37 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     return res
 
 
-def _tree_ahead(rows: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]], controls: Mapping[str, str]) -> pd.Series:
+def _tree_ahead(rows: pd.DataFrame, rejudged: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]],
+                controls: Mapping[str, str]) -> pd.Series:
     """Per (DDTree mutant, reduced compute precision, model, precision): the fraction of the mutant's float32
-    DDTree rows that are caught and leave the golden before the unmutated engine at that precision does on the
-    same mode, drafter accuracy and prompt (never, for a control row without a divergence)."""
+    DDTree rows that, judged at that precision (`rejudged`: its float32 runs declared that precision, engine
+    mutant-NAME-as-COMPUTE), are caught, and leave the golden before the unmutated engine at that precision
+    (`rows`, `controls`) does on the same mode, drafter accuracy and prompt (never, for a control row without a
+    divergence). Judged at that precision, a divergence after a router decision a correct engine may flip is
+    a router-near-tie (report/lossless.py): what the verdict can see is counted, no more."""
     key = ["mode", "accuracy", "prompt"]
-    tree = {info["name"] for info in mutants.values() if info["area"] == TREE_AREA}
-    f32 = rows[rows["mutant"].isin(tree) & (rows["precision_class"] == "float32")]
+    tree = {e: info["name"] for e, info in mutants.items() if info["area"] == TREE_AREA}
+    parts = rejudged["engine"].str.rsplit(AS_SUFFIX, n=1, expand=True) if len(rejudged) else None
+    if parts is None or parts.shape[1] < 2:
+        return pd.Series(dtype=float)
+    mine = rejudged.assign(mutant=parts[0].map(tree), compute=parts[1])
+    mine = mine[mine["mutant"].notna() & mine["mode"].str.startswith("ddtree")]
     out = {}
-    for compute, control in controls.items():
-        if compute == "float32" or not len(f32):
-            continue
+    for compute, grp in mine.groupby("compute"):
+        control = controls.get(compute)
         ctl = rows[rows["engine"] == control].set_index(["model", "precision", *key])["first_step"].astype(float)
-        at = pd.MultiIndex.from_frame(f32[["model", "precision", *key]])
+        at = pd.MultiIndex.from_frame(grp[["model", "precision", *key]])
         departs = ctl[~ctl.index.duplicated()].reindex(at).fillna(np.inf).to_numpy()
-        ahead = f32["caught"].to_numpy() & (f32["first_step"].astype(float).fillna(np.inf).to_numpy() < departs)
-        frac = f32.assign(ahead=ahead).groupby(["mutant", "model", "precision"])["ahead"].mean()
+        ahead = grp["class"].isin(CAUGHT_CLASSES).to_numpy() & \
+            (grp["first_step"].astype(float).fillna(np.inf).to_numpy() < departs)
+        frac = grp.assign(ahead=ahead).groupby(["mutant", "model", "precision"])["ahead"].mean()
         out.update({(mu, compute, mo, pr): v for (mu, mo, pr), v in frac.items()})
     return pd.Series(out, dtype=float)
 
 
 def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows: pd.DataFrame,
                        planned: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]],
-                       controls: Mapping[str, str]) -> pd.DataFrame:
+                       controls: Mapping[str, str], rejudged: pd.DataFrame) -> pd.DataFrame:
     """Per float32 mutant re-judged at a reduced precision and bundle (MUTATION_RESOLUTION_COLUMNS), for the
     (mutant, compute) pairs `planned` (run at that precision): the fraction of each
     kind's cells its float32 runs put beyond that bundle's noise model and the rule's verdict on them
@@ -173,7 +181,7 @@ def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows
     out = pd.DataFrame({"mutant": names[0], "compute": names[1], "model": t["model"], "precision": t["precision"]})
     for _, k in CELL_KINDS:
         out[f"{k}_beyond"] = (t[f"{k}_beyond"] / t[f"{k}_cells"].where(t[f"{k}_cells"] > 0)).to_numpy()
-    ahead = _tree_ahead(rows, mutants, controls)
+    ahead = _tree_ahead(rows, rejudged, mutants, controls)
     keys = pd.MultiIndex.from_frame(out[["mutant", "compute", "model", "precision"]])
     out["tree_ahead"] = ahead.reindex(keys).to_numpy(float) if len(ahead) else np.nan
     out["resolvable"] = np.where(out["tree_ahead"].notna(), out["tree_ahead"] >= REQUIRED_CATCH_RATE,

@@ -10,6 +10,12 @@ DDTree token: a lead beyond twice the tie credit (both logits may move by it) is
 rounding. The tie credit is the noise model's (margin x the largest logit error a correct engine of the
 precision shows at that step, or on that prompt once the row has left the golden's tokens), else the
 precision's logit budget; never the engine's own errors.
+
+A DDTree result records no routing. Where a correct engine of the row's precision may flip an expert choice (a
+golden router margin within twice `margin` times the noise model's movement of it, report/noise.py) at a position
+fed up to a step, its two runs may route apart there and part by far more than rounding: from that step on
+(flippable_steps) neither the lossless check nor the golden comparison can tell a tree bug from such a flip, and
+the row's divergence there is a router-near-tie with that decision as its evidence.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ def _tokens(data: Mapping[str, Any] | None, n: int) -> np.ndarray:
 
 
 def lossless_columns(base: pd.DataFrame, data: Sequence[Mapping[str, Any] | None], credit: np.ndarray,
-                     n_steps: int) -> dict[str, np.ndarray]:
+                     n_steps: int, flippable: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Per row of `base` (the report's rows before classification, `data` their prompt result objects): for
     a DDTree row whose engine also ran greedy on the same model, precision and prompt, the first step where
     their tokens differ (own_greedy_step), how far the greedy run's logits there put its token ahead of the
     DDTree token (own_greedy_gap; where the DDTree token is not in the greedy top-k, the lead over the last of
-    them, a lower bound), the tie credit there (`credit`, [R, N]: tie_credit) and, where the gap is beyond twice it, why the
-    row is not lossless (lossless); NaN / None elsewhere."""
+    them, a lower bound), the tie credit there (`credit`, [R, N]: tie_credit) and, where the gap is beyond twice it
+    before the row's first `flippable` step (flippable_steps; none: every step), why the row is not lossless
+    (lossless); NaN / None elsewhere."""
     R = len(base)
     out: dict[str, np.ndarray] = {c: np.full(R, np.nan) for c in LOSSLESS_COLUMNS[:3]}
     out["lossless"] = np.full(R, None, object)
@@ -80,7 +87,8 @@ def lossless_columns(base: pd.DataFrame, data: Sequence[Mapping[str, Any] | None
     out["own_greedy_step"][r] = step
     out["own_greedy_gap"][r] = gap
     out["lossless_credit"][r] = cr
-    broken = np.flatnonzero(gap > 2 * cr)   # NaN credit: not judged
+    limit = np.full(R, np.inf) if flippable is None else np.nan_to_num(flippable, nan=np.inf)
+    broken = np.flatnonzero((gap > 2 * cr) & (step < limit[r]))   # NaN credit: not judged
     lower = ~found.any(1)
     out["lossless"][r[broken]] = [
         f"its DDTree tokens leave its own greedy run's at step {int(step[j])} (greedy token {int(own[j])}, "
@@ -110,4 +118,41 @@ def tie_credit(base: pd.DataFrame, noise_models: Mapping[tuple[str, str, str], A
         widest = np.where(judged.any(1), np.where(judged, env, -np.inf).max(1), env.max(1))  # [r]
         on_golden = np.arange(env.shape[1])[None, :] <= np.nan_to_num(first[rows], nan=np.inf)[:, None]
         out[rows, : env.shape[1]] = margin * np.where(on_golden & judged, env, widest[:, None])
+    return out
+
+
+def flippable_steps(base: pd.DataFrame, noise_models: Mapping[tuple[str, str, str], Any],
+                    moe_layers: Mapping[tuple[str, str], np.ndarray], margin: float) -> dict[str, np.ndarray]:
+    """Per DDTree row with a noise model: the first step whose fed positions include a golden router decision
+    that a correct engine of its precision may flip (margin <= 2 x `margin` x the noise model's movement of it),
+    and that decision (router margin, layer, position); step inf where the prompt has none, NaN for other rows."""
+    R = len(base)
+    out = {k: np.full(R, np.nan) for k in ("step", "router_margin", "router_layer", "router_position")}
+    prompt = base["prompt"].to_numpy()
+    tree = (base["kind"] == "ddtree").to_numpy()
+    for (m, p, c), nm in noise_models.items():
+        rows = np.flatnonzero(tree & ((base["model"] == m) & (base["precision"] == p)
+                                      & (base["precision_class"] == c)).to_numpy())
+        if not rows.size or not nm.env_router.shape[-1]:
+            continue
+        g_margin, env = nm.golden_router_margins, nm.env_router                       # [P, positions, M]
+        with np.errstate(invalid="ignore"):
+            flip = np.isfinite(g_margin) & (g_margin <= 2 * margin * env)
+        any_pos = flip.any(-1)                                                          # [P, positions]
+        has = any_pos.any(-1)
+        pos = np.where(has, any_pos.argmax(-1), np.iinfo(np.int64).max)               # first such position
+        fed = nm.fed                                                                    # [P, N]
+        reach = fed >= pos[:, None]
+        step = np.where(has & reach.any(-1), reach.argmax(-1), np.inf)
+        pi = np.arange(len(pos))
+        at = np.where(has, pos, 0)
+        layer_margins = np.where(flip[pi, at], g_margin[pi, at], np.inf)               # [P, M]
+        li = layer_margins.argmin(-1)
+        pr = prompt[rows].astype(int)
+        out["step"][rows] = step[pr]
+        ok = rows[np.isfinite(step[pr])]
+        po = prompt[ok].astype(int)
+        out["router_margin"][ok] = layer_margins[po, li[po]]
+        out["router_layer"][ok] = np.asarray(moe_layers[(m, p)])[li[po]]
+        out["router_position"][ok] = pos[po]
     return out

@@ -37,7 +37,7 @@ from k2vec.report.classify import BudgetError, classify, resolve_budgets
 from k2vec.report import gate
 from k2vec.report.compare import compare_rows, finish_frame
 from k2vec.report.ddtree import acceptance_hist, compare_tree
-from k2vec.report.lossless import LOSSLESS_COLUMNS, lossless_columns, tie_credit
+from k2vec.report.lossless import LOSSLESS_COLUMNS, flippable_steps, lossless_columns, tie_credit
 from k2vec.report.format_effect_table import format_effect
 from k2vec.report.classes import CLASSES, SEVERITY
 from k2vec.report.golden_data import Golden, ReportError, golden_strength
@@ -438,6 +438,14 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
         if c not in base:
             base[c] = np.nan
     _take_score_routing(base, score_routing, opened)
+    # DDTree rows record no routing: from the first step where a correct engine may flip an expert, their
+    # divergence is a router-near-tie with that golden decision as evidence (report/lossless.py)
+    flippable = flippable_steps(base, noise_models, {k: g.moe_layers for k, g in opened.items()}, rule.margin)
+    tie = np.isfinite(flippable["step"]) & (base["first_step"].to_numpy(float) >= flippable["step"]) \
+        & base["router_margin"].isna().to_numpy()
+    for c in ("router_margin", "router_layer", "router_position"):
+        base.loc[tie, c] = flippable[c][tie]
+    base.loc[tie, "router_evidence"] = "a golden decision a correct engine may flip (DDTree results record no routing)"
     # score statistics first: a run over its budget gets no tie credit in its greedy / DDTree rows either
     judged = base["status"] == "ok"
     scored = score_stats(base[judged & (base["kind"] == "score")], steps, budgets,
@@ -458,7 +466,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     n_steps = max((g.N for g in opened.values()), default=0)
     for name, values in lossless_columns(base, [it.data for it in items],
                                          tie_credit(base, noise_models, budgets, rule.margin, n_steps),
-                                         n_steps).items():
+                                         n_steps, flippable["step"]).items():
         base[name] = values
     classified = classify(base, budgets, near_tie=th["near_tie"], router_near_tie=th["router_near_tie"])
     classified["class"] = _not_judged_class(base["status"], classified["class"])

@@ -25,9 +25,10 @@ from k2vec.report.noise import NoiseModel, Rule
 
 # Written by the mutation report (k2vec.mutation.score), read here: one row per mutant, compute precision and
 # bundle its float32 runs were judged on. The fractions are of each kind's cells beyond the noise model;
-# tree_ahead (DDTree mutants, whose effect is on tokens, not cells): the fraction of its float32 DDTree rows that
-# leave the golden before the unmutated engine of that precision does (the recorded drafts follow the golden's
-# tokens: past an engine's own departure its tree is barely exercised); resolvable: the rule's verdict on the
+# tree_ahead (DDTree mutants, whose effect is on tokens, not cells): the fraction of its float32 DDTree rows that,
+# judged at that precision, are caught and leave the golden before the unmutated engine of that precision does
+# (the recorded drafts follow the golden's tokens: past an engine's own departure its tree is barely exercised);
+# resolvable: the rule's verdict on the
 # cells, for a DDTree mutant tree_ahead >= REQUIRED_CATCH_RATE; catch_rate: of the mutant's own runs at that
 # precision there; below: neither resolvable nor caught there (in REQUIRED_CATCH_RATE of its rows), the
 # mutants the report names.
