@@ -443,9 +443,11 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     flippable = flippable_steps(base, noise_models, {k: g.moe_layers for k, g in opened.items()}, rule.margin)
     tie = np.isfinite(flippable["step"]) & (base["first_step"].to_numpy(float) >= flippable["step"]) \
         & base["router_margin"].isna().to_numpy()
-    for c in ("router_margin", "router_layer", "router_position"):
-        base.loc[tie, c] = flippable[c][tie]
-    base.loc[tie, "router_evidence"] = "a golden decision a correct engine may flip (DDTree results record no routing)"
+    if tie.any():
+        for c in ("router_margin", "router_layer", "router_position"):
+            base.loc[tie, c] = flippable[c][tie]
+        base["router_evidence"] = base["router_evidence"].astype(object)
+        base.loc[tie, "router_evidence"] = "a golden decision a correct engine may flip (DDTree results record no routing)"
     # score statistics first: a run over its budget gets no tie credit in its greedy / DDTree rows either
     judged = base["status"] == "ok"
     scored = score_stats(base[judged & (base["kind"] == "score")], steps, budgets,
