@@ -128,3 +128,14 @@ def test_each_bundle_is_one_checkpoint_and_one_vllm_process(vllm_pipeline):
                   ["timing"] for mode in ("greedy", "score")]
         assert timing[0]["load_s"] > 0 and timing[1]["load_s"] == 0.0   # the score run reused the loaded vLLM
         assert timing[0]["checkpoint_reused"] is False
+
+
+def test_an_inherited_cache_dir_is_kept_only_where_it_can_be_written(tmp_path):
+    """A TORCHINDUCTOR_CACHE_DIR (or vLLM's) inherited from a shell or a parent process that imported torch's
+    plugins may point into /tmp, read-only in the sandbox: the engine then uses its TMPDIR instead."""
+    from k2vec.engines.vllm.engine import _writable
+    assert _writable(str(tmp_path / "new" / "deeper")) and (tmp_path / "new" / "deeper").is_dir()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert not _writable(str(blocker / "inductor"))        # cannot be made, root or not
+    assert not _writable(None) and not _writable("")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -61,15 +62,31 @@ class Loaded:
     checkpoint_reused: bool
 
 
+def _writable(path: str | None) -> bool:
+    """Whether `path` is a directory this process can make and write in (tried: a read-only mount refuses even
+    root, whatever the permission bits say)."""
+    if not path:
+        return False
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
 def load(bundle_path: str, dtype: str, threads: int) -> Loaded:
     started_at = time.time()
     t0 = time.perf_counter()
     for k, v in VLLM_ENV.items():
         os.environ.setdefault(k, v)
     tmp = os.environ.get("TMPDIR", "/tmp")
-    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tmp, "vllm-cache"))
-    os.environ.setdefault("VLLM_CONFIG_ROOT", os.path.join(tmp, "vllm-config"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "torchinductor"))   # not /tmp: read-only there
+    # not /tmp: read-only in the sandbox; an inherited setting is kept only where it can be written (a shell's,
+    # or one that importing torch's plugins put into a parent process, may point there)
+    for key, name in (("VLLM_CACHE_ROOT", "vllm-cache"), ("VLLM_CONFIG_ROOT", "vllm-config"),
+                      ("TORCHINDUCTOR_CACHE_DIR", "torchinductor")):
+        if not _writable(os.environ.get(key)):
+            os.environ[key] = os.path.join(tmp, name)
     import torch
     import vllm
 
