@@ -234,7 +234,7 @@ def test_plan_runs_tree_mutants_with_their_greedy_reference_at_every_precision()
 
 
 def test_the_mixing_ladder_names_catalogue_mutants_in_growing_order():
-    from k2vec.mutation.ladder import MIXING_LADDER
+    from k2vec.report.resolution import MIXING_LADDER
     assert all(name in MUTANTS and MUTANTS[name].area == "router" for name, _ in MIXING_LADDER)
     sizes = [float(label.rstrip("%")) for _, label in MIXING_LADDER]
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)

@@ -551,7 +551,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "routed_scaling_factor 12% low: x 2.5 / 2.827",
        "DeepSeek-V3's routed_scaling_factor 2.5 hard-coded in an engine run on Kimi K2 (2.827)"),
     # with router_scaling_v3_value (12%) and router_scaling_missing, the mixing-weight ladder
-    # (k2vec.mutation.ladder): a bundle's resolution in mixing-weight terms
+    # (report/resolution.py MIXING_LADDER): a bundle's resolution in mixing-weight terms
     _m("router_scaling_truncated", "router", _truncation_changes, _scale_truncated,
        "routed_scaling_factor cut to one decimal: 2.827 -> 2.8 (1% low)",
        "a scaling constant typed in by hand from the model card"),

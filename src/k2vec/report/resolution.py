@@ -20,7 +20,6 @@ import pandas as pd
 
 from k2vec.report.gate import failing
 from k2vec.report.golden_data import Golden, ReportError
-from k2vec.mutation.ladder import MIXING_LADDER
 from k2vec.report.noise import NoiseModel, Rule
 
 # Written by the mutation report (k2vec.mutation.score), read here: one row per mutant, compute precision and
@@ -39,6 +38,12 @@ MUTATION_RESOLUTION_COLUMNS = ["mutant", "compute", "model", "precision", "golde
 RESOLUTION_COLUMNS = ["model", "precision", "precision_class", "golden_sha256", "hidden_rel", "hidden_rel_layers", "logit_abs", "kl",
                       "hidden_cells", "step_cells", "below", "mixing_scale", "mutation_note"]
 EXAMPLES = 4   # mutants named in a summary line ("e.g. ...")
+# The mixing-weight ladder: catalogue mutants (k2vec.mutation.catalogue) that put the routed experts' mixing weights
+# off by growing amounts (at K2's routed_scaling_factor 2.827). The smallest step a bundle's verdict sees at a
+# precision is its resolution in those terms (_mixing_scale).
+MIXING_LADDER = (("router_scaling_truncated", "1%"), ("router_scaling_5pct_low", "5%"),
+                 ("router_scaling_10pct_low", "10%"), ("router_scaling_v3_value", "12%"),
+                 ("router_scaling_missing", "65%"))
 
 
 def resolution_table(models: Mapping[tuple[str, str, str], NoiseModel], goldens: Mapping[tuple[str, str], Golden],
