@@ -127,3 +127,10 @@ def test_a_lossless_breach_from_a_flippable_step_on_is_not_judged():
     assert at_2["own_greedy_step"][1] == 2 and at_2["lossless"][1] is None
     at_3 = lossless_columns(base, data, np.full((2, N), 0.5), N, flippable=np.array([np.nan, 3.0]))
     assert at_3["lossless"][1] is not None
+
+
+def test_a_greedy_run_whose_top_k_stops_short_gives_no_verdict():
+    base, data = frame(CASES[2])                 # parts at step 2
+    data[0] = {**data[0], "topk_ids": TOPK_IDS[:2], "topk_logits": TOPK_LOGITS[:2]}
+    out = lossless_columns(base, data, np.full((2, N), 0.5), N)
+    assert np.isnan(out["own_greedy_step"][1]) and out["lossless"][1] is None

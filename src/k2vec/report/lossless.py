@@ -65,7 +65,10 @@ def lossless_columns(base: pd.DataFrame, data: Sequence[Mapping[str, Any] | None
     g_tok = np.stack([_tokens(data[i], n_steps) for i in g_i])
     differs = (d_tok != g_tok) & (d_tok >= 0) & (g_tok >= 0)
     first = np.where(differs.any(1), differs.argmax(1), -1)
-    part = np.flatnonzero(first >= 0)
+    # the greedy run's top-k must reach that step (a result the runner refused may not: no verdict then)
+    reach = np.array([f >= 0 and f < min(len(data[g].get("topk_ids") or ()), len(data[g].get("topk_logits") or ()))
+                      for f, g in zip(first, g_i)], bool)
+    part = np.flatnonzero(reach)
     if not part.size:
         return out
     step = first[part]
