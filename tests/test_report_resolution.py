@@ -379,3 +379,19 @@ def test_a_tree_mutant_is_resolvable_where_its_float32_effect_comes_before_the_p
     assert ahead[("ddtree_mask_causal", "bfloat16", "small", "fp32")] == 0.0
     assert ahead[("ddtree_mask_causal", "float16", "tiny", "fp32")] == 1.0      # no control: never departs
     assert not any(k[0] == "experts_gelu" for k in ahead.index)
+
+
+def test_a_clean_engine_without_ddtree_runs_is_not_told_of_ddtree_mutants():
+    """The DDTree mutants below a bundle's resolution (below_ddtree) concern only engines that ran DDTree there."""
+    r = {"model": "tiny", "precision": "fp32", "precision_class": "bfloat16", "golden_sha256": "a" * 64,
+         "hidden_rel": 0.01, "hidden_rel_layers": [0.01], "logit_abs": 0.2, "kl": 0.003, "hidden_cells": 30,
+         "step_cells": 10, "below": ["ddtree_mask_causal", "router_logits_bf16"],
+         "below_ddtree": ["ddtree_mask_causal"], "mixing_scale": None, "mutation_note": None}
+    resolution = pd.DataFrame([r])
+    rows = pd.DataFrame({"engine": ["plain", "tree", "tree"], "model": "tiny", "precision": "fp32",
+                         "mode": ["greedy", "greedy", "ddtree-b4"], "class": "exact", "tree_match": [None, None, True]})
+    noise_table = pd.DataFrame({"engine": ["plain", "tree"], "model": "tiny", "precision": "fp32",
+                                "precision_class": "bfloat16", "verdict": "within"})
+    lines = {line.split()[1]: line for line in resolution_lines(resolution, rows, noise_table, {}, {})}
+    assert "(e.g. router_logits_bf16 of the catalogue)" in lines["plain"]
+    assert "(e.g. ddtree_mask_causal, router_logits_bf16 of the catalogue)" in lines["tree"]

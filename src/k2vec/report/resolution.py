@@ -36,7 +36,7 @@ MUTATION_RESOLUTION_COLUMNS = ["mutant", "compute", "model", "precision", "golde
                                "logit_beyond", "kl_beyond", "router_beyond", "tree_ahead", "resolvable", "catch_rate",
                                "below"]
 RESOLUTION_COLUMNS = ["model", "precision", "precision_class", "golden_sha256", "hidden_rel", "hidden_rel_layers", "logit_abs", "kl",
-                      "hidden_cells", "step_cells", "below", "mixing_scale", "mutation_note"]
+                      "hidden_cells", "step_cells", "below", "below_ddtree", "mixing_scale", "mutation_note"]
 EXAMPLES = 4   # mutants named in a summary line ("e.g. ...")
 # The mixing-weight ladder: catalogue mutants (k2vec.mutation.catalogue) that put the routed experts' mixing weights
 # off by growing amounts (at K2's routed_scaling_factor 2.827). The smallest step a bundle's verdict sees at a
@@ -56,7 +56,7 @@ def resolution_table(models: Mapping[tuple[str, str, str], NoiseModel], goldens:
     for (m, p, c), nm in sorted(models.items()):
         below, note = _below(measured, m, p, c, goldens[(m, p)].sha256)
         out.append({"model": m, "precision": p, "precision_class": c, "golden_sha256": goldens[(m, p)].sha256,
-                    **nm.resolution(rule), "below": below,
+                    **nm.resolution(rule), "below": below, "below_ddtree": _tree_mutants(measured, below),
                     "mixing_scale": _mixing_scale(measured, m, p, c) if below is not None else None,
                     "mutation_note": note})
     return pd.DataFrame(out, columns=RESOLUTION_COLUMNS)
@@ -88,6 +88,15 @@ def _below(measured: pd.DataFrame | None, model: str, precision: str, precision_
     if not (t["golden_sha256"] == golden_sha256).all():
         return None, "the mutation run's results are of another golden: rerun `snakemake mutation_report`"
     return sorted(t.loc[t["below"].astype(bool), "mutant"]), None
+
+
+def _tree_mutants(measured: pd.DataFrame | None, names: list[str] | None) -> list[str] | None:
+    """The DDTree mutants among `names` (those measured by tree_ahead): a verdict without DDTree runs does not
+    miss them."""
+    if measured is None or names is None:
+        return None
+    tree = set(measured.loc[measured["tree_ahead"].notna(), "mutant"])
+    return [n for n in names if n in tree]
 
 
 def _mixing_scale(measured: pd.DataFrame, model: str, precision: str, precision_class: str) -> str | None:
@@ -145,25 +154,34 @@ def resolution_lines(resolution: pd.DataFrame, rows: pd.DataFrame, noise_table: 
         return []
     clean = clean_engines(rows, noise_table)
     lines = []
-    for _, r in resolution.iterrows():
-        c, below = r["precision_class"], r["below"]
-        examples, note = "", ""
+    def below_words(r, with_tree: bool) -> tuple[str, str]:
+        """(examples, note) for the mutants below a bundle's resolution; without DDTree runs, not DDTree's."""
+        below = r["below"]
         if not isinstance(below, list):
-            note = f" ({r['mutation_note']})"
-        elif below:
-            more = f" and {len(below) - EXAMPLES} more" if len(below) > EXAMPLES else ""
-            examples = f" (e.g. {', '.join(below[:EXAMPLES])}{more} of the catalogue)"
+            examples, note = "", f" ({r['mutation_note']})"
         else:
-            note = " (no catalogue mutant judged on this bundle is below it)"
+            if not with_tree:
+                below = [n for n in below if n not in (r.get("below_ddtree") or ())]
+            more = f" and {len(below) - EXAMPLES} more" if len(below) > EXAMPLES else ""
+            examples = f" (e.g. {', '.join(below[:EXAMPLES])}{more} of the catalogue)" if below else ""
+            note = "" if below else " (no catalogue mutant judged on this bundle is below it)"
         if isinstance(r.get("mixing_scale"), str):
             note += f"; it sees {r['mixing_scale']}"
+        return examples, note
+
+    tree_rows = rows[rows["mode"].astype(str).str.startswith("ddtree")] if len(rows) else rows
+    tree_runs = set(zip(tree_rows["engine"], tree_rows["model"], tree_rows["precision"])) if len(tree_rows) else set()
+    for _, r in resolution.iterrows():
+        c = r["precision_class"]
         mine = clean[(clean["model"] == r["model"]) & (clean["precision"] == r["precision"])
                      & (clean["precision_class"] == c)]
         where = f"{r['model']}/{r['precision']}"
         if not len(mine):
+            examples, note = below_words(r, True)
             lines.append(f"resolution {where} at {c}: the noise model's verdict resolves {resolution_words(r)}; "
                          f"bugs smaller than that{examples} need a float32 run{note}")
         for e in mine["engine"]:
+            examples, note = below_words(r, (e, r["model"], r["precision"]) in tree_runs)
             lines.append(f"CLEAN {e} {where}: clean at {c} down to {resolution_words(r)}; bugs smaller than that"
                          f"{examples} need {float32_advice(e, float32_engines, left_out)}{note}")
     return lines
@@ -173,4 +191,5 @@ def resolution_csv(resolution: pd.DataFrame) -> pd.DataFrame:
     """resolution.csv: the table with its lists as text (layers space-separated, mutants ';'-separated)."""
     return resolution.assign(
         hidden_rel_layers=resolution["hidden_rel_layers"].map(lambda v: " ".join(f"{x:.6g}" for x in v)),
-        below=resolution["below"].map(lambda v: "; ".join(v) if isinstance(v, list) else ""))
+        below=resolution["below"].map(lambda v: "; ".join(v) if isinstance(v, list) else ""),
+        below_ddtree=resolution["below_ddtree"].map(lambda v: "; ".join(v) if isinstance(v, list) else ""))
