@@ -11,6 +11,7 @@ import pytest
 
 from k2vec.report.classify import DEFAULT_BUDGETS, classify
 from k2vec.report.lossless import lossless_columns, tie_credit
+from k2vec.report.noise import NoiseModel, Rule
 
 N = 6
 GREEDY = [5, 7, 9, 11, 13, 15]
@@ -111,10 +112,12 @@ def test_flippable_steps_find_the_first_router_decision_a_correct_engine_may_fli
     margins[0, 5, 1] = 0.003                     # prompt 0: position 5, layer index 1: 0.003 <= 2 x 2 x 0.001
     margins[1, 6, 0] = 0.005                     # prompt 1: 0.005 > 0.004, not flippable
     nm = SimpleNamespace(golden_router_margins=margins, env_router=env,
-                         fed=np.array([[3, 4, 5, 6, 7], [2, 3, 4, 5, 6]]))
+                         fed=np.array([[3, 4, 5, 6, 7], [2, 3, 4, 5, 6]]),
+                         router_tie_bound=lambda rule: NoiseModel.router_tie_bound(nm, rule))
     base = pd.DataFrame({"model": "m", "precision": "int4", "precision_class": "bfloat16", "prompt": [0, 1, 0],
                          "kind": ["ddtree", "ddtree", "greedy"]})
-    out = flippable_steps(base, {("m", "int4", "bfloat16"): nm}, {("m", "int4"): np.array([1, 2])}, margin=2.0)
+    out = flippable_steps(base, {("m", "int4", "bfloat16"): nm}, {("m", "int4"): np.array([1, 2])},
+                          Rule(margin=2.0, fraction=0.2, min_cells=6))
     assert out["step"][0] == 2 and out["router_position"][0] == 5 and out["router_layer"][0] == 2
     assert out["router_margin"][0] == pytest.approx(0.003)
     assert np.isinf(out["step"][1]) and np.isnan(out["router_margin"][1])   # nothing a correct engine flips

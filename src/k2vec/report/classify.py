@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from k2vec.errors import K2VecError
+from k2vec.report.gate import NEAR_TIE_CLASSES
 
 PRECISION_CLASSES = ("float32", "bfloat16", "float16", "fp8")
 BUDGET_KEYS = ("logit_abs", "hidden_rel", "same_top1", "kl_mean", "kl_p99")
@@ -127,8 +128,7 @@ def classify(rows: pd.DataFrame, budgets, *, near_tie: float, router_near_tie: f
     # a DDTree row that leaves its own engine's greedy tokens where that run's choice led by more than rounding
     # moves (report/lossless.py) is a tree bug, whatever its distance from the golden
     lossless = rows["lossless"].to_numpy(object) if "lossless" in rows else np.full(len(rows), None, object)
-    cls = np.where(pd.notna(lossless) & np.isin(cls, ["exact", "near-tie", "router-near-tie", "precision-tie"]),
-                   "real", cls)
+    cls = np.where(pd.notna(lossless) & np.isin(cls, ["exact", *NEAR_TIE_CLASSES]), "real", cls)
     rows["class"] = cls
     rows["noise"] = noise
     rows["over_budget"] = why

@@ -125,9 +125,9 @@ def tie_credit(base: pd.DataFrame, noise_models: Mapping[tuple[str, str, str], A
 
 
 def flippable_steps(base: pd.DataFrame, noise_models: Mapping[tuple[str, str, str], Any],
-                    moe_layers: Mapping[tuple[str, str], np.ndarray], margin: float) -> dict[str, np.ndarray]:
+                    moe_layers: Mapping[tuple[str, str], np.ndarray], rule: Any) -> dict[str, np.ndarray]:
     """Per DDTree row with a noise model: the first step whose fed positions include a golden router decision
-    that a correct engine of its precision may flip (margin <= 2 x `margin` x the noise model's movement of it),
+    that a correct engine of its precision may flip (its margin within NoiseModel.router_tie_bound),
     and that decision (router margin, layer, position); step inf where the prompt has none, NaN for other rows."""
     R = len(base)
     out = {k: np.full(R, np.nan) for k in ("step", "router_margin", "router_layer", "router_position")}
@@ -138,9 +138,9 @@ def flippable_steps(base: pd.DataFrame, noise_models: Mapping[tuple[str, str, st
                                       & (base["precision_class"] == c)).to_numpy())
         if not rows.size or not nm.env_router.shape[-1]:
             continue
-        g_margin, env = nm.golden_router_margins, nm.env_router                       # [P, positions, M]
+        g_margin = nm.golden_router_margins                                             # [P, positions, M]
         with np.errstate(invalid="ignore"):
-            flip = np.isfinite(g_margin) & (g_margin <= 2 * margin * env)
+            flip = np.isfinite(g_margin) & (g_margin <= nm.router_tie_bound(rule))
         any_pos = flip.any(-1)                                                          # [P, positions]
         has = any_pos.any(-1)
         pos = np.where(has, any_pos.argmax(-1), np.iinfo(np.int64).max)               # first such position

@@ -440,7 +440,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     _take_score_routing(base, score_routing, opened)
     # DDTree rows record no routing: from the first step where a correct engine may flip an expert, their
     # divergence is a router-near-tie with that golden decision as evidence (report/lossless.py)
-    flippable = flippable_steps(base, noise_models, {k: g.moe_layers for k, g in opened.items()}, rule.margin)
+    flippable = flippable_steps(base, noise_models, {k: g.moe_layers for k, g in opened.items()}, rule)
     tie = np.isfinite(flippable["step"]) & (base["first_step"].to_numpy(float) >= flippable["step"]) \
         & base["router_margin"].isna().to_numpy()
     if tie.any():

@@ -161,6 +161,11 @@ class NoiseModel:
             out.append(rec)
         return out
 
+    def router_tie_bound(self, rule: Rule) -> np.ndarray:
+        """[P, positions, M]: the golden router margin up to which a flipped decision is a correct engine's
+        rounding: twice `margin` times the schedules' movement of it (inf where one of them flips it)."""
+        return 2 * rule.margin * self.env_router
+
     def kl_stats(self) -> tuple[float, float]:
         """(mean, p99) of KL(golden || schedule) over every position, the largest of the schedules: what a
         correct engine's score run shows, beside an engine's (the score table)."""
@@ -242,9 +247,9 @@ def noise_cells(models: Mapping[tuple[str, str, str], NoiseModel], key: tuple[st
         if differs.shape[-1]:
             g_pos = np.clip(nm.fed[p], 0, nm.env_router.shape[1] - 1)                 # [r, N]
             g_margin = np.take_along_axis(nm.golden_router_margins[p], g_pos[:, :, None], axis=1)
-            env = np.take_along_axis(nm.env_router[p], g_pos[:, :, None], axis=1)
+            bound = np.take_along_axis(nm.router_tie_bound(rule)[p], g_pos[:, :, None], axis=1)
             decided = before[rows][:, :, None] & np.isfinite(g_margin)
-            flips = decided & differs[rows] & (g_margin > 2 * rule.margin * env)
+            flips = decided & differs[rows] & (g_margin > bound)
             out["noise_router_cells"][rows], out["noise_router_beyond"][rows] = decided.sum((1, 2)), flips.sum((1, 2))
         else:
             out["noise_router_cells"][rows] = out["noise_router_beyond"][rows] = 0
@@ -307,7 +312,7 @@ def router_credit(models: Mapping[tuple[str, str, str], NoiseModel], goldens: Ma
         sel, li = sel[ok], li[ok]
         pr, ps = rows["prompt"].to_numpy(int)[sel], pos[sel].astype(int)
         inside = ps < nm.env_router.shape[1]
-        out[sel[inside]] = 2 * rule.margin * nm.env_router[pr[inside], ps[inside], li[inside]]
+        out[sel[inside]] = nm.router_tie_bound(rule)[pr[inside], ps[inside], li[inside]]
     return out
 
 
