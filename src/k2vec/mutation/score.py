@@ -117,8 +117,8 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     rows = rows.assign(mutant=rows["engine"].map(names), caught=rows["class"].isin(CAUGHT_CLASSES))
     # a DDTree mutant's greedy runs are the reference of its lossless check (mutation/plan.py), not its code
     # path: its catch rate is over its DDTree rows
-    tree = rows["engine"].map({e: info["area"] == TREE_AREA for e, info in mutants.items()}).fillna(False)
-    rows = rows[~(tree.astype(bool) & (rows["mode"] == "greedy"))]
+    tree = [e for e, info in mutants.items() if info["area"] == TREE_AREA]
+    rows = rows[~(rows["engine"].isin(tree) & (rows["mode"] == "greedy"))]
     scores = mutation_scores(rows, mutants)
     # the mutants run at each reduced precision (their resolution is measured there only)
     planned = pd.DataFrame([(info["name"], info.get("precision", "float32")) for info in mutants.values()],
@@ -137,6 +137,12 @@ def build_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tu
     return res
 
 
+def _rejudged_names(engines: pd.Series) -> dict[str, pd.Series]:
+    """mutant and compute of re-judged engine names, mutant-NAME-as-COMPUTE (AS_SUFFIX)."""
+    parts = engines.str.removeprefix("mutant-").str.rsplit(AS_SUFFIX, n=1, expand=True)
+    return {"mutant": parts[0], "compute": parts[1]}
+
+
 def _tree_ahead(rows: pd.DataFrame, rejudged: pd.DataFrame, mutants: Mapping[str, Mapping[str, str]],
                 controls: Mapping[str, str]) -> pd.Series:
     """Per (DDTree mutant, reduced compute precision, model, precision): the fraction of the mutant's float32
@@ -146,12 +152,11 @@ def _tree_ahead(rows: pd.DataFrame, rejudged: pd.DataFrame, mutants: Mapping[str
     divergence). Judged at that precision, a divergence after a router decision a correct engine may flip is
     a router-near-tie (report/lossless.py): what the verdict can see is counted, no more."""
     key = ["mode", "accuracy", "prompt"]
-    tree = {e: info["name"] for e, info in mutants.items() if info["area"] == TREE_AREA}
-    parts = rejudged["engine"].str.rsplit(AS_SUFFIX, n=1, expand=True) if len(rejudged) else None
-    if parts is None or parts.shape[1] < 2:
+    tree = {info["name"] for info in mutants.values() if info["area"] == TREE_AREA}
+    if not len(rejudged):
         return pd.Series(dtype=float)
-    mine = rejudged.assign(mutant=parts[0].map(tree), compute=parts[1])
-    mine = mine[mine["mutant"].notna() & mine["mode"].str.startswith("ddtree")]
+    mine = rejudged.assign(**_rejudged_names(rejudged["engine"]))
+    mine = mine[mine["mutant"].isin(tree) & mine["mode"].str.startswith("ddtree")]
     out = {}
     for compute, grp in mine.groupby("compute"):
         control = controls.get(compute)
@@ -177,8 +182,7 @@ def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows
     t = noise_table[noise_table["engine"].str.contains(AS_SUFFIX, regex=False)] if len(noise_table) else noise_table
     if not len(t):
         return pd.DataFrame(columns=MUTATION_RESOLUTION_COLUMNS)
-    names = t["engine"].str.removeprefix("mutant-").str.rsplit(AS_SUFFIX, n=1, expand=True)
-    out = pd.DataFrame({"mutant": names[0], "compute": names[1], "model": t["model"], "precision": t["precision"]})
+    out = pd.DataFrame({**_rejudged_names(t["engine"]), "model": t["model"], "precision": t["precision"]})
     for _, k in CELL_KINDS:
         out[f"{k}_beyond"] = (t[f"{k}_beyond"] / t[f"{k}_cells"].where(t[f"{k}_cells"] > 0)).to_numpy()
     ahead = _tree_ahead(rows, rejudged, mutants, controls)
