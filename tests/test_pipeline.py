@@ -132,6 +132,51 @@ def test_batch_results_equal_single_run_results(pipeline, tmp_path, engine):
     shutil.rmtree(root / "results/runs" / single)   # later tests count the default run's engines
 
 
+def test_numpy_batch_decodes_its_ddtree_runs_together_and_an_error_fails_only_its_run(pipeline, tmp_path, monkeypatch):
+    """The numpy engine's batch verifies its DDTree runs in one lockstep pass; when that pass raises, the runs are
+    decoded one by one, so the runs before the one at fault keep their results and the error names its run."""
+    from k2vec.engines import numpy_engine
+    from k2vec.engines.contract.modes import BATCH_FORMAT
+    from k2vec.errors import K2VecError
+
+    root, _ = pipeline
+    bundle = root / "results/bundles/tiny-fp32.kdtr"
+    want = {p.name: json.loads(p.read_text())["runs"] for p in (root / "results/runs/numpy").glob("tiny-fp32-*.json")}
+    runs = [("greedy", 0), ("ddtree", 4), ("ddtree", 64), ("ddtree", 16), ("score", 0)]
+    listing = tmp_path / "listing.json"
+    listing.write_text(json.dumps({"format": BATCH_FORMAT, "version": 1, "bundle": str(bundle), "runs": [
+        {"mode": m, "budget": b, "output": str(tmp_path / f"tiny-fp32-{m}{f'-b{b}' if b else ''}.json")}
+        for m, b in runs]}))   # the pipeline's result names
+    passes = []
+    generate = numpy_engine.ddtree_generate
+
+    def counted(model, jobs, n):
+        passes.append(sorted({j.budget for j in jobs}))
+        return generate(model, jobs, n)
+
+    monkeypatch.setattr(numpy_engine, "ddtree_generate", counted)
+    assert numpy_engine.main(["--bundle", str(bundle), "--batch", str(listing)]) == 0
+    assert passes == [[4, 16, 64]]
+    for m, b in runs:
+        name = f"tiny-fp32-{m}{f'-b{b}' if b else ''}.json"
+        got = json.loads((tmp_path / name).read_text())
+        assert got["runs"] == want[name], name
+
+    def failing_at_64(model, jobs, n):
+        if any(j.budget == 64 for j in jobs):
+            raise K2VecError("budget 64 fails")
+        return generate(model, jobs, n)
+
+    for p in tmp_path.glob("tiny-fp32-*.json"):
+        p.unlink()
+    monkeypatch.setattr(numpy_engine, "ddtree_generate", failing_at_64)
+    with pytest.raises(K2VecError, match="budget 64 fails"):
+        numpy_engine.main(["--bundle", str(bundle), "--batch", str(listing)])
+    written = sorted(p.name for p in tmp_path.glob("tiny-fp32-*.json"))
+    assert written == ["tiny-fp32-ddtree-b4.json", "tiny-fp32-greedy.json"]
+    assert json.loads((tmp_path / "tiny-fp32-ddtree-b4.json").read_text())["runs"] == want["tiny-fp32-ddtree-b4.json"]
+
+
 # ------------------------------------------------------------------------------------- bundles
 
 def test_bundles_byte_identical_across_runs(pipeline, tmp_path):

@@ -9,6 +9,11 @@ transformer math is the reference model's (k2vec.reference), as the engine contr
         [--precision bfloat16|float16|fp8]
     python -m k2vec.engines.numpy_engine --bundle B.kdtr --batch LISTING.json   (every run of the bundle)
 
+In a batch, the DDTree runs are verified together (`decode_ddtree`): every (budget, drafter accuracy,
+prompt) advances in one lockstep pass, so a round reads the weights once for all of them; their results
+are written in the listing's order once that pass ends. A DDTree result holds only tokens and tree
+indices, which the pass leaves as a single run computes them (tests/test_pipeline.py checks, byte for byte).
+
 --precision emulates an engine of that precision (k2vec.model.precision: its values rounded to the format
 at the op boundaries of ENGINE_SCHEDULE, a schedule the noise model does not use); the default computes
 in float64.
@@ -153,25 +158,53 @@ def decode(loaded: Loaded, mode: str, budget: int, precision: str | None = None,
         results = greedy_generate(model, prompts, n_new, top_k=decoding["top_k"], forced=golden)
         runs = [{"drafter": None, "prompts": [score_prompt(r) for r in results]}]
     elif mode == "ddtree":
-        runs = []
-        for a_i, accuracy in enumerate(meta["golden"]["ddtree"]["accuracies"]):
-            jobs = []
-            for i, p in enumerate(prompts):
-                ids = np.asarray(bundle[f"drafts.a{a_i}.p{i}.ids"])
-                drafts = RecordedDrafts(ids, np.asarray(bundle[f"drafts.a{a_i}.p{i}.logprobs"]),
-                                        np.full(ids.shape[:2], -1, np.int32), len(p))
-                jobs.append(DDTreeJob(p, drafts, budget))
-            results = ddtree_generate(model, jobs, n_new)
-            runs.append({"drafter": {"accuracy": accuracy},
-                         "prompts": [{"tokens": r.tokens.tolist(), "rounds": [ddtree_round(x) for x in r.rounds]}
-                                     for r in results]})
+        return decode_ddtree(loaded, [budget], precision, first)[budget]
     else:
         raise K2VecError(f"unknown mode {mode!r}; the contract's modes: {', '.join(CONTRACT_MODES)}")
-    t_end = time.perf_counter()
+    return _result(loaded, runs, precision, first, time.perf_counter() - t_load)
+
+
+def decode_ddtree(loaded: Loaded, budgets: list[int], precision: str | None = None,
+                  first: bool = True) -> dict[int, dict]:
+    """budget -> the result object of the DDTree run at that budget, all of them decoded in one lockstep
+    `ddtree_generate` over every (budget, drafter accuracy, prompt); `first`: the process's first run (the first
+    budget's result reports the load). Each run's decode_s is its share of the pass, by the tree nodes it
+    verified."""
+    bundle, meta, prompts = loaded.bundle, loaded.meta, loaded.prompts
+    accuracies = meta["golden"]["ddtree"]["accuracies"]
+    budgets = list(dict.fromkeys(budgets))
+    drafts = [[_recorded_drafts(bundle, a_i, i, len(p)) for i, p in enumerate(prompts)]
+              for a_i in range(len(accuracies))]
+    jobs = [DDTreeJob(p, drafts[a_i][i], budget)
+            for budget in budgets for a_i in range(len(accuracies)) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    results = ddtree_generate(loaded.model, jobs, meta["decoding"]["max_new_tokens"])
+    seconds = time.perf_counter() - t0
+    per_run = len(accuracies) * len(prompts)
+    nodes = np.array([sum(len(x.node_tokens) for x in r.rounds) for r in results]).reshape(len(budgets), per_run)
+    out = {}
+    for b_i, budget in enumerate(budgets):
+        mine = results[b_i * per_run:(b_i + 1) * per_run]
+        runs = [{"drafter": {"accuracy": accuracy},
+                 "prompts": [{"tokens": r.tokens.tolist(), "rounds": [ddtree_round(x) for x in r.rounds]}
+                             for r in mine[a_i * len(prompts):(a_i + 1) * len(prompts)]]}
+                for a_i, accuracy in enumerate(accuracies)]
+        out[budget] = _result(loaded, runs, precision, first and b_i == 0,
+                              seconds * nodes[b_i].sum() / nodes.sum())
+    return out
+
+
+def _recorded_drafts(bundle, accuracy_index: int, prompt_index: int, prompt_len: int) -> RecordedDrafts:
+    ids = np.asarray(bundle[f"drafts.a{accuracy_index}.p{prompt_index}.ids"])
+    return RecordedDrafts(ids, np.asarray(bundle[f"drafts.a{accuracy_index}.p{prompt_index}.logprobs"]),
+                          np.full(ids.shape[:2], -1, np.int32), prompt_len)
+
+
+def _result(loaded: Loaded, runs: list[dict], precision: str | None, first: bool, decode_s: float) -> dict:
     return {"format": "k2vec-engine-result", "version": 1,
             "device": f"cpu ({platform.machine()}, numpy {np.__version__}, "
                       f"{'float64' if precision is None else precision + ' emulated in float64'})",
-            "timing": {"load_s": loaded.load_s if first else 0.0, "decode_s": t_end - t_load},
+            "timing": {"load_s": loaded.load_s if first else 0.0, "decode_s": decode_s},
             "runs": runs}
 
 
@@ -181,8 +214,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     runs = contract_runs(ap, args)
     loaded = load(args.bundle, precision=args.precision)
+    ddtree: dict[int, dict] | None = None
     for i, r in enumerate(runs):   # the bundle is loaded once: the first result carries the load time
-        write_output(r.output, decode(loaded, r.mode, r.budget, args.precision, first=i == 0))
+        if r.mode == "ddtree" and ddtree is None:
+            try:
+                ddtree = decode_ddtree(loaded, [x.budget for x in runs[i:] if x.mode == "ddtree"], args.precision,
+                                       first=i == 0)
+            except Exception:   # decoded one by one instead, so that an error fails only the run it belongs to
+                ddtree = {}
+        if r.mode == "ddtree" and r.budget in ddtree:
+            result = ddtree[r.budget]
+        else:
+            result = decode(loaded, r.mode, r.budget, args.precision, first=i == 0)
+        write_output(r.output, result)
     return 0
 
 
