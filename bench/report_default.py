@@ -71,7 +71,7 @@ def main() -> None:
         out = a.out or tmp
         for i in range(a.repeat):
             wall, cpu = time.perf_counter(), time.process_time()
-            res = write_report(runs, goldens, out, plot_cache=os.path.join(tmp, "plot-cache"), **kw)
+            res = write_report(runs, goldens, out, cache=os.path.join(tmp, "report-cache"), **kw)
             print(f"repetition {i}: wall {time.perf_counter() - wall:.3f} s, cpu {time.process_time() - cpu:.3f} s; "
                   f"{len(res.rows)} rows, {res.rows['class'].value_counts().to_dict()}")
 

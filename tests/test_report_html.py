@@ -20,7 +20,7 @@ from test_report_metrics import flip, make_goldens
 
 from k2vec.kdtr import open_bundle
 from k2vec.report import OUTPUTS, build_report
-from k2vec.report.plots import PLOTS
+from k2vec.report.figures import PLOTS
 from support.synthetic import perfect_result, write_result
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or \

@@ -9,7 +9,7 @@ from test_report_metrics import flip, make_goldens
 
 from k2vec.kdtr import open_bundle
 from k2vec.report import build_report, plot_cache, plots
-from k2vec.report.plots import PLOTS
+from k2vec.report.figures import PLOTS
 from support.synthetic import perfect_result, write_result
 
 PLOT_FUNCTIONS = ["match_grid", "logit_error", "first_bad_layer", "acceptance", "format_effect", "score_kl"]
@@ -66,7 +66,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_second_report_draws_only_what_changed(tmp_path, goldens, runs, monkeypatch, case):
     cache = tmp_path / "cache"
-    first = build_report(runs, goldens, tmp_path / "a", plot_cache=cache)
+    first = build_report(runs, goldens, tmp_path / "a", cache=cache)
     fresh = build_report(runs, goldens, tmp_path / "fresh")   # no cache: every plot drawn
     entries = sorted(cache.glob("*.png"))
     assert len(entries) == len(PLOTS)
@@ -78,7 +78,7 @@ def test_second_report_draws_only_what_changed(tmp_path, goldens, runs, monkeypa
     elif case.change == "run":
         second_runs = runs + [{**runs[0], "engine": "again"}]
     drawn = _count_draws(monkeypatch)
-    second = build_report(second_runs, goldens, tmp_path / "b", plot_cache=cache)
+    second = build_report(second_runs, goldens, tmp_path / "b", cache=cache)
     assert sum(drawn.values()) == case.redrawn, drawn
     if case.change != "run":
         for name in PLOTS:   # the bytes a fresh drawing gives

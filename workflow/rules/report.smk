@@ -54,8 +54,9 @@ rule report:
         mutation_resolution_sha256=MUTATION_RESOLUTION_SHA256,
         # made by the first engine run (k2vec.engines.runner); not an input: nothing reruns on it
         integrity_key=str(integrity_key_path("results")),
-        # plots kept by what they show and the code that draws them (k2vec/report/plot_cache.py)
-        plot_cache="results/report-cache",
+        # what a later report reuses: plots, by what they show and the code that draws them
+        # (k2vec/report/plot_cache.py), and the parses of the results, by their bytes (k2vec/report/result_cache.py)
+        cache="results/report-cache",
     script:
         "../scripts/report.py"
 

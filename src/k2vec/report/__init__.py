@@ -14,7 +14,7 @@
 Outputs in out_dir: divergence.html (self-contained), divergence.csv, engines.csv (each configured engine: ran or
 left out, and why), format_effect.csv, resolution.csv (per bundle judged at a reduced precision: the
 smallest errors its verdict resolves, the catalogue mutants below them; report/resolution.py), summary.txt and
-each plot as PNG (plots.PLOTS). From Snakemake: rule `report`'s script (`workflow/scripts/report.py`)
+each plot as PNG (figures.PLOTS). From Snakemake: rule `report`'s script (`workflow/scripts/report.py`)
 unpacks `snakemake` and calls `write_report`; from a shell: `python -m k2vec.report --help`.
 """
 
@@ -69,11 +69,12 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
                  conventions: Mapping[tuple[str, str, str], str | Path] | None = None,
                  noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
                  fail_on_left_out: bool = False, integrity_key: str | Path | None = None,
-                 plot_cache: str | Path | None = None, mutation_resolution: str | Path | None = None,
+                 cache: str | Path | None = None, mutation_resolution: str | Path | None = None,
                  float32_engines: Mapping[str, str] | None = None) -> ReportResult:
     """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
-    plot_cache: a directory where plots are kept by what they show and the code that draws them
-    (report/plot_cache.py), so that a report whose plots did not change draws none; None draws them all.
+    cache: a directory where the report keeps what a later report reuses: its plots, by what they show and the code
+    that draws them (report/plot_cache.py), so that a report whose plots did not change draws none, and the parses
+    of the results it read, by their bytes (report/result_cache.py); None draws and parses everything.
     integrity_key: the results directory's integrity key file, with which results' keyed records are
     checked (report/integrity.py); None checks their sha256 records and flags no verdict tamper-proof.
     budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml); noise:
@@ -83,29 +84,31 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     strict verdict (report.fail_on_left_out). mutation_resolution: the mutation run's per-bundle resolvability
     (report/resolution.py), read where it exists; float32_engines: {reduced-precision engine: the float32
     engine of its command family} (k2vec.config.engines.float32_counterparts), named in its clean lines."""
-    from k2vec.report import plots
     from k2vec.report.html import render_html, summary_text
     from k2vec.report.plot_cache import PlotCache
+    from k2vec.report.result_cache import ResultCache
 
+    results = ResultCache(cache)
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
                                  fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, conventions=conventions,
                                  noise_rule=noise_rule, integrity_key=integrity_key,
-                                 mutation_resolution=mutation_resolution)
+                                 mutation_resolution=mutation_resolution, result_cache=results)
     m = dataclasses.replace(m, left_out=dict(left_out or {}), fail_on_left_out=fail_on_left_out,
                             float32_engines=dict(float32_engines or {}))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_steps = dict(zip(m.format_models.get("model", []), m.format_models.get("max_new_tokens", [])))
-    cache = PlotCache(plot_cache)
+    plot_cache = PlotCache(cache)
     pngs = {
-        "match_grid.png": cache.draw("match_grid", plots.match_grid, m.rows),
-        "logit_error.png": cache.draw("logit_error", plots.logit_error, m.rows, m.steps),
-        "first_bad_layer.png": cache.draw("first_bad_layer", plots.first_bad_layer, m.rows),
-        "acceptance.png": cache.draw("acceptance", plots.acceptance, m.acceptance),
-        "format_effect.png": cache.draw("format_effect", plots.format_effect, m.format_effect, m.format_steps, n_steps),
-        "score_kl.png": cache.draw("score_kl", plots.score_kl, m.score_runs, m.rows, m.steps, m.score_reference_steps),
+        "match_grid.png": plot_cache.draw("match_grid", m.rows),
+        "logit_error.png": plot_cache.draw("logit_error", m.rows, m.steps),
+        "first_bad_layer.png": plot_cache.draw("first_bad_layer", m.rows),
+        "acceptance.png": plot_cache.draw("acceptance", m.acceptance),
+        "format_effect.png": plot_cache.draw("format_effect", m.format_effect, m.format_steps, n_steps),
+        "score_kl.png": plot_cache.draw("score_kl", m.score_runs, m.rows, m.steps, m.score_reference_steps),
     }
-    cache.prune()
+    plot_cache.prune()
+    results.prune()
     summary = summary_text(m)
     paths = {key: out / name for key, name in OUTPUTS.items()}
     for name, png in pngs.items():
@@ -163,7 +166,7 @@ def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str |
                  noise: Mapping[str, Any] | None = None, conventions: Mapping[str, Any] | None = None,
                  noise_rule: Mapping[str, Any] | None = None, left_out: Mapping[str, str] | None = None,
                  fail_on_left_out: bool = False, integrity_key: str | Path | None = None,
-                 plot_cache: str | Path | None = None, mutation_resolution: str | Path | None = None,
+                 cache: str | Path | None = None, mutation_resolution: str | Path | None = None,
                  float32_engines: Mapping[str, str] | None = None) -> ReportResult:
     """Rule `report`: build_report, with its summary logged (run it inside the stage's stage_logging).
 
@@ -171,7 +174,7 @@ def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str |
     {(model, precision): path}, [{"model","precision","path"}] or {"model/precision": path} (the rule's
     params.goldens); budgets: report.budgets; noise: {"model/precision/class": noise-model path} (params.noise);
     conventions: {"model/precision/variant": convention-variant path} (params.conventions);
-    noise_rule: report.noise; left_out, fail_on_left_out, integrity_key, plot_cache, mutation_resolution,
+    noise_rule: report.noise; left_out, fail_on_left_out, integrity_key, cache, mutation_resolution,
     float32_engines: as build_report. strict: raise StrictFailure (report/gate.py) on a real
     divergence, an over-budget row or a failed run, after writing the outputs.
     """
@@ -180,7 +183,7 @@ def write_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str |
                        budgets=budgets, noise=_keyed_by_three(noise, "noise-model", "precision_class"),
                        conventions=_keyed_by_three(conventions, "convention-variant", "variant"),
                        noise_rule=noise_rule, left_out=left_out,
-                       fail_on_left_out=fail_on_left_out, integrity_key=integrity_key, plot_cache=plot_cache,
+                       fail_on_left_out=fail_on_left_out, integrity_key=integrity_key, cache=cache,
                        mutation_resolution=mutation_resolution, float32_engines=float32_engines)
     logging.getLogger("k2vec.report").info("%s", res.summary)
     if strict and res.strict_problem:

@@ -2,7 +2,7 @@
 
 Element ids are stable for tests and links: verdict, summary-text, summary-table, divergence-table,
 tree-table, failure-table, format-effect, format-model-table, format-table, and one figure per plot
-(plots.PLOTS: plot-match-grid, plot-logit-error, plot-first-bad-layer, plot-acceptance,
+(figures.PLOTS: plot-match-grid, plot-logit-error, plot-first-bad-layer, plot-acceptance,
 plot-format-effect).
 """
 
@@ -19,12 +19,10 @@ from k2vec import __version__
 from k2vec.model.conventions import CONVENTIONS
 from k2vec.report.gate import FAILING_CLASSES, TREE_DIFFERS, failing
 from k2vec.report.classes import CLASSES, SEVERITY
+from k2vec.report.figures import COLORS, PLOTS, row_labels
 from k2vec.report.metrics import Metrics
 from k2vec.report.resolution import resolution_lines, resolution_words
 from k2vec.report.words import plural
-
-# plots (COLORS, PLOTS, row_labels) is imported where the HTML uses it: it loads matplotlib (a quarter of a
-# second), which the summary lines, and the judge that prints them (report/judge.py), never need.
 
 MAX_SUMMARY_ROWS = 200
 MAX_DETAIL_ROWS = 300
@@ -376,15 +374,11 @@ def _e(v: Any) -> str:
 
 
 def badge(cls: str) -> str:
-    from k2vec.report.plots import COLORS
-
     fg = "#1f2933" if cls in ("near-tie", "exact") else "white"
     return f'<span class="badge cls-{_e(cls)}" style="background:{COLORS.get(cls, "#999")};color:{fg}">{_e(cls)}</span>'
 
 
 def _class_bar(r: pd.Series, total: int) -> str:
-    from k2vec.report.plots import COLORS
-
     parts = "".join(f'<span title="{c}: {int(r[c])}" style="width:{100 * r[c] / total:.2f}%;background:{COLORS[c]}"></span>'
                     for c in CLASSES if r[c])
     return f'<span class="bar">{parts}</span>'
@@ -433,8 +427,6 @@ def _summary_table(m: Metrics) -> str:
 
 
 def _divergence_table(m: Metrics) -> str:
-    from k2vec.report.plots import row_labels
-
     rows = m.rows
     d = rows[rows["class"].isin(["near-tie", "router-near-tie", "precision-tie", "real"]) & (rows["mode"] != "score")]
     if d.empty:
@@ -489,8 +481,6 @@ def _score_table(m: Metrics) -> str:
 
 
 def _tree_table(m: Metrics) -> str:
-    from k2vec.report.plots import row_labels
-
     rows = m.rows
     if rows["tree_match"].notna().sum() == 0:
         return '<p class="note" id="tree-table">No DDTree run returned rounds.</p>'
@@ -596,8 +586,6 @@ def _strength_section(m: Metrics) -> str:
 
 
 def _figure(name: str, png: bytes) -> str:
-    from k2vec.report.plots import PLOTS
-
     fid, caption = PLOTS[name]
     data = base64.b64encode(png).decode("ascii")
     return (f'<figure id="{fid}"><img alt="{_e(caption)}" src="data:image/png;base64,{data}">'

@@ -45,6 +45,7 @@ from k2vec.report.integrity import CHANGED, RunChecks
 from k2vec.report.logits import STEP_COLUMNS
 from k2vec.report.noise import NoiseModel, Rule, noise_cells, noise_table, noise_verdicts, router_credit
 from k2vec.report.resolution import resolution_table
+from k2vec.report.result_cache import ResultCache
 from k2vec.report.routing import score_evidence
 from k2vec.report.score import SCORE_COLUMNS, score_stats
 from k2vec.report.words import plural
@@ -107,12 +108,11 @@ class Metrics:
         return gate.strict_problem(self.rows, self.left_out if self.fail_on_left_out else {})
 
 
-def _load_result(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
+def _load_result(path: str | Path, results: ResultCache) -> tuple[dict[str, Any] | None, str | None]:
     """The result JSON, or (None, reason) when it cannot be read: the report shows it as a failed run
     instead of stopping (the runner always writes one, but a report over old files may meet anything)."""
     try:
-        with open(path) as fh:
-            res = json.load(fh)
+        res = results.load(path)
     except FileNotFoundError:
         return None, f"result file missing: {path}"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -139,10 +139,11 @@ def gpu_identity(res: Mapping[str, Any] | None) -> tuple[str | None, str | None]
     return "; ".join(labels), ";".join(uuids) or None
 
 
-def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks) -> tuple[list[_Item], dict[str, Any]]:
+def _run_items(r_i: int, spec: Mapping[str, Any], g: Golden, checks: RunChecks,
+               results: ResultCache) -> tuple[list[_Item], dict[str, Any]]:
     """The rows of one run entry and its run-level facts (status, throughput)."""
     kind, budget = parse_mode(spec["mode"])
-    res, reason = _load_result(spec["result"])
+    res, reason = _load_result(spec["result"], results)
     if res is not None and spec.get("contract") is not None and res.get("status", "ok") == "ok":
         try:   # straight from an engine (report/judge.py): the runner's checks, which the report relies on
             check_result(res, spec["mode"], spec["contract"])
@@ -242,7 +243,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                     noise: Mapping[tuple[str, str, str], str | Path] | None = None,
                     conventions: Mapping[tuple[str, str, str], str | Path] | None = None,
                     noise_rule: Mapping[str, Any] | None = None, integrity_key: str | Path | None = None,
-                    mutation_resolution: str | Path | None = None) -> Metrics:
+                    mutation_resolution: str | Path | None = None, result_cache: ResultCache | None = None) -> Metrics:
     """All report data for `runs` ({"engine","model","precision","mode","result"}, optional
     "precision_class" (default float32), "reference" (the int4-format row: scored, not judged), and for
     the judge (report/judge.py) "bundle" (integrity.RunChecks) and "contract" (the bundle's Expectations:
@@ -257,7 +258,9 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
     `integrity_key`: the results directory's integrity key file (digests.integrity_key_path), with which
     engine results' keyed records are checked; None: their sha256 records, every row not tamper-proof.
     `mutation_resolution`: the mutation run's per-bundle resolvability (report/resolution.py
-    MUTATION_RESOLUTION_FILE), read where it exists: the mutants below each noise model's resolution."""
+    MUTATION_RESOLUTION_FILE), read where it exists: the mutants below each noise model's resolution.
+    `result_cache`: where the results' parses are kept for later reports (report/result_cache.py); None parses
+    each."""
 
     try:
         budgets = resolve_budgets(budgets)
@@ -307,8 +310,8 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                 models[(m, p, c)] = NoiseModel(path, opened[(m, p)], c)
         th = {"near_tie": near_tie, "router_near_tie": router_near_tie, "fingerprint_rtol": fingerprint_rtol}
         rows, runs_df, steps, acceptance, score_runs, ref_steps = _engine_metrics(
-            runs, opened, th, budgets, RunChecks({k: g.sha256 for k, g in opened.items()}, integrity_key), models,
-            rule, variants)
+            runs, opened, th, budgets, RunChecks({k: g.sha256 for k, g in opened.items()}, integrity_key),
+            result_cache or ResultCache(None), models, rule, variants)
         fe, fe_steps, fe_models = format_effect(opened, th, budgets)
         strength, prompt_strength = golden_strength(opened, near_tie, router_near_tie)
         calibration = pd.DataFrame([{"model": m, "precision": p, "precision_class": c, **rec}
@@ -335,14 +338,15 @@ def _no_gc():
 
 
 def _engine_metrics(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], budgets, checks: RunChecks,
-                    noise: dict[tuple[str, str, str], NoiseModel], rule: Rule,
+                    results: ResultCache, noise: dict[tuple[str, str, str], NoiseModel], rule: Rule,
                     variants: dict[tuple[str, str, str], Golden]):
     with _no_gc():
-        return _engine_metrics_inner(runs, opened, th, budgets, checks, noise, rule, variants)
+        return _engine_metrics_inner(runs, opened, th, budgets, checks, results, noise, rule, variants)
 
 
 def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[str, float], budgets,
-                          checks: RunChecks, noise_models: dict[tuple[str, str, str], NoiseModel], rule: Rule,
+                          checks: RunChecks, results: ResultCache, noise_models: dict[tuple[str, str, str], NoiseModel],
+                          rule: Rule,
                           variants: dict[tuple[str, str, str], Golden], recognise: bool = True):
     def golden_for(model: str, precision: str, variant: Any) -> Golden:
         return variants[(model, precision, variant)] if isinstance(variant, str) else opened[(model, precision)]
@@ -351,7 +355,8 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     stderr: dict[int, str | None] = {}
     loaded: dict[int, tuple[Mapping[str, Any], Mapping[str, Any] | None, str]] = {}
     for r_i, spec in enumerate(runs):
-        its, facts = _run_items(r_i, spec, golden_for(spec["model"], spec["precision"], judged_against(spec)), checks)
+        its, facts = _run_items(r_i, spec, golden_for(spec["model"], spec["precision"], judged_against(spec)), checks,
+                                results)
         items.extend(its)
         stderr[r_i] = facts["stderr_tail"]
         if its:
@@ -473,7 +478,7 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
     classified = classify(base, budgets, near_tie=th["near_tie"], router_near_tie=th["router_near_tie"])
     classified["class"] = _not_judged_class(base["status"], classified["class"])
     if recognise:
-        _recognise_conventions(classified, runs, opened, th, budgets, checks, noise_models, rule, variants)
+        _recognise_conventions(classified, runs, opened, th, budgets, checks, results, noise_models, rule, variants)
     # the int4-format reference rows are scored (score table), not judged as an engine
     rows = finish_frame(classified[~classified["reference"]].reset_index(drop=True), ROW_COLUMNS)
     kept = ~base["reference"].to_numpy()
@@ -489,8 +494,8 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
 _EXPLAINABLE = ("real", "over-budget", gate.TREE_DIFFERS)
 
 
-def _recognise_conventions(rows: pd.DataFrame, runs, opened, th, budgets, checks: RunChecks, noise_models, rule,
-                           variants: dict[tuple[str, str, str], Golden]) -> None:
+def _recognise_conventions(rows: pd.DataFrame, runs, opened, th, budgets, checks: RunChecks, results: ResultCache,
+                           noise_models, rule, variants: dict[tuple[str, str, str], Golden]) -> None:
     """An engine that declares no convention and fails the golden on a bundle, judged there against each known
     convention's variant (k2vec.model.conventions, in its order): where none of its rows fails the variant,
     its rows that fail the golden become `convention`, with the convention's name (in place, on `rows`).
@@ -503,7 +508,7 @@ def _recognise_conventions(rows: pd.DataFrame, runs, opened, th, budgets, checks
             if (m, p, name) not in variants:
                 continue
             against = _engine_metrics_inner([{**r, "conventions": [name]} for r in sub], opened, th, budgets, checks,
-                                             noise_models, rule, variants, recognise=False)[0]
+                                             results, noise_models, rule, variants, recognise=False)[0]
             against = against[against["status"] == "ok"]
             if len(against) and not gate.verdicts(against).isin(_EXPLAINABLE).any():
                 rows.loc[grp.index, "class"] = "convention"

@@ -12,12 +12,12 @@ what a plot is given (CLOCK_COLUMNS). The cache keeps the entries of the last re
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import os
 import pickle
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import matplotlib
 import numpy as np
 import pandas as pd
 
@@ -27,7 +27,7 @@ from k2vec.pipeline.code_digest import PACKAGE_DIR, code_digest
 # The code that draws the plots: the plots module and the package modules it imports, not the packages'
 # __init__ modules (importing k2vec.report.plots runs k2vec/report/__init__.py, hence the metrics, which no plot
 # calls: their output reaches a plot as its arguments). tests/test_report_plot_cache.py keeps the list whole.
-PLOT_CODE = ("k2vec.report.plots", "k2vec.report.classes", "k2vec.report.words")
+PLOT_CODE = ("k2vec.report.plots", "k2vec.report.classes", "k2vec.report.figures", "k2vec.report.words")
 # A run's clock (metrics.py's run columns): different on every run of the same code, and drawn by no plot. They are
 # taken out of what a plot is given, so that a rerun that changed only them draws nothing, and a plot that read
 # them would fail at once rather than be kept stale.
@@ -48,32 +48,39 @@ def _code_key() -> str:
     return code_digest(plot_code_files(), str(PACKAGE_DIR.parent))
 
 
+def _draw(name: str, *args: Any) -> bytes:
+    from k2vec.report import plots   # matplotlib, imported only when a plot is drawn
+
+    return getattr(plots, name)(*args)
+
+
 class PlotCache:
-    """Draw through `draw(name, function, *args)`; `directory` None draws every time."""
+    """Draw through `draw(name, *args)`, `name` a plot of report/plots.py; `directory` None draws every time."""
 
     def __init__(self, directory: str | os.PathLike | None):
         self.directory = None if directory is None else Path(directory)
         self.used: set[Path] = set()
         self._prefix = None
         if self.directory is not None:
-            versions = f"matplotlib {matplotlib.__version__} numpy {np.__version__} pandas {pd.__version__}"
+            versions = (f"matplotlib {importlib.metadata.version('matplotlib')} numpy {np.__version__} "
+                        f"pandas {pd.__version__}")
             self._prefix = f"{_code_key()}\0{versions}\0".encode()
 
-    def draw(self, name: str, function: Callable[..., bytes], *args: Any) -> bytes:
+    def draw(self, name: str, *args: Any) -> bytes:
         args = tuple(_without_clock(a) for a in args)
         if self.directory is None:
-            return function(*args)
+            return _draw(name, *args)
         try:
             data = pickle.dumps(args, protocol=5)
         except (pickle.PicklingError, TypeError, AttributeError):
-            return function(*args)
+            return _draw(name, *args)
         key = hashlib.sha256(self._prefix + name.encode() + b"\0" + data).hexdigest()
         for path in self.directory.glob(f"{key}.*.png"):
             png = path.read_bytes()
             if path.name == f"{key}.{hashlib.sha256(png).hexdigest()}.png":
                 self.used.add(path)
                 return png
-        png = function(*args)
+        png = _draw(name, *args)
         path = self.directory / f"{key}.{hashlib.sha256(png).hexdigest()}.png"
         write_bytes_atomic(path, png)
         self.used.add(path)

@@ -18,34 +18,15 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from k2vec.report.classes import CLASSES, SEVERITY
+from k2vec.report.figures import COLORS, row_labels
 from k2vec.report.words import plural
 
-COLORS = {"exact": "#43a047", "within-budget": "#9ccc65", "near-tie": "#fdd835", "router-near-tie": "#fb8c00",
-          "precision-tie": "#4fc3f7", "convention": "#7e57c2", "over-budget": "#ad1457", "real": "#e53935", "failed": "#37474f",
-          "changed": "#8e24aa"}
 MAX_GRID_ROWS = 60
 MAX_LINES = 40
 MAX_LAYER_ROWS = 60
 MAX_PANELS = 12
 FLOOR = 1e-16   # log axes: the lowest floor on which exact zeros are drawn
 DPI = 100
-
-PLOTS = {  # file name -> (element id, caption)
-    "match_grid.png": ("plot-match-grid", "Match grid: every run x accuracy (rows) against every prompt (columns), "
-                       "coloured by the class of its first divergence; the number is the first divergent step."),
-    "logit_error.png": ("plot-logit-error", "Logit error on the shared top-k per step, up to and including the "
-                        "first divergent step (x)."),
-    "first_bad_layer.png": ("plot-first-bad-layer", "First layer whose fingerprint relative L2 error exceeds "
-                            "fingerprint_rtol (circle, labelled with its step), and first MoE layer whose expert "
-                            "set differs from the golden's (triangle)."),
-    "acceptance.png": ("plot-acceptance", "DDTree acceptance lengths (tokens committed per round, root "
-                       "included) of the engines against the golden traces."),
-    "format_effect.png": ("plot-format-effect", "Format effect: the int4 golden against the fp32 golden of the "
-                          "same model, both decoding their own tokens."),
-    "score_kl.png": ("plot-score-kl", "Score mode: the distribution of KL(golden || engine) over every (prompt, "
-                     "step) position of each score run (fraction of positions whose KL is at least x), one panel "
-                     "per engine; dashed: the int4 golden model forced on the fp32 golden sequence (int4-format)."),
-}
 
 
 def _png(fig: Figure) -> bytes:
@@ -77,12 +58,6 @@ def _mark_floor(ax, floor: float) -> None:
 
 def _legend_handles(classes=CLASSES):
     return [Patch(facecolor=COLORS[c], edgecolor="#999", label=c) for c in classes]
-
-
-def row_labels(rows: pd.DataFrame) -> pd.Series:
-    acc = rows["accuracy"].map(lambda a: "" if pd.isna(a) else f" p={a:g}")
-    return (rows["engine"].astype(str) + " " + rows["model"].astype(str) + "/" + rows["precision"].astype(str)
-            + " " + rows["mode"].astype(str) + acc)
 
 
 # ---------------------------------------------------------------------------------------- match grid
