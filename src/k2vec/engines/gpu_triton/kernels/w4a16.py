@@ -138,6 +138,52 @@ def _f32_codes(words):
                                      is_pure=True, pack=1)
 
 
+# BIASED_CODES: the codes as v = 1 + u/128, float32 bits 0x3F800000 | u << 16, so u - 8 = 128 v - 136 and a group's
+# sum of q·x is 128 (sum v·x - 1.0625 sum x): no subtraction per element. Each v·x is exact (8 by 8 significant bits);
+# sum x is taken once per word and shared by the rows a thread holds. In PTX two lop3 put each nibble under 0x80 in its
+# byte ((w & 0x0F0F0F0F) | 0x80808080, the odd elements shifted down by 4 first) and one prmt per element moves that
+# byte to bits 16..23 under the exponent byte 0x3F: 2.4 instructions per element, none of them a float add.
+_F32_BIASED_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi;
+lop3.b32 lo, $8, 0x0F0F0F0F, 0x80808080, 0xEA;
+shr.u32 hi, $8, 4;
+lop3.b32 hi, hi, 0x0F0F0F0F, 0x80808080, 0xEA;
+prmt.b32 $0, lo, 0x3F000000, 0x7054;
+prmt.b32 $1, hi, 0x3F000000, 0x7054;
+prmt.b32 $2, lo, 0x3F000000, 0x7154;
+prmt.b32 $3, hi, 0x3F000000, 0x7154;
+prmt.b32 $4, lo, 0x3F000000, 0x7254;
+prmt.b32 $5, hi, 0x3F000000, 0x7254;
+prmt.b32 $6, lo, 0x3F000000, 0x7354;
+prmt.b32 $7, hi, 0x3F000000, 0x7354;
+}
+""")
+
+
+@triton.jit
+def _biased(words, e: tl.constexpr):
+    """v = 1 + u/128 of element e (0..7) of each word: the nibble moved to bits 16..19 under 1.0f's bits."""
+    if 4 * e <= 16:
+        u16 = (words << (16 - 4 * e)) & 0xF0000
+    else:
+        u16 = (words >> (4 * e - 16)) & 0xF0000
+    return (u16 | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _biased8(words, CODES_ASM: tl.constexpr):
+    """The 8 biased codes v_e = 1 + u_e/128 of int32 words as float32: by prmt (CODES_ASM) or shift and mask."""
+    if CODES_ASM:
+        return tl.inline_asm_elementwise(_F32_BIASED_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32,
+                                                tl.float32, tl.float32, tl.float32, tl.float32),
+                                         is_pure=True, pack=1)
+    else:
+        return (_biased(words, 0), _biased(words, 1), _biased(words, 2), _biased(words, 3), _biased(words, 4),
+                _biased(words, 5), _biased(words, 6), _biased(words, 7))
+
+
 @triton.jit
 def _x_plane(x_rows, e: tl.constexpr, i, k_words, x_mask, X_PLANES: tl.constexpr):
     """Activations of element plane e at words i ([rows, words]); plane-major rows load contiguously."""
@@ -243,10 +289,14 @@ def _codes8(words, CODES_ASM: tl.constexpr):
 
 @triton.jit
 def _row_part(words, xv, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_PER_GROUP: tl.constexpr,
-              CODES_ASM: tl.constexpr):
-    """Scaled group sums [BLOCK_N, GROUPS] of one K tile of the one-row path (x as [1, WORDS, 8])."""
+              CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr):
+    """Scaled group sums [BLOCK_N, GROUPS] of one K tile of the one-row path (x as [1, WORDS, 8]); BIASED_CODES: the
+    sums over 128 (the caller multiplies by 128 once at the end)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
+    if BIASED_CODES:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _biased8(words, CODES_ASM)
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
     part = c0 * x0.to(tl.float32)
     part += c1 * x1.to(tl.float32)
     part += c2 * x2.to(tl.float32)
@@ -255,16 +305,23 @@ def _row_part(words, xv, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_P
     part += c5 * x5.to(tl.float32)
     part += c6 * x6.to(tl.float32)
     part += c7 * x7.to(tl.float32)
-    return tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
+    sums = tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2)
+    if BIASED_CODES:
+        xs = tl.sum(xv.to(tl.float32), axis=2)      # [1, WORDS]: sum of each word's 8 activations
+        sums -= 1.0625 * tl.sum(tl.reshape(xs, [1, GROUPS, WORDS_PER_GROUP]), axis=2)
+    return sums * s
 
 
 @triton.jit
 def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-               WORDS_PER_GROUP: tl.constexpr, CODES_ASM: tl.constexpr):
+               WORDS_PER_GROUP: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr):
     """Scaled group sums [BLOCK_M, BLOCK_N, GROUPS] of one K tile for BLOCK_M rows (x as [BLOCK_M, WORDS, 8]):
-    each code is made once and multiplied into every row."""
+    each code is made once and multiplied into every row (BIASED_CODES: over 128, as in _row_part)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
+    if BIASED_CODES:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _biased8(words, CODES_ASM)
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
     part = c0[None, :, :] * x0.to(tl.float32)[:, None, :]
     part += c1[None, :, :] * x1.to(tl.float32)[:, None, :]
     part += c2[None, :, :] * x2.to(tl.float32)[:, None, :]
@@ -273,7 +330,11 @@ def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     part += c5[None, :, :] * x5.to(tl.float32)[:, None, :]
     part += c6[None, :, :] * x6.to(tl.float32)[:, None, :]
     part += c7[None, :, :] * x7.to(tl.float32)[:, None, :]
-    return tl.sum(tl.reshape(part, [BLOCK_M, BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=3) * s[None, :, :]
+    sums = tl.sum(tl.reshape(part, [BLOCK_M, BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=3)
+    if BIASED_CODES:
+        xs = tl.sum(xv.to(tl.float32), axis=2)      # [BLOCK_M, WORDS]
+        sums -= 1.0625 * tl.sum(tl.reshape(xs, [BLOCK_M, GROUPS, WORDS_PER_GROUP]), axis=2)[:, None, :]
+    return sums * s[None, :, :]
 
 
 @triton.jit
@@ -281,7 +342,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
                PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
-               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr):
+               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
     The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
@@ -293,6 +354,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     the next K tile's weight words, x and scales are
     loaded before this tile's arithmetic (registers double-buffered by hand), so a program's DRAM reads overlap
     its dequantisation instead of alternating with it. CODES_ASM (PREFETCH, GPU only): codes by _f32_codes.
+    BIASED_CODES (PREFETCH): codes as 1 + u/128 and one correction per group (_F32_BIASED_ASM's comment).
     SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
     instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
 
@@ -316,7 +378,9 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             words, xv, s = words_n, xv_n, s_n
             words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 1, kt_hi, K,
                                             k_words, G, WORDS, BF16_SCALES, EVEN_K)
-            acc += _rows_part(words, xv, s, BLOCK_M, BLOCK_N, GROUPS_M, WORDS_PER_GROUP, CODES_ASM)
+            acc += _rows_part(words, xv, s, BLOCK_M, BLOCK_N, GROUPS_M, WORDS_PER_GROUP, CODES_ASM, BIASED_CODES)
+        if BIASED_CODES:
+            acc *= 128.0     # exact: a power of two
         return tl.sum(acc, axis=2)
     elif BLOCK_M == 1:
         # one row: multiply-and-add on CUDA cores, partial sums reduced once at the end
@@ -333,7 +397,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                 words, xv, s = words_n, xv_n, s_n
                 words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 1, kt_hi, K,
                                                 k_words, G, WORDS, BF16_SCALES, EVEN_K)
-                acc += _row_part(words, xv, s, BLOCK_N, GROUPS, WORDS_PER_GROUP, CODES_ASM)
+                acc += _row_part(words, xv, s, BLOCK_N, GROUPS, WORDS_PER_GROUP, CODES_ASM, BIASED_CODES)
             else:
                 i = kt * WORDS + offs_w
                 i_mask = (i < k_words) | EVEN_K     # EVEN_K: no K tail, constant masks keep loads wide
@@ -361,6 +425,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                     acc += tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
                 else:
                     acc += part * _load_scales(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask, BF16_SCALES)
+        if BIASED_CODES:
+            acc *= 128.0     # exact: a power of two
         return tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
     else:
         # tensor cores: per element plane e, [BLOCK_M, WORDS] x [WORDS, BLOCK_N] (weight transposed by the
@@ -503,7 +569,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
                   SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
-                  X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr):
+                  X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
+                  BIASED_CODES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -514,7 +581,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM)
+                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -567,13 +634,16 @@ def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
     Keeps the host-side keys SPLIT_K / SPLIT_CTAS (see split_k), PACKED (False: float32 dequantization) and
     SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE)."""
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False,
-           "PREFETCH": False, "CODES_ASM": False, **config}
+           "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False,
+           **config}
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
     if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
         raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
         raise ValueError(f"CODES_ASM is an option of the PREFETCH one-row path, got {config}")
+    if cfg["BIASED_CODES"] and not cfg["PREFETCH"]:
+        raise ValueError(f"BIASED_CODES is an option of the PREFETCH one-row path, got {config}")
     cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group_size)
     if cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 16)
