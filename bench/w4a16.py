@@ -37,7 +37,7 @@ import triton.language as tl  # noqa: E402
 
 from k2vec.engines.gpu_triton.kernels import fused_moe, pack_for_gpu, w4a16_linear  # noqa: E402
 from k2vec.engines.gpu_triton.kernels import verify  # noqa: E402
-from k2vec.engines.gpu_triton.kernels.fused_moe import MOE_CONFIGS, PackedExperts  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.fused_moe import _ROW_GATE_UP, _ROW_GEMV, MOE_CONFIGS, PackedExperts  # noqa: E402
 from k2vec.engines.gpu_triton.kernels.w4a16 import DENSE_CONFIGS, pick_config  # noqa: E402
 
 MS = (1, 2, 4, 8, 16, 32, 64)
@@ -109,7 +109,15 @@ def split_configs() -> list:
             dict(row, CODES_ASM=True), dict(row, CODES_ASM=True, SPLIT_K=1),     # GPU only (inline PTX)
             dict(row, BLOCK_M=2), dict(row, BLOCK_M=4, CODES_ASM=True), dict(row, BLOCK_M=8, CODES_ASM=True, SPLIT_K=1),
             (dict(row, SORTED=False, SPLIT_GU=True, CODES_ASM=True),
-             dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, CODES_ASM=True))]
+             dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, CODES_ASM=True)),
+            # biased codes (1 + u/128, one correction per group): shift/mask and prmt, one row and several
+            dict(row, BIASED_CODES=True), dict(row, BIASED_CODES=True, CODES_ASM=True, SPLIT_K=3),
+            dict(row, BLOCK_M=2, BIASED_CODES=True, CODES_ASM=True), dict(row, BLOCK_M=4, BIASED_CODES=True),
+            dict(row, BLOCK_M=8, BIASED_CODES=True, CODES_ASM=True, SPLIT_K=1),
+            (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, CODES_ASM=True),
+             dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, BIASED_CODES=True, CODES_ASM=True)),
+            (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True),
+             dict(row, SORTED=False, BIASED_CODES=True))]
 
 
 def _worker_init(device: str) -> None:
@@ -407,22 +415,29 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """M = 1: one-row GEMV tiles (X_WIDE, PREFETCH, CODES_ASM) of other shapes and splits; M = 2-16: packed
-    tensor-core tiles (X_PLANES) with smaller K tiles (fewer registers), more splits, 4 stages; the committed config
-    of each M. (Measured and dropped in this change's earlier sweeps: X_WIDE on the tensor-core tiles, 1.3-2x
-    slower at every M; one-row tiles at M = 2; CUDA-core GEMV tiles of 2-8 rows at M = 2-16, 1.1-5x slower than
-    the tensor-core tiles.)"""
+    """The committed config of each M, and: M = 1, one-row GEMV tiles with the biased codes (BIASED_CODES); M = 2-8,
+    the GEMV over M rows with the biased codes (the codes made once for every row); M = 16-64, tensor-core tiles with
+    K tiles of 512 (half the per-plane MMA waits per byte) and other splits. (Measured and dropped in this change's
+    earlier sweeps: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M; one-row tiles at M = 2.)"""
     cands = [OLD_DENSE[m]]
+    biased = dict(CODES_ASM=True, BIASED_CODES=True)
     if m == 1:
-        cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True)
-                  for bn, bk, w, sp in ((32, 1024, 8, 264), (64, 1024, 8, 132), (32, 2048, 8, 132),
-                                        (16, 2048, 8, 132), (16, 1024, 8, 264), (32, 1024, 4, 132))]
-    elif m <= 16:
-        cands += [tensor_core(16, bn, bk, warps=w, stages=st, split=sp, **({"SWAP_AB": True} if swap else {}))
-                  for bn, bk, w, st, swap, sp in ((64, 128, 4, 3, True, 264), (64, 128, 4, 3, True, 528),
-                                                  (64, 256, 4, 3, True, 528), (64, 256, 4, 3, False, 528),
-                                                  (128, 256, 8, 3, True, 264), (32, 256, 4, 3, False, 264),
-                                                  (64, 256, 4, 4, True, 264), (64, 256, 4, 4, False, 264))]
+        cands += [prefetch_row(bn, bk, warps=w, split=sp, **biased)
+                  for bn, bk, w, sp in ((32, 1024, 8, 132), (64, 1024, 8, 132), (32, 2048, 8, 132),
+                                        (16, 1024, 4, 132), (32, 512, 4, 264), (32, 1024, 8, 264), (64, 512, 8, 132))]
+    elif m <= 8:
+        rows = {2: ((32, 256, 4, 132), (32, 256, 4, 264), (64, 256, 8, 132), (16, 512, 4, 132), (32, 512, 8, 132),
+                    (64, 256, 8, 264)),
+                4: ((32, 256, 8, 132), (32, 256, 8, 264), (16, 256, 4, 264), (16, 512, 4, 132), (64, 256, 8, 132),
+                    (32, 128, 4, 264)),
+                8: ((16, 256, 4, 264), (32, 256, 8, 132), (32, 128, 4, 264), (16, 128, 4, 528))}[m]
+        cands += [prefetch_row(bn, bk, warps=w, split=sp, BLOCK_M=m, **biased) for bn, bk, w, sp in rows]
+    elif m == 16:
+        cands += [tensor_core(16, 64, 512, split=264, SWAP_AB=True), tensor_core(16, 64, 512, split=264),
+                  tensor_core(16, 128, 256, warps=8, split=264, SWAP_AB=True)]
+    else:
+        cands += [tensor_core(m, bn, bk, warps=w, split=sp, SWAP_AB=True)
+                  for bn, bk, w, sp in ((64, 512, 4, 264), (128, 256, 8, 264), (64, 256, 4, 528), (64, 256, 4, 132))]
     return cands
 
 
@@ -431,29 +446,40 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
-    """None in this sweep: the committed tiles are timed as the references (this change's earlier sweeps measured
-    the one-row GEMV, SPLIT_GU and CODES_ASM tiles, bench/RESULTS.md)."""
-    return []
+    """Up to M = 16: the committed one-row GEMV gate/up tile with the biased codes, and a wider one."""
+    if m > 16:
+        return []
+    return [dict(_ROW_GATE_UP, BIASED_CODES=True), dict(_ROW_GATE_UP, BIASED_CODES=True, BLOCK_N=64, BLOCK_K=256)]
 
 
 def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
-    return []
+    """One-pair GEMV down tiles with the biased codes, summing each token's rows (COMBINE) and not."""
+    if sorted_:
+        return []
+    return [dict(_ROW_GEMV, BIASED_CODES=True, COMBINE=True), dict(_ROW_GEMV, BIASED_CODES=True),
+            dict(_ROW_GEMV, BIASED_CODES=True, COMBINE=True, BLOCK_N=32, BLOCK_K=512)]
 
 
 def down_reference(m: int, sorted_: bool) -> dict:
-    """The down tile paired with every gate/up candidate: the committed one."""
-    return dict(OLD_MOE[m][1], SORTED=sorted_)
+    """The down tile paired with every gate/up candidate: the committed one, or where that is expert-sorted and the
+    candidate is not (M = 16), the one-pair GEMV down tile with the biased codes."""
+    old = OLD_MOE[m][1]
+    if old.get("SORTED", old["BLOCK_M"] > 1) and not sorted_:
+        return dict(_ROW_GEMV, BIASED_CODES=True)
+    return dict(old, SORTED=sorted_)
 
 
 def moe_candidates(m: int) -> list[tuple[dict, dict]]:
-    """Every (gate/up, down) pair the warm-up compiles: gate/up candidates with the committed down tile, down
-    candidates with the committed gate/up tile (the sweep times gate/up first, then down with the best gate/up)."""
+    """Every (gate/up, down) pair the warm-up compiles: gate/up candidates with the reference down tile, down
+    candidates with a gate/up tile of the same layout (the sweep times gate/up first, then down with the best
+    gate/up)."""
     old13, old2 = OLD_MOE[m]
     cands = [(old13, old2)]
     for gu in moe_gate_up_candidates(m):
         cands.append((gu, down_reference(m, gu["SORTED"])))
-    sorted_ = m >= 16
-    cands += [(dict(old13, SORTED=sorted_), d) for d in moe_down_candidates(m, sorted_)]
+    for sorted_ in ((True, False) if m == 16 else (m > 16,)):
+        base = old13 if old13.get("SORTED", old13["BLOCK_M"] > 1) == sorted_ else moe_gate_up_candidates(m)[0]
+        cands += [(dict(base, SORTED=sorted_), d) for d in moe_down_candidates(m, sorted_)]
     return cands
 
 
@@ -586,13 +612,13 @@ def guarded(log, what, fn, *args):
 
 
 def profile(device, log) -> None:
-    """Dense K=7168->N=4096 at M = 1 and 16, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
+    """Dense K=7168->N=4096 at M = 1, 2 and 16, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
     k, n = 7168, 4096
     gen = verify.generator(device, "profile")
     w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
     layer = K2Layer(device, with_bf16=False)
     calls = []
-    for m in (1, 16):
+    for m in (1, 2, 16):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         calls.append(lambda x=x: w4a16_linear(x, w))
     for m in (1, 16):
