@@ -37,7 +37,7 @@ import triton.language as tl  # noqa: E402
 
 from k2vec.engines.gpu_triton.kernels import fused_moe, pack_for_gpu, w4a16_linear  # noqa: E402
 from k2vec.engines.gpu_triton.kernels import verify  # noqa: E402
-from k2vec.engines.gpu_triton.kernels.fused_moe import _ROW_GATE_UP, _ROW_GEMV, MOE_CONFIGS, PackedExperts  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.fused_moe import MOE_CONFIGS, PackedExperts  # noqa: E402
 from k2vec.engines.gpu_triton.kernels.w4a16 import DENSE_CONFIGS, pick_config  # noqa: E402
 
 MS = (1, 2, 4, 8, 16, 32, 64)
@@ -415,29 +415,19 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """The committed config of each M, and: M = 1, one-row GEMV tiles with the biased codes (BIASED_CODES); M = 2-8,
-    the GEMV over M rows with the biased codes (the codes made once for every row); M = 16-64, tensor-core tiles with
-    K tiles of 512 (half the per-plane MMA waits per byte) and other splits. (Measured and dropped in this change's
-    earlier sweeps: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M; one-row tiles at M = 2.)"""
-    cands = [OLD_DENSE[m]]
-    biased = dict(CODES_ASM=True, BIASED_CODES=True)
+    """The committed config of each M, and the same tiles under register caps (maxnreg: more programs resident per
+    SM, at the price of spills), with more splits. (Measured and dropped in this change's first sweep: the GEMV over
+    2-8 rows with the biased codes, 1.1-3x slower than the tensor-core tiles at M = 2-8; tensor-core K tiles of 512;
+    X_WIDE on the tensor-core tiles, 1.3-2x slower at every M, in an earlier change.)"""
+    old = OLD_DENSE[m]
+    cands = [old]
     if m == 1:
-        cands += [prefetch_row(bn, bk, warps=w, split=sp, **biased)
-                  for bn, bk, w, sp in ((32, 1024, 8, 132), (64, 1024, 8, 132), (32, 2048, 8, 132),
-                                        (16, 1024, 4, 132), (32, 512, 4, 264), (32, 1024, 8, 264), (64, 512, 8, 132))]
-    elif m <= 8:
-        rows = {2: ((32, 256, 4, 132), (32, 256, 4, 264), (64, 256, 8, 132), (16, 512, 4, 132), (32, 512, 8, 132),
-                    (64, 256, 8, 264)),
-                4: ((32, 256, 8, 132), (32, 256, 8, 264), (16, 256, 4, 264), (16, 512, 4, 132), (64, 256, 8, 132),
-                    (32, 128, 4, 264)),
-                8: ((16, 256, 4, 264), (32, 256, 8, 132), (32, 128, 4, 264), (16, 128, 4, 528))}[m]
-        cands += [prefetch_row(bn, bk, warps=w, split=sp, BLOCK_M=m, **biased) for bn, bk, w, sp in rows]
-    elif m == 16:
-        cands += [tensor_core(16, 64, 512, split=264, SWAP_AB=True), tensor_core(16, 64, 512, split=264),
-                  tensor_core(16, 128, 256, warps=8, split=264, SWAP_AB=True)]
+        cands += [dict(old, maxnreg=r) for r in (96, 80, 64)]
+        cands += [dict(prefetch_row(32, 512, warps=4, split=264, CODES_ASM=True, BIASED_CODES=True), maxnreg=r)
+                  for r in (128, 96, 80)]
     else:
-        cands += [tensor_core(m, bn, bk, warps=w, split=sp, SWAP_AB=True)
-                  for bn, bk, w, sp in ((64, 512, 4, 264), (128, 256, 8, 264), (64, 256, 4, 528), (64, 256, 4, 132))]
+        cands += [dict(old, maxnreg=r) for r in (128, 96)]
+        cands += [dict(old, SPLIT_CTAS=2 * old["SPLIT_CTAS"], maxnreg=r) for r in (128, 96)]
     return cands
 
 
@@ -446,40 +436,30 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
-    """Up to M = 16: the committed one-row GEMV gate/up tile with the biased codes, and a wider one."""
-    if m > 16:
-        return []
-    return [dict(_ROW_GATE_UP, BIASED_CODES=True), dict(_ROW_GATE_UP, BIASED_CODES=True, BLOCK_N=64, BLOCK_K=256)]
+    """The committed gate/up tile under register caps (maxnreg)."""
+    old = OLD_MOE[m][0]
+    return [dict(old, maxnreg=r) for r in ((96, 80, 64) if old["BLOCK_M"] == 1 else (128, 96))]
 
 
 def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
-    """One-pair GEMV down tiles with the biased codes, summing each token's rows (COMBINE) and not."""
-    if sorted_:
-        return []
-    return [dict(_ROW_GEMV, BIASED_CODES=True, COMBINE=True), dict(_ROW_GEMV, BIASED_CODES=True),
-            dict(_ROW_GEMV, BIASED_CODES=True, COMBINE=True, BLOCK_N=32, BLOCK_K=512)]
+    """The committed down tile under register caps (maxnreg)."""
+    old = OLD_MOE[m][1]
+    return [dict(old, maxnreg=r) for r in ((96, 80, 64) if old["BLOCK_M"] == 1 else (128, 96))]
 
 
 def down_reference(m: int, sorted_: bool) -> dict:
-    """The down tile paired with every gate/up candidate: the committed one, or where that is expert-sorted and the
-    candidate is not (M = 16), the one-pair GEMV down tile with the biased codes."""
-    old = OLD_MOE[m][1]
-    if old.get("SORTED", old["BLOCK_M"] > 1) and not sorted_:
-        return dict(_ROW_GEMV, BIASED_CODES=True)
-    return dict(old, SORTED=sorted_)
+    """The down tile paired with every gate/up candidate: the committed one."""
+    return dict(OLD_MOE[m][1], SORTED=sorted_)
 
 
 def moe_candidates(m: int) -> list[tuple[dict, dict]]:
-    """Every (gate/up, down) pair the warm-up compiles: gate/up candidates with the reference down tile, down
-    candidates with a gate/up tile of the same layout (the sweep times gate/up first, then down with the best
-    gate/up)."""
+    """Every (gate/up, down) pair the warm-up compiles: gate/up candidates with the committed down tile, down
+    candidates with the committed gate/up tile (the sweep times gate/up first, then down with the best gate/up)."""
     old13, old2 = OLD_MOE[m]
+    sorted_ = old13.get("SORTED", old13["BLOCK_M"] > 1)
     cands = [(old13, old2)]
-    for gu in moe_gate_up_candidates(m):
-        cands.append((gu, down_reference(m, gu["SORTED"])))
-    for sorted_ in ((True, False) if m == 16 else (m > 16,)):
-        base = old13 if old13.get("SORTED", old13["BLOCK_M"] > 1) == sorted_ else moe_gate_up_candidates(m)[0]
-        cands += [(dict(base, SORTED=sorted_), d) for d in moe_down_candidates(m, sorted_)]
+    cands += [(gu, down_reference(m, sorted_)) for gu in moe_gate_up_candidates(m)]
+    cands += [(old13, d) for d in moe_down_candidates(m, sorted_)]
     return cands
 
 

@@ -599,10 +599,11 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
 # 2026-12-02, issue 27), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid has
 # about this many programs (see split_k). M = 1: the one-row GEMV with natural-order x and a prefetched next K tile,
-# split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up").
+# split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up"), with
+# the biased codes (session 11).
 DENSE_CONFIGS: list[tuple[int, dict]] = [
     (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
-             SPLIT_CTAS=132, num_warps=8, num_stages=3)),
+             BIASED_CODES=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)),
     (2, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
               num_stages=3)),
     (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
@@ -648,8 +649,8 @@ def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
     if cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 16)
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 128)
-    if interpret:    # the interpreter ignores warps and stages, and runs no inline PTX
-        cfg.pop("num_warps", None), cfg.pop("num_stages", None)
+    if interpret:    # the interpreter ignores warps, stages and register caps, and runs no inline PTX
+        cfg.pop("num_warps", None), cfg.pop("num_stages", None), cfg.pop("maxnreg", None)
         cfg["PACKED"] = False
         cfg["CODES_ASM"] = False
     return cfg
