@@ -415,18 +415,12 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """The committed config of each M, and at M = 2-8 the two-row GEMV (BLOCK_M 2: each code made once in the one-row
-    path's 2-D layout and used for both rows; M = 4 and 8 run 2 and 4 row pairs) with the biased codes. (Measured
-    and dropped in this change's earlier sweeps: register caps (maxnreg 64-128) on every committed tile, 5-100%
-    slower; the 3-D GEMV over 2-8 rows, 1.1-3x slower than the tensor-core tiles; tensor-core K tiles of 512.)"""
-    cands = [OLD_DENSE[m]]
-    pairs = {2: ((32, 256, 4, 132), (32, 256, 4, 264), (16, 512, 4, 264), (32, 512, 8, 132), (16, 256, 4, 528),
-                 (64, 256, 8, 132), (32, 1024, 8, 132), (32, 512, 4, 264)),
-             4: ((32, 256, 4, 264), (16, 512, 4, 264), (32, 512, 8, 132), (32, 512, 4, 264)),
-             8: ((32, 256, 4, 264), (32, 512, 4, 264))}.get(m, ())
-    cands += [prefetch_row(bn, bk, warps=w, split=sp, BLOCK_M=2, CODES_ASM=True, BIASED_CODES=True)
-              for bn, bk, w, sp in pairs]
-    return cands
+    """The committed config of each M only (timed as the reference). Measured and dropped in issue 27's session 11
+    (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
+    one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every
+    committed tile, 0-100% slower; tensor-core K tiles of 512 and other splits at M = 16-64. Earlier: X_WIDE on the
+    tensor-core tiles, 1.3-2x slower at every M."""
+    return [OLD_DENSE[m]]
 
 
 SWEEP_MOE_MS = (1, 4, 8, 16, 32, 64)
@@ -434,8 +428,8 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
-    """None in this sweep (the committed tiles are the references; this change's earlier sweeps measured the biased
-    codes and register caps, bench/RESULTS.md)."""
+    """None: the committed tiles are the references (session 11 measured the biased codes, adopted, and register
+    caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md)."""
     return []
 
 

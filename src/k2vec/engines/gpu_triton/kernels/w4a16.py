@@ -313,53 +313,6 @@ def _row_part(words, xv, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_P
 
 
 @triton.jit
-def _pair_part(words, xv0, xv1, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_PER_GROUP: tl.constexpr,
-               CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr):
-    """_row_part for two rows (x as [1, WORDS, 8] each): each code made once, in the one-row path's 2-D layout, and
-    multiplied into both rows. Returns the two rows' scaled group sums [BLOCK_N, GROUPS]."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = _split8(xv0)
-    b0, b1, b2, b3, b4, b5, b6, b7 = _split8(xv1)
-    if BIASED_CODES:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _biased8(words, CODES_ASM)
-    else:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
-    p0 = c0 * a0.to(tl.float32)
-    p1 = c0 * b0.to(tl.float32)
-    p0 += c1 * a1.to(tl.float32)
-    p1 += c1 * b1.to(tl.float32)
-    p0 += c2 * a2.to(tl.float32)
-    p1 += c2 * b2.to(tl.float32)
-    p0 += c3 * a3.to(tl.float32)
-    p1 += c3 * b3.to(tl.float32)
-    p0 += c4 * a4.to(tl.float32)
-    p1 += c4 * b4.to(tl.float32)
-    p0 += c5 * a5.to(tl.float32)
-    p1 += c5 * b5.to(tl.float32)
-    p0 += c6 * a6.to(tl.float32)
-    p1 += c6 * b6.to(tl.float32)
-    p0 += c7 * a7.to(tl.float32)
-    p1 += c7 * b7.to(tl.float32)
-    sums0 = tl.sum(tl.reshape(p0, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2)
-    sums1 = tl.sum(tl.reshape(p1, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2)
-    if BIASED_CODES:
-        xs0 = tl.sum(xv0.to(tl.float32), axis=2)
-        xs1 = tl.sum(xv1.to(tl.float32), axis=2)
-        sums0 -= 1.0625 * tl.sum(tl.reshape(xs0, [1, GROUPS, WORDS_PER_GROUP]), axis=2)
-        sums1 -= 1.0625 * tl.sum(tl.reshape(xs1, [1, GROUPS, WORDS_PER_GROUP]), axis=2)
-    return sums0 * s, sums1 * s
-
-
-@triton.jit
-def _x_loads(x_rows, row_mask, kt, kt_hi, k_words, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
-    """Natural-order x [rows, WORDS, 8] of K tile kt (masked off past kt_hi), as _row_loads loads it."""
-    i = kt * WORDS + tl.arange(0, WORDS)
-    i_mask = ((i < k_words) | EVEN_K) & (i < kt_hi * WORDS)
-    x_mask = row_mask[:, None] & i_mask[None, :]
-    return tl.load(x_rows[:, None, None] + 8 * i[None, :, None] + tl.arange(0, 8)[None, None, :],
-                   mask=x_mask[:, :, None], other=0.0)
-
-
-@triton.jit
 def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
                WORDS_PER_GROUP: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr):
     """Scaled group sums [BLOCK_M, BLOCK_N, GROUPS] of one K tile for BLOCK_M rows (x as [BLOCK_M, WORDS, 8]):
@@ -415,33 +368,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
-    if PREFETCH and BLOCK_M == 2:
-        # two rows on CUDA cores: the one-row GEMV's 2-D tiles, each code made once and used for both rows
-        GROUPS_2: tl.constexpr = WORDS // WORDS_PER_GROUP
-        x_row0, x_row1 = tl.split(x_rows)
-        x_row0 = x_row0 + tl.zeros([1], dtype=tl.int32)
-        x_row1 = x_row1 + tl.zeros([1], dtype=tl.int32)
-        mask0, mask1 = tl.split(row_mask.to(tl.int32))
-        mask0 = (mask0 + tl.zeros([1], dtype=tl.int32)) != 0
-        mask1 = (mask1 + tl.zeros([1], dtype=tl.int32)) != 0
-        acc0 = tl.zeros([BLOCK_N, GROUPS_2], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_N, GROUPS_2], dtype=tl.float32)
-        words_n, xv0_n, s_n = _row_loads(w_rows, s_rows, x_row0, n_mask, mask0, kt_lo, kt_hi, K,
-                                         k_words, G, WORDS, BF16_SCALES, EVEN_K)
-        xv1_n = _x_loads(x_row1, mask1, kt_lo, kt_hi, k_words, WORDS, EVEN_K)
-        for kt in range(kt_lo, kt_hi):
-            words, xv0, xv1, s = words_n, xv0_n, xv1_n, s_n
-            words_n, xv0_n, s_n = _row_loads(w_rows, s_rows, x_row0, n_mask, mask0, kt + 1, kt_hi, K,
-                                             k_words, G, WORDS, BF16_SCALES, EVEN_K)
-            xv1_n = _x_loads(x_row1, mask1, kt + 1, kt_hi, k_words, WORDS, EVEN_K)
-            part0, part1 = _pair_part(words, xv0, xv1, s, BLOCK_N, GROUPS_2, WORDS_PER_GROUP, CODES_ASM, BIASED_CODES)
-            acc0 += part0
-            acc1 += part1
-        if BIASED_CODES:
-            acc0 *= 128.0     # exact: a power of two
-            acc1 *= 128.0
-        return tl.trans(tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)))
-    elif PREFETCH and BLOCK_M > 1:
+    if PREFETCH and BLOCK_M > 1:
         # a few rows on CUDA cores: the one-row GEMV with each code used for BLOCK_M rows (the weight read once)
         GROUPS_M: tl.constexpr = WORDS // WORDS_PER_GROUP
         acc = tl.zeros([BLOCK_M, BLOCK_N, GROUPS_M], dtype=tl.float32)
