@@ -117,7 +117,12 @@ def split_configs() -> list:
             (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, CODES_ASM=True),
              dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, BIASED_CODES=True, CODES_ASM=True)),
             (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True),
-             dict(row, SORTED=False, BIASED_CODES=True))]
+             dict(row, SORTED=False, BIASED_CODES=True)),
+            # launched with PDL (GPU only): the one-row GEMV's weights before the wait, a tensor-core tile, MoE
+            dict(row, BIASED_CODES=True, CODES_ASM=True, PDL=True), dict(tc, PDL=True),
+            (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, PDL=True),
+             dict(row, SORTED=False, COMBINE=True, SPLIT_K=1, BIASED_CODES=True, PDL=True)),
+            (dict(tc, SORTED=True, SPLIT_GU=True, PDL=True), dict(tc, SORTED=True, PDL=True))]
 
 
 def _worker_init(device: str) -> None:
@@ -394,6 +399,47 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
     return rows
 
 
+def pdl_chain_check(device, log, layer) -> list[dict]:
+    """Launches that overlap through PDL compute bit for bit what the same configs compute without it: pairs of
+    dependent dense calls (7168->2048 then 2048->7168 on its output) and of fused MoE calls (the second on the
+    first's output), 8 pairs back to back, eagerly and replayed from a CUDA graph, at every M of the timings."""
+    gen = verify.generator(device, "pdl-chain")
+    wa = pack_for_gpu(*verify.random_int4(2048, 7168, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    wb = pack_for_gpu(*verify.random_int4(7168, 2048, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    rows = []
+    for kind in ("dense", "moe"):
+        for m in MS:
+            xs = [torch.randn(m, 7168, device=device, dtype=torch.bfloat16) for _ in range(8)]
+            routes = [layer.routing(m) for _ in xs] if kind == "moe" else None
+            base = pick_config(DENSE_CONFIGS, m) if kind == "dense" else pick_config(MOE_CONFIGS, m)
+            if kind == "dense":
+                plain = dict(base, PDL=False)
+
+                def chain(cfg):
+                    return [w4a16_linear(w4a16_linear(x, wa, config=cfg), wb, config=cfg) for x in xs]
+            else:
+                plain = tuple(dict(c, PDL=False) for c in base)
+
+                def chain(cfg):
+                    return [fused_moe(fused_moe(x, layer.experts, *r, config=cfg), layer.experts, *r, config=cfg)
+                            for x, r in zip(xs, routes)]
+            want = chain(plain)
+            eager = chain(base)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = chain(base)
+            graph.replay()
+            torch.cuda.synchronize()
+            same = sum(torch.equal(a, b) for a, b in zip(want, eager)) + sum(
+                torch.equal(a, b) for a, b in zip(want, captured))
+            rows.append(dict(kind=kind, m=m, pdl=bool(base.get("PDL") if kind == "dense" else base[0].get("PDL")),
+                             identical=same, of=2 * len(xs)))
+    log("PDL chains bit-identical to the same configs without PDL: " + ", ".join(
+        f"{r['kind']} M={r['m']}{'' if r['pdl'] else ' (no PDL)'} {r['identical']}/{r['of']}" for r in rows))
+    return rows
+
+
 # ---------------------------------------------------------------- sweep
 
 def one_row(bn, bk, planes=True, groups=True, warps=4, split=0, wide=False):
@@ -415,12 +461,13 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """The committed config of each M only (timed as the reference). Measured and dropped in issue 27's session 11
-    (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
-    one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every
-    committed tile, 0-100% slower; tensor-core K tiles of 512 and other splits at M = 16-64. Earlier: X_WIDE on the
-    tensor-core tiles, 1.3-2x slower at every M."""
-    return [OLD_DENSE[m]]
+    """The committed config of each M, and the same launched as a programmatic dependent of the kernel before it
+    (PDL: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's end). Measured
+    and dropped in issue 27's session 11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D
+    tiles and as a two-row variant of the one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8;
+    register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and other
+    splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
+    return [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=True)]
 
 
 SWEEP_MOE_MS = (1, 4, 8, 16, 32, 64)
@@ -428,13 +475,14 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
-    """None: the committed tiles are the references (session 11 measured the biased codes, adopted, and register
-    caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md)."""
-    return []
+    """The committed gate/up tile launched with PDL (session 11 also measured the biased codes, adopted, and
+    register caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md)."""
+    return [dict(OLD_MOE[m][0], PDL=True)]
 
 
 def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
-    return []
+    """The committed down tile launched with PDL."""
+    return [dict(OLD_MOE[m][1], PDL=True)]
 
 
 def down_reference(m: int, sorted_: bool) -> dict:
@@ -666,6 +714,8 @@ def main() -> None:
         results["moe"] = (guarded(log, "moe timing", time_moe, device, log, layer) or []) if layer else []
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         log(f"timings took {time.perf_counter() - t0:.0f} s")
+        if layer:
+            results["pdl_chain"] = guarded(log, "PDL chains", pdl_chain_check, device, log, layer)
         del layer
         torch.cuda.empty_cache()
     if not args.skip_correctness and gpus == 1:

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from k2vec.engines.gpu_triton.kernels.int4_layout import _as_tensor, scales_tensor
 from k2vec.engines.gpu_triton.kernels.w4a16 import (
+    _grid_wait,
     _int4_tile,
     _k_range,
     _split_arrive,
@@ -120,7 +121,7 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                 X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
                 EVEN_K: tl.constexpr, OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr, X_WIDE: tl.constexpr,
                 SPLIT_GU: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
-                BIASED_CODES: tl.constexpr):
+                BIASED_CODES: tl.constexpr, PDL: tl.constexpr):
     """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
     OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input.
     SPLIT_K > 1: K split over the grid's third axis, partials (gate and up apart) reduced as in w4a16.
@@ -129,6 +130,7 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
     SPLIT_GU (GATED): gate and up columns in separate programs (grid axis 0 twice the N tiles), each with half the
     registers of a program doing both; their partials meet in the workspace like split-K partials (2 * SPLIT_K
     arrivals per tile) and the last to arrive sums each in split order and applies SiLU * up."""
+    _grid_wait(PDL)     # PDL: the routing and x come from earlier kernels, so the wait comes before every load
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -157,12 +159,12 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
         s_e += half.to(tl.int64) * N * stride_sn
     acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB,
-                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES)
+                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False)
     if GATED and not SPLIT_GU:
         up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
                         s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES)
+                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False)
     else:
         up = acc
     if COMBINE:

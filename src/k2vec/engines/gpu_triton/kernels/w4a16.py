@@ -278,6 +278,42 @@ def _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt, kt_hi, K, k_words, 
 
 
 @triton.jit
+def _row_weight_loads(w_rows, s_rows, n_mask, kt, kt_hi, K, k_words, G: tl.constexpr, WORDS: tl.constexpr,
+                      BF16_SCALES: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight words and group scales of _row_loads (the first tile's, loaded before the PDL wait)."""
+    GROUPS: tl.constexpr = WORDS // (G // 8)
+    i = kt * WORDS + tl.arange(0, WORDS)
+    i_mask = ((i < k_words) | EVEN_K) & (i < kt_hi * WORDS)
+    words = tl.load(w_rows[:, None] + i[None, :], mask=n_mask[:, None] & i_mask[None, :], other=0)
+    g = kt * GROUPS + tl.arange(0, GROUPS)
+    s = _load_scales(s_rows[:, None] + g[None, :],
+                     n_mask[:, None] & (((g < K // G) | EVEN_K) & (g < kt_hi * GROUPS))[None, :], BF16_SCALES)
+    return words, s
+
+
+@triton.jit
+def _row_x_loads(x_rows, row_mask, kt, kt_hi, k_words, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
+    """The natural-order x [rows, WORDS, 8] of _row_loads (the first tile's, loaded after the PDL wait)."""
+    i = kt * WORDS + tl.arange(0, WORDS)
+    i_mask = ((i < k_words) | EVEN_K) & (i < kt_hi * WORDS)
+    x_mask = row_mask[:, None] & i_mask[None, :]
+    return tl.load(x_rows[:, None, None] + 8 * i[None, :, None] + tl.arange(0, 8)[None, None, :],
+                   mask=x_mask[:, :, None], other=0.0)
+
+
+@triton.jit
+def _grid_wait(PDL: tl.constexpr):
+    """PDL (programmatic dependent launch, GPU only): wait until the kernel launched before this one has finished
+    and its writes are visible, then let the next kernel start launching. Every read of data another kernel
+    writes, and every write, comes after this; only the constant weights and scales may be read before it. The
+    next kernel is let go only after the wait, so when it starts, everything before this kernel has finished."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _codes8(words, CODES_ASM: tl.constexpr):
     """The 8 codes of int32 words as float32: by prmt (CODES_ASM) or shift, mask and magic number (_code)."""
     if CODES_ASM:
@@ -342,7 +378,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
                PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
-               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr):
+               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, PDL: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
     The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
@@ -355,6 +391,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     loaded before this tile's arithmetic (registers double-buffered by hand), so a program's DRAM reads overlap
     its dequantisation instead of alternating with it. CODES_ASM (PREFETCH, GPU only): codes by _f32_codes.
     BIASED_CODES (PREFETCH): codes as 1 + u/128 and one correction per group (_F32_BIASED_ASM's comment).
+    PDL: _grid_wait before the first read of x (the one-row PREFETCH path loads its first weight tile before it).
     SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
     instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
 
@@ -368,6 +405,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    if not (PREFETCH and BLOCK_M == 1):
+        _grid_wait(PDL)
     if PREFETCH and BLOCK_M > 1:
         # a few rows on CUDA cores: the one-row GEMV with each code used for BLOCK_M rows (the weight read once)
         GROUPS_M: tl.constexpr = WORDS // WORDS_PER_GROUP
@@ -389,9 +428,13 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        if PREFETCH:
-            words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt_lo, kt_hi, K,
-                                            k_words, G, WORDS, BF16_SCALES, EVEN_K)
+        if PREFETCH:    # the first tile's weights before the wait: with PDL they load while the last kernel ends
+            words_n, s_n = _row_weight_loads(w_rows, s_rows, n_mask, kt_lo, kt_hi, K, k_words, G, WORDS, BF16_SCALES,
+                                             EVEN_K)
+            _grid_wait(PDL)
+            xv_n = _row_x_loads(x_rows, row_mask, kt_lo, kt_hi, k_words, WORDS, EVEN_K)
+        else:
+            _grid_wait(PDL)
         for kt in range(kt_lo, kt_hi):
             if PREFETCH:
                 words, xv, s = words_n, xv_n, s_n
@@ -570,7 +613,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
                   SPLIT_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
                   SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
                   X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
-                  BIASED_CODES: tl.constexpr):
+                  BIASED_CODES: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -581,7 +624,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES)
+                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, PDL)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -636,7 +679,7 @@ def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
     SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE)."""
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False,
            "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False,
-           **config}
+           "PDL": False, **config}
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
     if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
@@ -653,6 +696,7 @@ def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
         cfg.pop("num_warps", None), cfg.pop("num_stages", None), cfg.pop("maxnreg", None)
         cfg["PACKED"] = False
         cfg["CODES_ASM"] = False
+        cfg["PDL"] = False
     return cfg
 
 
@@ -672,6 +716,8 @@ def launch_keys(cfg: dict, activation: torch.dtype, bf16_scales: bool) -> dict:
     out = {key: value for key, value in cfg.items() if key not in ("SPLIT_K", "SPLIT_CTAS")}
     out["PACKED"] = bool(cfg["PACKED"] and cfg["BLOCK_M"] > 1 and activation == torch.bfloat16 and bf16_scales)
     out["SWAP_AB"] = bool(cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and (cfg["X_PLANES"] or cfg["X_WIDE"]))
+    if cfg["PDL"]:      # launched as a programmatic dependent of the kernel before it (see _grid_wait)
+        out["launch_pdl"] = True
     return out
 
 
