@@ -461,13 +461,13 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """The committed config of each M, and the same launched as a programmatic dependent of the kernel before it
-    (PDL: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's end). Measured
+    """The committed config of each M, and the same with PDL flipped (launched as a programmatic dependent of the
+    kernel before it: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's end). Measured
     and dropped in issue 27's session 11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D
     tiles and as a two-row variant of the one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8;
     register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and other
     splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
-    return [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=True)]
+    return [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
 
 
 SWEEP_MOE_MS = (1, 4, 8, 16, 32, 64)
@@ -475,14 +475,14 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
-    """The committed gate/up tile launched with PDL (session 11 also measured the biased codes, adopted, and
+    """The committed gate/up tile with PDL flipped (session 11 also measured the biased codes, adopted, and
     register caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md)."""
-    return [dict(OLD_MOE[m][0], PDL=True)]
+    return [dict(OLD_MOE[m][0], PDL=not OLD_MOE[m][0].get("PDL"))]
 
 
 def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
-    """The committed down tile launched with PDL."""
-    return [dict(OLD_MOE[m][1], PDL=True)]
+    """The committed down tile with PDL flipped."""
+    return [dict(OLD_MOE[m][1], PDL=not OLD_MOE[m][1].get("PDL"))]
 
 
 def down_reference(m: int, sorted_: bool) -> dict:

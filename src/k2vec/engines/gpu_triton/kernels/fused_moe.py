@@ -208,7 +208,8 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
 # PREFETCH, CODES_ASM, BIASED_CODES; one pair per program: top-8 of 384 experts gives about one pair per expert
 # there, and at M = 16 reading an expert once per token still beat the expert-sorted tensor-core tiles), gate and up
 # in separate programs (SPLIT_GU); the down launch summing each token's rows itself (COMBINE) where the sweep picked
-# it; from M = 17 the expert-sorted tensor-core tiles.
+# it; from M = 17 the expert-sorted tensor-core tiles. PDL (launched as a programmatic dependent of the kernel before
+# it) at M = 8 and 32 is the sweep's pick by margins inside its run-to-run spread.
 _PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
 _SORTED_TC = dict(_PAIR_TC, SORTED=True)
 _ROW_GEMV = dict(BLOCK_M=1, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True,
@@ -217,8 +218,9 @@ _ROW_GATE_UP = dict(_ROW_GEMV, BLOCK_N=32, BLOCK_K=512, SPLIT_GU=True)
 MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
     (1, (_ROW_GATE_UP, dict(_ROW_GEMV, COMBINE=True))),
     (4, (_ROW_GATE_UP, _ROW_GEMV)),
-    (8, (_ROW_GATE_UP, dict(_ROW_GEMV, COMBINE=True))),
+    (8, (dict(_ROW_GATE_UP, PDL=True), dict(_ROW_GEMV, COMBINE=True, PDL=True))),
     (16, (_ROW_GATE_UP, _ROW_GEMV)),
+    (32, (dict(_SORTED_TC, SPLIT_GU=True, PDL=True), _SORTED_TC)),
     (1 << 62, (dict(_SORTED_TC, SPLIT_GU=True), _SORTED_TC)),
 ]
 # float32 activations: the 2026-11-30 sweep's one-pair CUDA-core path at every M
@@ -294,8 +296,8 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     num_pairs = flat_ids.numel()
     cfg13, cfg2 = config or pick_config(MOE_CONFIGS_FP32 if x.dtype == torch.float32 else MOE_CONFIGS, m)
     interpret = interpreting()
-    cfg13 = tile_config(cfg13, experts.group_size, interpret)
-    cfg2 = tile_config(cfg2, experts.group_size, interpret)
+    cfg13 = tile_config(cfg13, experts.group_size, interpret, x.device)
+    cfg2 = tile_config(cfg2, experts.group_size, interpret, x.device)
     sorted_ = cfg13.pop("SORTED", cfg13["BLOCK_M"] > 1)
     if cfg2.pop("SORTED", cfg2["BLOCK_M"] > 1) != sorted_ or (sorted_ and cfg13["BLOCK_M"] != cfg2["BLOCK_M"]):
         raise ValueError("fused_moe: gate/up and down configs must share SORTED and, sorted, BLOCK_M (one layout)")

@@ -643,10 +643,11 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # 2026-12-02, issue 27), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid has
 # about this many programs (see split_k). M = 1: the one-row GEMV with natural-order x and a prefetched next K tile,
 # split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up"), with
-# the biased codes (session 11).
+# the biased codes and launched with PDL (session 11: its first weight tile loads while the kernel before it ends).
+# PDL at M = 32 is the sweep's pick by a margin inside its run-to-run spread.
 DENSE_CONFIGS: list[tuple[int, dict]] = [
     (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
-             BIASED_CODES=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)),
+             BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)),
     (2, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
               num_stages=3)),
     (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
@@ -655,7 +656,7 @@ DENSE_CONFIGS: list[tuple[int, dict]] = [
               num_stages=3)),
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
               num_stages=3)),
-    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
+    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, PDL=True, num_warps=4,
               num_stages=3)),
     (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=132, num_warps=8,
               num_stages=3)),
@@ -673,10 +674,11 @@ def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
     return next(cfg for bound, cfg in configs if m <= bound)
 
 
-def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
+def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
     """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16.
     Keeps the host-side keys SPLIT_K / SPLIT_CTAS (see split_k), PACKED (False: float32 dequantization) and
-    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE)."""
+    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE). PDL (launch as a programmatic
+    dependent, see _grid_wait) is dropped in the interpreter and on a `device` older than sm_90."""
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False,
            "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False,
            "PDL": False, **config}
@@ -697,6 +699,8 @@ def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
         cfg["PACKED"] = False
         cfg["CODES_ASM"] = False
         cfg["PDL"] = False
+    elif cfg["PDL"] and device is not None and torch.cuda.get_device_capability(device)[0] < 9:
+        cfg["PDL"] = False      # griddepcontrol needs sm_90
     return cfg
 
 
@@ -766,7 +770,7 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     if m == 0:
         return out
     table = DENSE_CONFIGS_FP32 if x.dtype == torch.float32 else DENSE_CONFIGS
-    cfg = tile_config(config or pick_config(table, m), weight.group_size, interpreting())
+    cfg = tile_config(config or pick_config(table, m), weight.group_size, interpreting(), x.device)
     bf16_scales = weight.scales.dtype == torch.bfloat16
     scales = weight.scales.view(torch.int16) if bf16_scales else weight.scales
     words = weight.packed.view(torch.int32)
