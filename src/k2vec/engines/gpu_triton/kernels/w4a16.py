@@ -139,10 +139,10 @@ def _f32_codes(words):
 
 
 # BIASED_CODES: the codes as v = 1 + u/128, float32 bits 0x3F800000 | u << 16, so u - 8 = 128 v - 136 and a group's
-# sum of q·x is 128 (sum v·x - 1.0625 sum x): no subtraction per element. Each v·x is exact (8 by 8 significant bits);
-# sum x is taken once per word and shared by the rows a thread holds. In PTX two lop3 put each nibble under 0x80 in its
-# byte ((w & 0x0F0F0F0F) | 0x80808080, the odd elements shifted down by 4 first) and one prmt per element moves that
-# byte to bits 16..23 under the exponent byte 0x3F: 2.4 instructions per element, none of them a float add.
+# sum of q·x is 128 (sum v·x - 1.0625 sum x): no subtraction per element. Each v·x is exact (8 by 8 significant
+# bits); sum x is taken once per word and shared by the rows a thread holds. In PTX two lop3 put each nibble under
+# 0x80 in its byte ((w & 0x0F0F0F0F) | 0x80808080, the odd elements shifted down by 4 first) and one prmt per element
+# moves that byte to bits 16..23 under the exponent byte 0x3F: 2.4 instructions per element, none a float add.
 _F32_BIASED_ASM = tl.constexpr("""
 {
 .reg .b32 lo, hi;
