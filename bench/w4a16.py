@@ -461,13 +461,17 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """The committed config of each M, and the same with PDL flipped (launched as a programmatic dependent of the
+    """The committed config of each M, the same with PDL flipped (launched as a programmatic dependent of the
     kernel before it: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's
-    end). Measured and dropped in issue 27's session 11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased
-    codes, as 3-D tiles and as a two-row variant of the one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles
-    at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
+    end), and at M = 2 and 4 the M = 1 GEMV tiles, one row per program. Measured and dropped in issue 27's session
+    11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
+    one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
     other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
-    return [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
+    cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
+    if m in (2, 4):     # the one-row GEMV of M = 1 run once per row (the second row's weight reads mostly from L2)
+        cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
+                  for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264))]
+    return cands
 
 
 SWEEP_MOE_MS = (1, 4, 8, 16, 32, 64)
