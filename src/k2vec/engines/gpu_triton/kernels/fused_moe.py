@@ -209,7 +209,7 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
 # there, and at M = 16 reading an expert once per token still beat the expert-sorted tensor-core tiles), gate and up
 # in separate programs (SPLIT_GU); the down launch summing each token's rows itself (COMBINE) where the sweep picked
 # it; from M = 17 the expert-sorted tensor-core tiles. PDL (launched as a programmatic dependent of the kernel before
-# it) at M = 8 and 32 is the sweep's pick by margins inside its run-to-run spread.
+# it) at M = 2-8 and 17-32 is the sweep's pick by margins inside its run-to-run spread (<= 1%).
 _PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
 _SORTED_TC = dict(_PAIR_TC, SORTED=True)
 _ROW_GEMV = dict(BLOCK_M=1, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True,
@@ -217,10 +217,10 @@ _ROW_GEMV = dict(BLOCK_M=1, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, 
 _ROW_GATE_UP = dict(_ROW_GEMV, BLOCK_N=32, BLOCK_K=512, SPLIT_GU=True)
 MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
     (1, (_ROW_GATE_UP, dict(_ROW_GEMV, COMBINE=True))),
-    (4, (_ROW_GATE_UP, _ROW_GEMV)),
+    (4, (_ROW_GATE_UP, dict(_ROW_GEMV, PDL=True))),
     (8, (dict(_ROW_GATE_UP, PDL=True), dict(_ROW_GEMV, COMBINE=True, PDL=True))),
     (16, (_ROW_GATE_UP, _ROW_GEMV)),
-    (32, (dict(_SORTED_TC, SPLIT_GU=True, PDL=True), _SORTED_TC)),
+    (32, (dict(_SORTED_TC, SPLIT_GU=True), dict(_SORTED_TC, PDL=True))),
     (1 << 62, (dict(_SORTED_TC, SPLIT_GU=True), _SORTED_TC)),
 ]
 # float32 activations: the 2026-11-30 sweep's one-pair CUDA-core path at every M

@@ -641,25 +641,24 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # Tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
 # DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
 # 2026-12-02, issue 27), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid has
-# about this many programs (see split_k). M = 1: the one-row GEMV with natural-order x and a prefetched next K tile,
-# split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up"), with
-# the biased codes and launched with PDL (session 11: its first weight tile loads while the kernel before it ends).
-# PDL at M = 32 is the sweep's pick by a margin inside its run-to-run spread.
+# about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a prefetched next K
+# tile, split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up"),
+# with the biased codes and launched with PDL (session 11: its first weight tile loads while the kernel before it
+# ends); at M = 2 a program per row, the second row's weight reads mostly served by L2. PDL at M = 32 and 64 is the
+# sweep's pick by margins inside its run-to-run spread.
+_GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
+             BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
-    (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
-             BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)),
-    (2, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
-              num_stages=3)),
+    (2, _GEMV),
     (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
-              num_stages=3)),
-    (8, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
-              num_stages=3)),
+             num_stages=3)),
+    (8, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)),
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
               num_stages=3)),
     (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, PDL=True, num_warps=4,
               num_stages=3)),
-    (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=132, num_warps=8,
-              num_stages=3)),
+    (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=132, PDL=True,
+                   num_warps=8, num_stages=3)),
 ]
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
 DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
