@@ -109,7 +109,20 @@ def split_configs() -> list:
             dict(row, CODES_ASM=True), dict(row, CODES_ASM=True, SPLIT_K=1),     # GPU only (inline PTX)
             dict(row, BLOCK_M=2), dict(row, BLOCK_M=4, CODES_ASM=True), dict(row, BLOCK_M=8, CODES_ASM=True, SPLIT_K=1),
             (dict(row, SORTED=False, SPLIT_GU=True, CODES_ASM=True),
-             dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, CODES_ASM=True))]
+             dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, CODES_ASM=True)),
+            # biased codes (1 + u/128, one correction per group): shift/mask and prmt, one row and several
+            dict(row, BIASED_CODES=True), dict(row, BIASED_CODES=True, CODES_ASM=True, SPLIT_K=3),
+            dict(row, BLOCK_M=2, BIASED_CODES=True, CODES_ASM=True), dict(row, BLOCK_M=4, BIASED_CODES=True),
+            dict(row, BLOCK_M=8, BIASED_CODES=True, CODES_ASM=True, SPLIT_K=1),
+            (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, CODES_ASM=True),
+             dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, BIASED_CODES=True, CODES_ASM=True)),
+            (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True),
+             dict(row, SORTED=False, BIASED_CODES=True)),
+            # launched with PDL (GPU only): the one-row GEMV's weights before the wait, a tensor-core tile, MoE
+            dict(row, BIASED_CODES=True, CODES_ASM=True, PDL=True), dict(tc, PDL=True),
+            (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, PDL=True),
+             dict(row, SORTED=False, COMBINE=True, SPLIT_K=1, BIASED_CODES=True, PDL=True)),
+            (dict(tc, SORTED=True, SPLIT_GU=True, PDL=True), dict(tc, SORTED=True, PDL=True))]
 
 
 def _worker_init(device: str) -> None:
@@ -386,6 +399,47 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
     return rows
 
 
+def pdl_chain_check(device, log, layer) -> list[dict]:
+    """Launches that overlap through PDL compute bit for bit what the same configs compute without it: pairs of
+    dependent dense calls (7168->2048 then 2048->7168 on its output) and of fused MoE calls (the second on the
+    first's output), 8 pairs back to back, eagerly and replayed from a CUDA graph, at every M of the timings."""
+    gen = verify.generator(device, "pdl-chain")
+    wa = pack_for_gpu(*verify.random_int4(2048, 7168, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    wb = pack_for_gpu(*verify.random_int4(7168, 2048, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    rows = []
+    for kind in ("dense", "moe"):
+        for m in MS:
+            xs = [torch.randn(m, 7168, device=device, dtype=torch.bfloat16) for _ in range(8)]
+            routes = [layer.routing(m) for _ in xs] if kind == "moe" else None
+            base = pick_config(DENSE_CONFIGS, m) if kind == "dense" else pick_config(MOE_CONFIGS, m)
+            if kind == "dense":
+                plain = dict(base, PDL=False)
+
+                def chain(cfg):
+                    return [w4a16_linear(w4a16_linear(x, wa, config=cfg), wb, config=cfg) for x in xs]
+            else:
+                plain = tuple(dict(c, PDL=False) for c in base)
+
+                def chain(cfg):
+                    return [fused_moe(fused_moe(x, layer.experts, *r, config=cfg), layer.experts, *r, config=cfg)
+                            for x, r in zip(xs, routes)]
+            want = chain(plain)
+            eager = chain(base)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = chain(base)
+            graph.replay()
+            torch.cuda.synchronize()
+            same = sum(torch.equal(a, b) for a, b in zip(want, eager)) + sum(
+                torch.equal(a, b) for a, b in zip(want, captured))
+            rows.append(dict(kind=kind, m=m, pdl=bool(base.get("PDL") if kind == "dense" else base[0].get("PDL")),
+                             identical=same, of=2 * len(xs)))
+    log("PDL chains bit-identical to the same configs without PDL: " + ", ".join(
+        f"{r['kind']} M={r['m']}{'' if r['pdl'] else ' (no PDL)'} {r['identical']}/{r['of']}" for r in rows))
+    return rows
+
+
 # ---------------------------------------------------------------- sweep
 
 def one_row(bn, bk, planes=True, groups=True, warps=4, split=0, wide=False):
@@ -407,22 +461,16 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 
 
 def dense_candidates(m: int) -> list[dict]:
-    """M = 1: one-row GEMV tiles (X_WIDE, PREFETCH, CODES_ASM) of other shapes and splits; M = 2-16: packed
-    tensor-core tiles (X_PLANES) with smaller K tiles (fewer registers), more splits, 4 stages; the committed config
-    of each M. (Measured and dropped in this change's earlier sweeps: X_WIDE on the tensor-core tiles, 1.3-2x
-    slower at every M; one-row tiles at M = 2; CUDA-core GEMV tiles of 2-8 rows at M = 2-16, 1.1-5x slower than
-    the tensor-core tiles.)"""
-    cands = [OLD_DENSE[m]]
-    if m == 1:
-        cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True)
-                  for bn, bk, w, sp in ((32, 1024, 8, 264), (64, 1024, 8, 132), (32, 2048, 8, 132),
-                                        (16, 2048, 8, 132), (16, 1024, 8, 264), (32, 1024, 4, 132))]
-    elif m <= 16:
-        cands += [tensor_core(16, bn, bk, warps=w, stages=st, split=sp, **({"SWAP_AB": True} if swap else {}))
-                  for bn, bk, w, st, swap, sp in ((64, 128, 4, 3, True, 264), (64, 128, 4, 3, True, 528),
-                                                  (64, 256, 4, 3, True, 528), (64, 256, 4, 3, False, 528),
-                                                  (128, 256, 8, 3, True, 264), (32, 256, 4, 3, False, 264),
-                                                  (64, 256, 4, 4, True, 264), (64, 256, 4, 4, False, 264))]
+    """The committed config of each M, the same with PDL flipped (launched as a programmatic dependent of the
+    kernel before it: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's
+    end), and at M = 2 and 4 the M = 1 GEMV tiles, one row per program. Measured and dropped in issue 27's session
+    11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
+    one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
+    other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
+    cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
+    if m in (2, 4):     # the one-row GEMV of M = 1 run once per row (the second row's weight reads mostly from L2)
+        cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
+                  for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264))]
     return cands
 
 
@@ -431,13 +479,14 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
-    """None in this sweep: the committed tiles are timed as the references (this change's earlier sweeps measured
-    the one-row GEMV, SPLIT_GU and CODES_ASM tiles, bench/RESULTS.md)."""
-    return []
+    """The committed gate/up tile with PDL flipped (session 11 also measured the biased codes, adopted, and
+    register caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md)."""
+    return [dict(OLD_MOE[m][0], PDL=not OLD_MOE[m][0].get("PDL"))]
 
 
 def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
-    return []
+    """The committed down tile with PDL flipped."""
+    return [dict(OLD_MOE[m][1], PDL=not OLD_MOE[m][1].get("PDL"))]
 
 
 def down_reference(m: int, sorted_: bool) -> dict:
@@ -449,11 +498,10 @@ def moe_candidates(m: int) -> list[tuple[dict, dict]]:
     """Every (gate/up, down) pair the warm-up compiles: gate/up candidates with the committed down tile, down
     candidates with the committed gate/up tile (the sweep times gate/up first, then down with the best gate/up)."""
     old13, old2 = OLD_MOE[m]
+    sorted_ = old13.get("SORTED", old13["BLOCK_M"] > 1)
     cands = [(old13, old2)]
-    for gu in moe_gate_up_candidates(m):
-        cands.append((gu, down_reference(m, gu["SORTED"])))
-    sorted_ = m >= 16
-    cands += [(dict(old13, SORTED=sorted_), d) for d in moe_down_candidates(m, sorted_)]
+    cands += [(gu, down_reference(m, sorted_)) for gu in moe_gate_up_candidates(m)]
+    cands += [(old13, d) for d in moe_down_candidates(m, sorted_)]
     return cands
 
 
@@ -586,13 +634,13 @@ def guarded(log, what, fn, *args):
 
 
 def profile(device, log) -> None:
-    """Dense K=7168->N=4096 at M = 1 and 16, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
+    """Dense K=7168->N=4096 at M = 1, 2 and 16, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
     k, n = 7168, 4096
     gen = verify.generator(device, "profile")
     w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
     layer = K2Layer(device, with_bf16=False)
     calls = []
-    for m in (1, 16):
+    for m in (1, 2, 16):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         calls.append(lambda x=x: w4a16_linear(x, w))
     for m in (1, 16):
@@ -670,6 +718,8 @@ def main() -> None:
         results["moe"] = (guarded(log, "moe timing", time_moe, device, log, layer) or []) if layer else []
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         log(f"timings took {time.perf_counter() - t0:.0f} s")
+        if layer:
+            results["pdl_chain"] = guarded(log, "PDL chains", pdl_chain_check, device, log, layer)
         del layer
         torch.cuda.empty_cache()
     if not args.skip_correctness and gpus == 1:

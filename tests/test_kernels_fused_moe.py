@@ -51,7 +51,12 @@ SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, B
                "one-row-prefetch-gu": (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
                                             PREFETCH=True, SPLIT_GU=True, SPLIT_K=3),
                                        dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
-                                            PREFETCH=True, COMBINE=True))}
+                                            PREFETCH=True, COMBINE=True)),
+               # the same with the biased codes (1 + u/128, one correction per group)
+               "one-row-biased-gu": (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
+                                          PREFETCH=True, BIASED_CODES=True, SPLIT_GU=True, SPLIT_K=3),
+                                     dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
+                                          PREFETCH=True, BIASED_CODES=True, COMBINE=True))}
 
 
 def cpu_case(m, g, sd, act, path):

@@ -35,7 +35,11 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True),
               # the same GEMV over 2 and 4 rows per program (each code used for every row), M = 3 a partial row tile
               dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4),
-              dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True)]
+              dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True),
+              # the biased codes (1 + u/128, one correction per group) on the one-row and 2-row GEMV
+              dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True,
+                   SPLIT_K=4),
+              dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True)]
 CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip) for m in (1, 16) for flip in ("low", "high")]
 
 

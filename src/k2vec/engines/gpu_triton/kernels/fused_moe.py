@@ -28,6 +28,7 @@ import triton.language as tl
 
 from k2vec.engines.gpu_triton.kernels.int4_layout import _as_tensor, scales_tensor
 from k2vec.engines.gpu_triton.kernels.w4a16 import (
+    _grid_wait,
     _int4_tile,
     _k_range,
     _split_arrive,
@@ -119,7 +120,8 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                 SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr,
                 X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
                 EVEN_K: tl.constexpr, OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr, X_WIDE: tl.constexpr,
-                SPLIT_GU: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr):
+                SPLIT_GU: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
+                BIASED_CODES: tl.constexpr, PDL: tl.constexpr):
     """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
     OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input.
     SPLIT_K > 1: K split over the grid's third axis, partials (gate and up apart) reduced as in w4a16.
@@ -128,6 +130,7 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
     SPLIT_GU (GATED): gate and up columns in separate programs (grid axis 0 twice the N tiles), each with half the
     registers of a program doing both; their partials meet in the workspace like split-K partials (2 * SPLIT_K
     arrivals per tile) and the last to arrive sums each in split order and applies SiLU * up."""
+    _grid_wait(PDL)     # PDL: the routing and x come from earlier kernels, so the wait comes before every load
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -156,12 +159,12 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
         s_e += half.to(tl.int64) * N * stride_sn
     acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB,
-                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM)
+                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False)
     if GATED and not SPLIT_GU:
         up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
                         s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM)
+                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False)
     else:
         up = acc
     if COMBINE:
@@ -201,18 +204,23 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
 # M upper bound -> tile configs of (gate/up, down). SORTED False: one (token, expert) pair per program, on CUDA
 # cores (BLOCK_M 1) or tensor cores with the pair in row 0 of 16 (BLOCK_M 16); SORTED (BLOCK_M >= 16): pairs
 # grouped by expert. MOE_CONFIGS (bfloat16/float16 activations): the winners of the H200 sweep of bench/w4a16.py
-# (bench/RESULTS.md, 2026-12-02, issue 27, "GEMV and split gate/up"): gate and up in separate programs
-# (SPLIT_GU) at every M; at M <= 8 both launches as one-row GEMV tiles (X_WIDE, PREFETCH, CODES_ASM; one pair per
-# program: top-8 of 384 experts gives about one pair per expert there), at M <= 4 the down launch summing each
-# token's rows itself (COMBINE); from M = 9 the expert-sorted tensor-core tiles.
+# (bench/RESULTS.md, 2026-12-02, issue 27, session 11): up to M = 16 both launches as one-row GEMV tiles (X_WIDE,
+# PREFETCH, CODES_ASM, BIASED_CODES; one pair per program: top-8 of 384 experts gives about one pair per expert
+# there, and at M = 16 reading an expert once per token still beat the expert-sorted tensor-core tiles), gate and up
+# in separate programs (SPLIT_GU); the down launch summing each token's rows itself (COMBINE) where the sweep picked
+# it; from M = 17 the expert-sorted tensor-core tiles. PDL (launched as a programmatic dependent of the kernel before
+# it) at M = 2-8 and 17-32 is the sweep's pick by margins inside its run-to-run spread (<= 1%).
 _PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
 _SORTED_TC = dict(_PAIR_TC, SORTED=True)
 _ROW_GEMV = dict(BLOCK_M=1, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True,
-                 CODES_ASM=True, num_warps=4, num_stages=3)
+                 CODES_ASM=True, BIASED_CODES=True, num_warps=4, num_stages=3)
 _ROW_GATE_UP = dict(_ROW_GEMV, BLOCK_N=32, BLOCK_K=512, SPLIT_GU=True)
 MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
-    (4, (_ROW_GATE_UP, dict(_ROW_GEMV, COMBINE=True))),
-    (8, (_ROW_GATE_UP, _ROW_GEMV)),
+    (1, (_ROW_GATE_UP, dict(_ROW_GEMV, COMBINE=True))),
+    (4, (_ROW_GATE_UP, dict(_ROW_GEMV, PDL=True))),
+    (8, (dict(_ROW_GATE_UP, PDL=True), dict(_ROW_GEMV, COMBINE=True, PDL=True))),
+    (16, (_ROW_GATE_UP, _ROW_GEMV)),
+    (32, (dict(_SORTED_TC, SPLIT_GU=True), dict(_SORTED_TC, PDL=True))),
     (1 << 62, (dict(_SORTED_TC, SPLIT_GU=True), _SORTED_TC)),
 ]
 # float32 activations: the 2026-11-30 sweep's one-pair CUDA-core path at every M
@@ -288,8 +296,8 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     num_pairs = flat_ids.numel()
     cfg13, cfg2 = config or pick_config(MOE_CONFIGS_FP32 if x.dtype == torch.float32 else MOE_CONFIGS, m)
     interpret = interpreting()
-    cfg13 = tile_config(cfg13, experts.group_size, interpret)
-    cfg2 = tile_config(cfg2, experts.group_size, interpret)
+    cfg13 = tile_config(cfg13, experts.group_size, interpret, x.device)
+    cfg2 = tile_config(cfg2, experts.group_size, interpret, x.device)
     sorted_ = cfg13.pop("SORTED", cfg13["BLOCK_M"] > 1)
     if cfg2.pop("SORTED", cfg2["BLOCK_M"] > 1) != sorted_ or (sorted_ and cfg13["BLOCK_M"] != cfg2["BLOCK_M"]):
         raise ValueError("fused_moe: gate/up and down configs must share SORTED and, sorted, BLOCK_M (one layout)")

@@ -138,6 +138,52 @@ def _f32_codes(words):
                                      is_pure=True, pack=1)
 
 
+# BIASED_CODES: the codes as v = 1 + u/128, float32 bits 0x3F800000 | u << 16, so u - 8 = 128 v - 136 and a group's
+# sum of q·x is 128 (sum v·x - 1.0625 sum x): no subtraction per element. Each v·x is exact (8 by 8 significant
+# bits); sum x is taken once per word and shared by the rows a thread holds. In PTX two lop3 put each nibble under
+# 0x80 in its byte ((w & 0x0F0F0F0F) | 0x80808080, the odd elements shifted down by 4 first) and one prmt per element
+# moves that byte to bits 16..23 under the exponent byte 0x3F: 2.4 instructions per element, none a float add.
+_F32_BIASED_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi;
+lop3.b32 lo, $8, 0x0F0F0F0F, 0x80808080, 0xEA;
+shr.u32 hi, $8, 4;
+lop3.b32 hi, hi, 0x0F0F0F0F, 0x80808080, 0xEA;
+prmt.b32 $0, lo, 0x3F000000, 0x7054;
+prmt.b32 $1, hi, 0x3F000000, 0x7054;
+prmt.b32 $2, lo, 0x3F000000, 0x7154;
+prmt.b32 $3, hi, 0x3F000000, 0x7154;
+prmt.b32 $4, lo, 0x3F000000, 0x7254;
+prmt.b32 $5, hi, 0x3F000000, 0x7254;
+prmt.b32 $6, lo, 0x3F000000, 0x7354;
+prmt.b32 $7, hi, 0x3F000000, 0x7354;
+}
+""")
+
+
+@triton.jit
+def _biased(words, e: tl.constexpr):
+    """v = 1 + u/128 of element e (0..7) of each word: the nibble moved to bits 16..19 under 1.0f's bits."""
+    if 4 * e <= 16:
+        u16 = (words << (16 - 4 * e)) & 0xF0000
+    else:
+        u16 = (words >> (4 * e - 16)) & 0xF0000
+    return (u16 | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _biased8(words, CODES_ASM: tl.constexpr):
+    """The 8 biased codes v_e = 1 + u_e/128 of int32 words as float32: by prmt (CODES_ASM) or shift and mask."""
+    if CODES_ASM:
+        return tl.inline_asm_elementwise(_F32_BIASED_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32,
+                                                tl.float32, tl.float32, tl.float32, tl.float32),
+                                         is_pure=True, pack=1)
+    else:
+        return (_biased(words, 0), _biased(words, 1), _biased(words, 2), _biased(words, 3), _biased(words, 4),
+                _biased(words, 5), _biased(words, 6), _biased(words, 7))
+
+
 @triton.jit
 def _x_plane(x_rows, e: tl.constexpr, i, k_words, x_mask, X_PLANES: tl.constexpr):
     """Activations of element plane e at words i ([rows, words]); plane-major rows load contiguously."""
@@ -232,6 +278,42 @@ def _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt, kt_hi, K, k_words, 
 
 
 @triton.jit
+def _row_weight_loads(w_rows, s_rows, n_mask, kt, kt_hi, K, k_words, G: tl.constexpr, WORDS: tl.constexpr,
+                      BF16_SCALES: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight words and group scales of _row_loads (the first tile's, loaded before the PDL wait)."""
+    GROUPS: tl.constexpr = WORDS // (G // 8)
+    i = kt * WORDS + tl.arange(0, WORDS)
+    i_mask = ((i < k_words) | EVEN_K) & (i < kt_hi * WORDS)
+    words = tl.load(w_rows[:, None] + i[None, :], mask=n_mask[:, None] & i_mask[None, :], other=0)
+    g = kt * GROUPS + tl.arange(0, GROUPS)
+    s = _load_scales(s_rows[:, None] + g[None, :],
+                     n_mask[:, None] & (((g < K // G) | EVEN_K) & (g < kt_hi * GROUPS))[None, :], BF16_SCALES)
+    return words, s
+
+
+@triton.jit
+def _row_x_loads(x_rows, row_mask, kt, kt_hi, k_words, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
+    """The natural-order x [rows, WORDS, 8] of _row_loads (the first tile's, loaded after the PDL wait)."""
+    i = kt * WORDS + tl.arange(0, WORDS)
+    i_mask = ((i < k_words) | EVEN_K) & (i < kt_hi * WORDS)
+    x_mask = row_mask[:, None] & i_mask[None, :]
+    return tl.load(x_rows[:, None, None] + 8 * i[None, :, None] + tl.arange(0, 8)[None, None, :],
+                   mask=x_mask[:, :, None], other=0.0)
+
+
+@triton.jit
+def _grid_wait(PDL: tl.constexpr):
+    """PDL (programmatic dependent launch, GPU only): wait until the kernel launched before this one has finished
+    and its writes are visible, then let the next kernel start launching. Every read of data another kernel
+    writes, and every write, comes after this; only the constant weights and scales may be read before it. The
+    next kernel is let go only after the wait, so when it starts, everything before this kernel has finished."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _codes8(words, CODES_ASM: tl.constexpr):
     """The 8 codes of int32 words as float32: by prmt (CODES_ASM) or shift, mask and magic number (_code)."""
     if CODES_ASM:
@@ -243,10 +325,14 @@ def _codes8(words, CODES_ASM: tl.constexpr):
 
 @triton.jit
 def _row_part(words, xv, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_PER_GROUP: tl.constexpr,
-              CODES_ASM: tl.constexpr):
-    """Scaled group sums [BLOCK_N, GROUPS] of one K tile of the one-row path (x as [1, WORDS, 8])."""
+              CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr):
+    """Scaled group sums [BLOCK_N, GROUPS] of one K tile of the one-row path (x as [1, WORDS, 8]); BIASED_CODES: the
+    sums over 128 (the caller multiplies by 128 once at the end)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
+    if BIASED_CODES:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _biased8(words, CODES_ASM)
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
     part = c0 * x0.to(tl.float32)
     part += c1 * x1.to(tl.float32)
     part += c2 * x2.to(tl.float32)
@@ -255,16 +341,23 @@ def _row_part(words, xv, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_P
     part += c5 * x5.to(tl.float32)
     part += c6 * x6.to(tl.float32)
     part += c7 * x7.to(tl.float32)
-    return tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
+    sums = tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2)
+    if BIASED_CODES:
+        xs = tl.sum(xv.to(tl.float32), axis=2)      # [1, WORDS]: sum of each word's 8 activations
+        sums -= 1.0625 * tl.sum(tl.reshape(xs, [1, GROUPS, WORDS_PER_GROUP]), axis=2)
+    return sums * s
 
 
 @triton.jit
 def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-               WORDS_PER_GROUP: tl.constexpr, CODES_ASM: tl.constexpr):
+               WORDS_PER_GROUP: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr):
     """Scaled group sums [BLOCK_M, BLOCK_N, GROUPS] of one K tile for BLOCK_M rows (x as [BLOCK_M, WORDS, 8]):
-    each code is made once and multiplied into every row."""
+    each code is made once and multiplied into every row (BIASED_CODES: over 128, as in _row_part)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
+    if BIASED_CODES:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _biased8(words, CODES_ASM)
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
     part = c0[None, :, :] * x0.to(tl.float32)[:, None, :]
     part += c1[None, :, :] * x1.to(tl.float32)[:, None, :]
     part += c2[None, :, :] * x2.to(tl.float32)[:, None, :]
@@ -273,7 +366,11 @@ def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
     part += c5[None, :, :] * x5.to(tl.float32)[:, None, :]
     part += c6[None, :, :] * x6.to(tl.float32)[:, None, :]
     part += c7[None, :, :] * x7.to(tl.float32)[:, None, :]
-    return tl.sum(tl.reshape(part, [BLOCK_M, BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=3) * s[None, :, :]
+    sums = tl.sum(tl.reshape(part, [BLOCK_M, BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=3)
+    if BIASED_CODES:
+        xs = tl.sum(xv.to(tl.float32), axis=2)      # [BLOCK_M, WORDS]
+        sums -= 1.0625 * tl.sum(tl.reshape(xs, [BLOCK_M, GROUPS, WORDS_PER_GROUP]), axis=2)[:, None, :]
+    return sums * s[None, :, :]
 
 
 @triton.jit
@@ -281,7 +378,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
                PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
-               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr):
+               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, PDL: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
     The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
@@ -293,6 +390,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     the next K tile's weight words, x and scales are
     loaded before this tile's arithmetic (registers double-buffered by hand), so a program's DRAM reads overlap
     its dequantisation instead of alternating with it. CODES_ASM (PREFETCH, GPU only): codes by _f32_codes.
+    BIASED_CODES (PREFETCH): codes as 1 + u/128 and one correction per group (_F32_BIASED_ASM's comment).
+    PDL: _grid_wait before the first read of x (the one-row PREFETCH path loads its first weight tile before it).
     SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
     instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
 
@@ -306,6 +405,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+    if not (PREFETCH and BLOCK_M == 1):
+        _grid_wait(PDL)
     if PREFETCH and BLOCK_M > 1:
         # a few rows on CUDA cores: the one-row GEMV with each code used for BLOCK_M rows (the weight read once)
         GROUPS_M: tl.constexpr = WORDS // WORDS_PER_GROUP
@@ -316,7 +417,9 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             words, xv, s = words_n, xv_n, s_n
             words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 1, kt_hi, K,
                                             k_words, G, WORDS, BF16_SCALES, EVEN_K)
-            acc += _rows_part(words, xv, s, BLOCK_M, BLOCK_N, GROUPS_M, WORDS_PER_GROUP, CODES_ASM)
+            acc += _rows_part(words, xv, s, BLOCK_M, BLOCK_N, GROUPS_M, WORDS_PER_GROUP, CODES_ASM, BIASED_CODES)
+        if BIASED_CODES:
+            acc *= 128.0     # exact: a power of two
         return tl.sum(acc, axis=2)
     elif BLOCK_M == 1:
         # one row: multiply-and-add on CUDA cores, partial sums reduced once at the end
@@ -325,15 +428,19 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        if PREFETCH:
-            words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt_lo, kt_hi, K,
-                                            k_words, G, WORDS, BF16_SCALES, EVEN_K)
+        if PREFETCH:    # the first tile's weights before the wait: with PDL they load while the last kernel ends
+            words_n, s_n = _row_weight_loads(w_rows, s_rows, n_mask, kt_lo, kt_hi, K, k_words, G, WORDS, BF16_SCALES,
+                                             EVEN_K)
+            _grid_wait(PDL)
+            xv_n = _row_x_loads(x_rows, row_mask, kt_lo, kt_hi, k_words, WORDS, EVEN_K)
+        else:
+            _grid_wait(PDL)
         for kt in range(kt_lo, kt_hi):
             if PREFETCH:
                 words, xv, s = words_n, xv_n, s_n
                 words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 1, kt_hi, K,
                                                 k_words, G, WORDS, BF16_SCALES, EVEN_K)
-                acc += _row_part(words, xv, s, BLOCK_N, GROUPS, WORDS_PER_GROUP, CODES_ASM)
+                acc += _row_part(words, xv, s, BLOCK_N, GROUPS, WORDS_PER_GROUP, CODES_ASM, BIASED_CODES)
             else:
                 i = kt * WORDS + offs_w
                 i_mask = (i < k_words) | EVEN_K     # EVEN_K: no K tail, constant masks keep loads wide
@@ -361,6 +468,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                     acc += tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=2) * s
                 else:
                     acc += part * _load_scales(s_rows[:, None] + (i // WORDS_PER_GROUP)[None, :], mask, BF16_SCALES)
+        if BIASED_CODES:
+            acc *= 128.0     # exact: a power of two
         return tl.reshape(tl.sum(acc, axis=1), [1, BLOCK_N])
     else:
         # tensor cores: per element plane e, [BLOCK_M, WORDS] x [WORDS, BLOCK_N] (weight transposed by the
@@ -503,7 +612,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
                   SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
-                  X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr):
+                  X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
+                  BIASED_CODES: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -514,7 +624,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM)
+                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, PDL)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -531,23 +641,24 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # Tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
 # DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
 # 2026-12-02, issue 27), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid has
-# about this many programs (see split_k). M = 1: the one-row GEMV with natural-order x and a prefetched next K tile,
-# split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up").
+# about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a prefetched next K
+# tile, split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up"),
+# with the biased codes and launched with PDL (session 11: its first weight tile loads while the kernel before it
+# ends); at M = 2 a program per row, the second row's weight reads mostly served by L2. PDL at M = 32 and 64 is the
+# sweep's pick by margins inside its run-to-run spread.
+_GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
+             BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
-    (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
-             SPLIT_CTAS=132, num_warps=8, num_stages=3)),
-    (2, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
-              num_stages=3)),
+    (2, _GEMV),
     (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
-              num_stages=3)),
-    (8, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4,
-              num_stages=3)),
+             num_stages=3)),
+    (8, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)),
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
               num_stages=3)),
-    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
+    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, PDL=True, num_warps=4,
               num_stages=3)),
-    (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=132, num_warps=8,
-              num_stages=3)),
+    (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=132, PDL=True,
+                   num_warps=8, num_stages=3)),
 ]
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
 DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
@@ -562,26 +673,33 @@ def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
     return next(cfg for bound, cfg in configs if m <= bound)
 
 
-def tile_config(config: dict, group_size: int, interpret: bool) -> dict:
+def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
     """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16.
     Keeps the host-side keys SPLIT_K / SPLIT_CTAS (see split_k), PACKED (False: float32 dequantization) and
-    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE)."""
+    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE). PDL (launch as a programmatic
+    dependent, see _grid_wait) is dropped in the interpreter and on a `device` older than sm_90."""
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False,
-           "PREFETCH": False, "CODES_ASM": False, **config}
+           "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False,
+           "PDL": False, **config}
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
     if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
         raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
         raise ValueError(f"CODES_ASM is an option of the PREFETCH one-row path, got {config}")
+    if cfg["BIASED_CODES"] and not cfg["PREFETCH"]:
+        raise ValueError(f"BIASED_CODES is an option of the PREFETCH one-row path, got {config}")
     cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group_size)
     if cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 16)
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 128)
-    if interpret:    # the interpreter ignores warps and stages, and runs no inline PTX
-        cfg.pop("num_warps", None), cfg.pop("num_stages", None)
+    if interpret:    # the interpreter ignores warps, stages and register caps, and runs no inline PTX
+        cfg.pop("num_warps", None), cfg.pop("num_stages", None), cfg.pop("maxnreg", None)
         cfg["PACKED"] = False
         cfg["CODES_ASM"] = False
+        cfg["PDL"] = False
+    elif cfg["PDL"] and device is not None and torch.cuda.get_device_capability(device)[0] < 9:
+        cfg["PDL"] = False      # griddepcontrol needs sm_90
     return cfg
 
 
@@ -601,6 +719,8 @@ def launch_keys(cfg: dict, activation: torch.dtype, bf16_scales: bool) -> dict:
     out = {key: value for key, value in cfg.items() if key not in ("SPLIT_K", "SPLIT_CTAS")}
     out["PACKED"] = bool(cfg["PACKED"] and cfg["BLOCK_M"] > 1 and activation == torch.bfloat16 and bf16_scales)
     out["SWAP_AB"] = bool(cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and (cfg["X_PLANES"] or cfg["X_WIDE"]))
+    if cfg["PDL"]:      # launched as a programmatic dependent of the kernel before it (see _grid_wait)
+        out["launch_pdl"] = True
     return out
 
 
@@ -649,7 +769,7 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     if m == 0:
         return out
     table = DENSE_CONFIGS_FP32 if x.dtype == torch.float32 else DENSE_CONFIGS
-    cfg = tile_config(config or pick_config(table, m), weight.group_size, interpreting())
+    cfg = tile_config(config or pick_config(table, m), weight.group_size, interpreting(), x.device)
     bf16_scales = weight.scales.dtype == torch.bfloat16
     scales = weight.scales.view(torch.int16) if bf16_scales else weight.scales
     words = weight.packed.view(torch.int32)
