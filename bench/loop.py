@@ -12,7 +12,9 @@ runs, and the file is restored (and, unless --no-restore, the results rebuilt fo
   none    no edit: a dry run (`snakemake -n`) of the finished workflow
 Prints a Markdown table: wall seconds, the jobs Snakemake ran, the engine runs rewritten, and the sum of those
 runs' own decode time (`timing.decode_s`) and of their runner wall time (`wall_s`), so the share outside decoding
-shows. Works on any checkout of the project, old ones included (single-run engines).
+shows, and the CPU seconds of the whole `snakemake` call, its processes and every one they started (on a machine
+whose cores are all busy, an engine edit cannot finish before a report edit plus its engine's CPU time spread over
+the cores). Works on any checkout of the project, old ones included (single-run engines).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -42,10 +45,17 @@ def rewritten_runs(workdir: Path, since: float) -> list[dict]:
     return out
 
 
-def snakemake(workdir: Path, args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
-    start = time.perf_counter()
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished descendants so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def snakemake(workdir: Path, args: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
+    """(wall s, CPU s, the finished process) of one `snakemake` call."""
+    cpu, start = children_cpu_s(), time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True)
-    return time.perf_counter() - start, res
+    return time.perf_counter() - start, children_cpu_s() - cpu, res
 
 
 def jobs_run(stdout: str, stderr: str) -> int:
@@ -56,26 +66,26 @@ def jobs_run(stdout: str, stderr: str) -> int:
 def measure(workdir: Path, edit: str, cores: int, overlay: str | None, probe: int, restore: bool = True) -> dict:
     args = ["--cores", str(cores)] + (["--configfile", overlay] if overlay else [])
     if edit == "none":
-        wall, res = snakemake(workdir, ["-n", *args])
+        wall, cpu, res = snakemake(workdir, ["-n", *args])
         if res.returncode != 0:
             raise SystemExit(res.stderr[-3000:])
-        return {"edit": edit, "wall_s": wall, "jobs": 0, "runs": 0, "decode_s": 0.0, "run_wall_s": 0.0}
+        return {"edit": edit, "wall_s": wall, "cpu_s": cpu, "jobs": 0, "runs": 0, "decode_s": 0.0, "run_wall_s": 0.0}
     path = workdir / EDITS[edit]
     original = path.read_text()
     since = time.time()
     try:
         path.write_text(original + f"\n\ndef _loop_probe_{probe}():\n    return {probe}\n")
-        wall, res = snakemake(workdir, args)
+        wall, cpu, res = snakemake(workdir, args)
     finally:
         path.write_text(original)
     if res.returncode != 0:
         raise SystemExit(res.stderr[-3000:])
     runs = rewritten_runs(workdir, since)
     if restore:
-        _, res2 = snakemake(workdir, args)   # back to the unedited code's results (not timed)
+        _, _, res2 = snakemake(workdir, args)   # back to the unedited code's results (not timed)
         if res2.returncode != 0:
             raise SystemExit(res2.stderr[-3000:])
-    return {"edit": edit, "wall_s": wall, "jobs": jobs_run(res.stdout, res.stderr), "runs": len(runs),
+    return {"edit": edit, "wall_s": wall, "cpu_s": cpu, "jobs": jobs_run(res.stdout, res.stderr), "runs": len(runs),
             "decode_s": sum((r.get("timing") or {}).get("decode_s", 0.0) for r in runs),
             "run_wall_s": sum(r.get("wall_s") or 0.0 for r in runs)}
 
@@ -95,10 +105,10 @@ def main() -> None:
             rows.append(measure(args.workdir.resolve(), edit, args.cores, args.configfile, probe=time.time_ns(),
                                 restore=not args.no_restore))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print("| edit | wall s | jobs | engine runs | their decode s | their runner wall s |")
-    print("|---|---|---|---|---|---|")
+    print("| edit | wall s | CPU s | jobs | engine runs | their decode s | their runner wall s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['edit']} | {r['wall_s']:.1f} | {r['jobs']} | {r['runs']} | {r['decode_s']:.1f} | "
+        print(f"| {r['edit']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['jobs']} | {r['runs']} | {r['decode_s']:.1f} | "
               f"{r['run_wall_s']:.1f} |")
 
 
