@@ -4,8 +4,8 @@ Drawing the six plots is most of the report's time (matplotlib's layout and text
 edit of the report's tables, HTML or verdict rules, or a rerun that changed nothing they plot, draws the
 same pixels again. A plot's key is the sha256 of its name, the meaning of the code that draws it
 (k2vec.pipeline.code_digest: PLOT_CODE, the plots module and the package modules it imports), the versions of
-matplotlib, numpy and pandas, and the pickled arguments; its PNG is kept as `<key>.<sha256 of the PNG>.png`,
-checked against that digest when read (a damaged file is drawn again). The runs' clock columns are taken out of
+matplotlib, numpy and pandas, and the pickled arguments; its PNG is kept as `<key>.<sha256 of the PNG>.png`
+(report/entry_store.py; a damaged file is drawn again). The runs' clock columns are taken out of
 what a plot is given (CLOCK_COLUMNS). The cache keeps the entries of the last report only. The bytes written are those a fresh drawing gives (tests/test_report_plot_cache.py).
 """
 
@@ -15,14 +15,13 @@ import hashlib
 import importlib.metadata
 import os
 import pickle
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from k2vec.atomic import write_bytes_atomic
 from k2vec.pipeline.code_digest import PACKAGE_DIR, code_digest
+from k2vec.report.entry_store import EntryStore
 
 # The code that draws the plots: the plots module and the package modules it imports, not the packages'
 # __init__ modules (importing k2vec.report.plots runs k2vec/report/__init__.py, hence the metrics, which no plot
@@ -58,38 +57,29 @@ class PlotCache:
     """Draw through `draw(name, *args)`, `name` a plot of report/plots.py; `directory` None draws every time."""
 
     def __init__(self, directory: str | os.PathLike | None):
-        self.directory = None if directory is None else Path(directory)
-        self.used: set[Path] = set()
+        self.store = None if directory is None else EntryStore(directory, "png")
         self._prefix = None
-        if self.directory is not None:
+        if self.store is not None:
             versions = (f"matplotlib {importlib.metadata.version('matplotlib')} numpy {np.__version__} "
                         f"pandas {pd.__version__}")
             self._prefix = f"{_code_key()}\0{versions}\0".encode()
 
     def draw(self, name: str, *args: Any) -> bytes:
         args = tuple(_without_clock(a) for a in args)
-        if self.directory is None:
+        if self.store is None:
             return _draw(name, *args)
         try:
             data = pickle.dumps(args, protocol=5)
         except (pickle.PicklingError, TypeError, AttributeError):
             return _draw(name, *args)
         key = hashlib.sha256(self._prefix + name.encode() + b"\0" + data).hexdigest()
-        for path in self.directory.glob(f"{key}.*.png"):
-            png = path.read_bytes()
-            if path.name == f"{key}.{hashlib.sha256(png).hexdigest()}.png":
-                self.used.add(path)
-                return png
-        png = _draw(name, *args)
-        path = self.directory / f"{key}.{hashlib.sha256(png).hexdigest()}.png"
-        write_bytes_atomic(path, png)
-        self.used.add(path)
+        png = self.store.get(key)
+        if png is None:
+            png = _draw(name, *args)
+            self.store.put(key, png)
         return png
 
     def prune(self) -> None:
         """Remove every entry this report did not use."""
-        if self.directory is None or not self.directory.is_dir():
-            return
-        for path in self.directory.glob("*.png"):
-            if path not in self.used:
-                path.unlink(missing_ok=True)
+        if self.store is not None:
+            self.store.prune()
