@@ -1,6 +1,7 @@
 """k2vec.engines.checkpoint_cache: the HF checkpoint that the llama.cpp and vLLM engines make from a bundle, and
 the engine cache that keeps it (as a directory; the GGUF file's cache: tests/test_llama_cpp_engine.py)."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,12 @@ def test_a_checkpoint_directory_is_cached_once_per_bundle_and_identity(tmp_path,
     assert reused and again == first and len(calls) == 1
     other, reused = get({"vllm": "0.33.0"})   # another library version: its own directory
     assert not reused and other != first and len(calls) == 2
+    os.utime(first, (3600.0, 3600.0))   # used an hour after the epoch, long before `other`
+    third, reused = get({"vllm": "0.34.0"})   # a third: the least recently used directory goes, lock and all
+    assert not reused and len(calls) == 3
+    assert sorted(p.name for p in first.parent.iterdir() if not p.name.endswith(".lock")) == sorted(
+        [other.name, third.name])
+    assert not first.with_name(first.name + ".lock").exists() and other.with_name(other.name + ".lock").exists()
 
 
 def test_a_failed_checkpoint_directory_leaves_nothing_under_its_final_name(tmp_path, monkeypatch):
@@ -98,7 +105,7 @@ def test_a_failed_checkpoint_directory_leaves_nothing_under_its_final_name(tmp_p
     bundle = tmp_path / "b.kdtr"
     bundle.write_bytes(b"bundle")
     root = tmp_path / "cache/k2vec-test"
-    final = root / checkpoint_cache.cache_key(checkpoint_cache.sha256_file(bundle), "hf-f32", {},
+    final = root / checkpoint_cache.cache_key(bundle, checkpoint_cache.sha256_file(bundle), "hf-f32", {},
                                               (checkpoint_cache.__name__,), "")
     stale = root / f".{final.name}.4242.x1y2.tmp"   # a killed writer's temporary directory
     (stale / "sub").mkdir(parents=True)

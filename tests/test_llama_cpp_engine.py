@@ -7,6 +7,7 @@ default bundle, greedy and score, against the golden and against the reference u
 (q_a/kv_a layernorm eps = rms_norm_eps)."""
 import importlib.util
 import io
+import os
 import json
 import tarfile
 from pathlib import Path
@@ -136,7 +137,8 @@ def counting_build(calls: list):
 MANIFEST = {"llama_cpp_python": "0.3.36", "llama_cpp_commit": "0c1e570", "sdist_sha256": "ab"}
 
 
-def test_a_conversion_is_made_once_per_bundle_and_variant(tmp_path, cache_home):
+def test_a_conversion_is_made_once_per_bundle_and_variant(tmp_path, cache_home, monkeypatch):
+    monkeypatch.setattr(checkpoint_cache, "KEEP_PER_SLOT", 10)   # none removed here (the next test removes)
     bundle = tmp_path / "b.kdtr"
     bundle.write_bytes(b"bundle one")
     calls = []
@@ -153,10 +155,31 @@ def test_a_conversion_is_made_once_per_bundle_and_variant(tmp_path, cache_home):
     assert sorted(p.name for p in cache_home.glob("*.gguf")) == sorted(p.name for p in [first, *others])
 
 
+def test_of_a_bundle_files_conversions_of_a_variant_the_two_last_used_are_kept(tmp_path, cache_home):
+    bundle, other = tmp_path / "b.kdtr", tmp_path / "c.kdtr"
+    made = []
+    for i, content in enumerate([b"one", b"two"]):   # two edits of the bundle, an hour apart
+        bundle.write_bytes(content)
+        made.append(gguf_cache.cached(bundle, "f32", counting_build([]), MANIFEST)[0])
+        os.utime(made[-1], (3600.0 * (i + 1),) * 2)
+    other.write_bytes(b"other")
+    kept = [gguf_cache.cached(other, "f32", counting_build([]), MANIFEST)[0],   # another bundle file
+            gguf_cache.cached(bundle, "q4_0", counting_build([]), MANIFEST)[0]]   # another variant
+    bundle.write_bytes(b"one")   # back to the first: found, and now the last used
+    again, reused = gguf_cache.cached(bundle, "f32", counting_build([]), MANIFEST)
+    assert reused and again == made[0] and made[0].stat().st_mtime > 7200
+    bundle.write_bytes(b"three")
+    third, reused = gguf_cache.cached(bundle, "f32", counting_build([]), MANIFEST)
+    assert not reused
+    assert sorted(p.name for p in cache_home.iterdir() if not p.name.endswith(".lock")) == sorted(
+        p.name for p in [made[0], third, *kept])   # "two", the least recently used, is gone, its lock with it
+    assert not (cache_home / (made[1].name + ".lock")).exists()
+
+
 def test_a_failed_conversion_leaves_nothing_under_the_final_name(tmp_path, cache_home):
     bundle = tmp_path / "b.kdtr"
     bundle.write_bytes(b"bundle")
-    final = cache_home / checkpoint_cache.cache_key(sha256_file(bundle), "f32", MANIFEST,
+    final = cache_home / checkpoint_cache.cache_key(bundle, sha256_file(bundle), "f32", MANIFEST,
                                                     (gguf_cache.__name__, checkpoint_cache.__name__), ".gguf")
     cache_home.mkdir(parents=True)
     stale = cache_home / f".{final.name}.4242.x1y2.tmp"   # a killed writer's temporary

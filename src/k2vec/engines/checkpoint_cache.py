@@ -7,7 +7,8 @@ per-expert tensor names), INT4 weights dequantized to float32 by the numpy engin
 the golden is computed on). `cached` keeps one such file or directory per bundle, variant and code in
 `$XDG_CACHE_HOME/<engine cache>/` (a sandboxed run's XDG_CACHE_HOME is results/cache/<engine>), written under
 its final name only when complete, and made once at a time (a lock file per key), so the runs of one bundle,
-and every later run of it, share one conversion.
+and every later run of it, share one conversion; of one bundle file's derivations of a variant, the two last
+used are kept.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -30,6 +32,9 @@ from k2vec.engines.numpy_engine import BundleWeights
 from k2vec.errors import K2VecError
 from k2vec.model.checkpoint import shard_groups, write_shards
 from k2vec.pipeline.code_digest import PACKAGE_DIR, code_digest, module_sources
+
+
+KEEP_PER_SLOT = 2
 
 
 class CheckpointError(K2VecError):
@@ -72,14 +77,20 @@ def cache_dir(name: str) -> Path | None:
     return path if os.access(path, os.W_OK) else None
 
 
-def cache_key(bundle_sha256: str, variant: str, identity: dict, modules: tuple[str, ...], suffix: str) -> str:
-    """The name of a derived file or directory: the bundle's sha256, the variant (`f32`, `q4_0`, `hf-f32`), the
-    identity of the third-party code that reads or converts it (a converter's manifest, a library's version)
-    and the meaning of this package's code that writes it (k2vec.pipeline.code_digest), so an edit to either
-    makes it anew."""
+def cache_key(bundle_path: str | os.PathLike, bundle_sha256: str, variant: str, identity: dict,
+              modules: tuple[str, ...], suffix: str) -> str:
+    """The name of a derived file or directory: `<bundle file's stem>-<variant>-<digest><suffix>`, the digest over
+    the bundle's sha256, the variant (`f32`, `q4_0`, `hf-f32`), the identity of the third-party code that reads or
+    converts it (a converter's manifest, a library's version) and the meaning of this package's code that writes
+    it (k2vec.pipeline.code_digest), so an edit to either makes it anew."""
     code = code_digest(module_sources(*modules), str(PACKAGE_DIR))
     h = hashlib.sha256(json.dumps([bundle_sha256, variant, identity, code], sort_keys=True).encode())
-    return f"{bundle_sha256[:16]}-{variant}-{h.hexdigest()[:16]}{suffix}"
+    return f"{_slot(bundle_path, variant)}{h.hexdigest()[:16]}{suffix}"
+
+
+def _slot(bundle_path: str | os.PathLike, variant: str) -> str:
+    """What the names of one bundle file's derivations of one variant start with."""
+    return f"{Path(bundle_path).name.removesuffix('.kdtr')}-{variant}-"
 
 
 def _remove(path: Path) -> None:
@@ -103,8 +114,12 @@ def cached(name: str, bundle_path: str | os.PathLike, variant: str, build: Calla
             out.mkdir()
         build(out)
         return out, False
-    final = root / cache_key(sha256_file(bundle_path), variant, identity, modules, suffix)
+    final = root / cache_key(bundle_path, sha256_file(bundle_path), variant, identity, modules, suffix)
     if final.exists():
+        try:
+            os.utime(final)   # its last use, which `_keep_latest` goes by
+        except OSError:   # not ours to touch: it is still the file to use
+            pass
         return final, True
     with open(root / (final.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # a concurrent run of the same bundle waits, then finds it
@@ -115,4 +130,17 @@ def cached(name: str, bundle_path: str | os.PathLike, variant: str, build: Calla
             _remove(stale)
         with (atomic_directory if directory else atomic_file)(final) as tmp:
             build(tmp)
+    _keep_latest(root, _slot(bundle_path, variant), suffix)
     return final, False
+
+
+def _keep_latest(root: Path, slot: str, suffix: str) -> None:
+    """Remove all but the KEEP_PER_SLOT last used derivations of one bundle file and variant: each edit of the
+    bundle, of the converter or of the code that writes them makes a new one, and the old ones would only take
+    space (two, so that switching between two configs or converters does not convert on every switch)."""
+    name = re.compile(re.escape(slot) + "[0-9a-f]{16}" + re.escape(suffix))   # not its lock file
+    entries = sorted((p for p in root.iterdir() if name.fullmatch(p.name)), key=lambda p: p.stat().st_mtime,
+                     reverse=True)
+    for old in entries[KEEP_PER_SLOT:]:
+        _remove(old)
+        (root / (old.name + ".lock")).unlink(missing_ok=True)
