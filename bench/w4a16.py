@@ -474,7 +474,8 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 def dense_candidates(m: int) -> list[dict]:
     """The committed config of each M, the same with PDL flipped (launched as a programmatic dependent of the
     kernel before it: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's
-    end), and at M = 2 and 4 the M = 1 GEMV tiles, one row per program. Measured and dropped in issue 27's session
+    end), at M = 2 and 4 the M = 1 GEMV tiles, one row per program, and from M = 3 the SWAP_AB tensor-core tiles with
+    one dot per K tile (ONE_DOT; with SPLIT_FIT, other tile shapes, splits and stages). Measured and dropped in issue 27's session
     11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
     one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
     other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
@@ -485,18 +486,17 @@ def dense_candidates(m: int) -> list[dict]:
                    SWAP_AB=True, ONE_DOT=True, PDL=m > 16)
         cands += [one, dict(one, SPLIT_FIT=True)]
         if m <= 16:
-            cands += [dict(one, BLOCK_N=128, num_warps=8), dict(one, SPLIT_CTAS=528)]
+            cands += [dict(one, BLOCK_N=32, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, BLOCK_N=32, SPLIT_CTAS=396),
+                      dict(one, BLOCK_K=128, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, num_stages=4)]
         elif m <= 32:
             cands += [dict(one, BLOCK_N=128, num_warps=8, SPLIT_CTAS=132, SPLIT_FIT=True),
-                      dict(one, SPLIT_CTAS=396, SPLIT_FIT=True), dict(one, BLOCK_N=32, SPLIT_CTAS=528, SPLIT_FIT=True),
-                      dict(one, BLOCK_N=32, SPLIT_CTAS=396, SPLIT_FIT=True), dict(one, SPLIT_FIT=True, num_stages=4)]
+                      dict(one, BLOCK_N=32, SPLIT_CTAS=396, SPLIT_FIT=True), dict(one, SPLIT_FIT=True, num_stages=4),
+                      dict(one, SPLIT_CTAS=200, SPLIT_FIT=True), dict(one, BLOCK_K=128, SPLIT_FIT=True)]
         else:
             cands += [dict(one, BLOCK_N=64, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True),
-                      dict(one, BLOCK_N=64, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True, num_stages=4),
-                      dict(one, BLOCK_N=32, num_warps=4, SPLIT_CTAS=396, SPLIT_FIT=True),
-                      dict(one, BLOCK_N=32, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True),
                       dict(one, BLOCK_N=64, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True, BLOCK_K=128),
-                      dict(one, SPLIT_FIT=True, num_stages=4)]
+                      dict(one, SPLIT_FIT=True, num_stages=4), dict(one, SPLIT_FIT=True, SPLIT_CTAS=100),
+                      dict(one, SPLIT_FIT=True, BLOCK_K=128), dict(one, SPLIT_FIT=True, num_stages=2)]
     if m in (2, 4):     # the one-row GEMV of M = 1 run once per row (the second row's weight reads mostly from L2)
         cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
                   for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264))]
@@ -509,7 +509,8 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
     """The committed gate/up tile with PDL flipped (session 11 also measured the biased codes, adopted, and
-    register caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md)."""
+    register caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md). Other GEMV tile shapes: see
+    moe_pair_candidates (session 12: 16-wide tiles, 1-warp down tiles of 256 and gate/up K tiles of 1024 1.5-3x slower)."""
     return [dict(OLD_MOE[m][0], PDL=not OLD_MOE[m][0].get("PDL"))]
 
 
@@ -527,12 +528,11 @@ def moe_pair_candidates(m: int) -> list[tuple[dict, dict]]:
     gu, down = dict(old13, PDL=True), dict(old2, PDL=True)
     pairs = [(gu, down)]
     downs = [dict(down, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-             for bn, bk, w in ((32, 256, 2), (32, 512, 2), (64, 256, 2), (16, 256, 1), (32, 256, 1), (32, 128, 1),
-                               (64, 128, 2), (16, 512, 2))]
+             for bn, bk, w in ((32, 256, 2), (64, 256, 2), (32, 128, 1), (64, 128, 2), (32, 128, 2))]
     pairs += [(gu, d) for d in downs]
     small_down = downs[0]
     pairs += [(dict(gu, BLOCK_N=bn, BLOCK_K=bk, num_warps=w), small_down)
-              for bn, bk, w in ((32, 512, 2), (32, 256, 2), (64, 256, 4), (32, 1024, 4), (64, 512, 4))]
+              for bn, bk, w in ((32, 512, 4), (32, 256, 2), (64, 512, 4), (64, 256, 4), (64, 1024, 8))]
     return pairs
 
 

@@ -680,21 +680,21 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a prefetched next K
 # tile, split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up"),
 # with the biased codes and launched with PDL (session 11: its first weight tile loads while the kernel before it
-# ends); at M = 2 a program per row, the second row's weight reads mostly served by L2. PDL at M = 32 and 64 is the
-# sweep's pick by margins inside its run-to-run spread.
+# ends); at M = 2 a program per row, the second row's weight reads mostly served by L2. M = 3-4 and 9-64: SWAP_AB
+# tensor-core tiles with one dot per K tile (ONE_DOT, session 12); from M = 17 split so that the grid stays within
+# one wave of resident programs (SPLIT_FIT: 2 per SM at 32 x 64, 1 at 64 x 128). M = 5-8: the mma tile with one dot
+# per plane, which ONE_DOT did not beat there.
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
+_ONE_DOT = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_CTAS=264, num_warps=4,
+                num_stages=3)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
     (2, _GEMV),
-    (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
-             num_stages=3)),
+    (4, _ONE_DOT),
     (8, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)),
-    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
-              num_stages=3)),
-    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, PDL=True, num_warps=4,
-              num_stages=3)),
-    (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=132, PDL=True,
-                   num_warps=8, num_stages=3)),
+    (16, _ONE_DOT),
+    (32, dict(_ONE_DOT, BLOCK_M=32, SPLIT_FIT=True, PDL=True)),
+    (1 << 62, dict(_ONE_DOT, BLOCK_M=64, BLOCK_N=128, SPLIT_CTAS=132, SPLIT_FIT=True, PDL=True, num_warps=8)),
 ]
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
 DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
