@@ -91,6 +91,26 @@ def test_split_k_counts_splits_within_k_tiles():
     assert split_k({**cfg, "SPLIT_CTAS": 264}, 256, 1) == 2          # at most one split per K tile
     assert split_k({**cfg, "SPLIT_K": 4}, 576, 5) == 4
     assert split_k(cfg, 7168, 1) == 1                               # no SPLIT_CTAS: no split
+    # SPLIT_FIT: the grid stays within SPLIT_CTAS programs (one wave of a tile resident once per SM)
+    fit = dict(BLOCK_K=256, SPLIT_CTAS=132, SPLIT_FIT=True)
+    assert split_k({**fit, "SPLIT_FIT": False}, 7168, 32) == 5      # 160 programs: two waves
+    assert split_k(fit, 7168, 32) == 4                              # 128
+    assert split_k(fit, 2048, 56) == 2                              # 112
+    assert split_k(fit, 7168, 16) == 7                              # 8 wanted: runs of 4 of 28 K tiles, 7 splits
+    assert split_k(fit, 7168, 200) == 1                             # more tiles than programs: no split
+
+
+def test_to_tiles_puts_each_k_tile_plane_major_and_pads():
+    from k2vec.engines.gpu_triton.kernels.w4a16 import to_tiles
+    x = torch.arange(2 * 40, dtype=torch.float32).reshape(2, 40)     # K = 40: 2.5 tiles of 16
+    t = to_tiles(x, 16)
+    assert t.shape == (2, 48)
+    for m in range(2):
+        for k in range(40):
+            tile, r = divmod(k, 16)
+            i, e = divmod(r, 8)     # word i of the tile, element e of the word
+            assert t[m, tile * 16 + e * 2 + i] == x[m, k]
+    assert (t[:, 32 + 1::2] == 0).all()     # the last tile's word 1 (K 40..47) is padding, in every plane
 
 
 def test_interpreted_flipped_nibble_is_detected(cpu_results):
