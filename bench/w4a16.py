@@ -122,7 +122,18 @@ def split_configs() -> list:
             dict(row, BIASED_CODES=True, CODES_ASM=True, PDL=True), dict(tc, PDL=True),
             (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, PDL=True),
              dict(row, SORTED=False, COMBINE=True, SPLIT_K=1, BIASED_CODES=True, PDL=True)),
-            (dict(tc, SORTED=True, SPLIT_GU=True, PDL=True), dict(tc, SORTED=True, PDL=True))]
+            (dict(tc, SORTED=True, SPLIT_GU=True, PDL=True), dict(tc, SORTED=True, PDL=True)),
+            # the down launch with PDL loads its expert ids (and, one-row, its first weight tile) before the wait
+            # (ROUTED): without COMBINE, split, and after a gate/up launch without PDL
+            (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, CODES_ASM=True, PDL=True),
+             dict(row, SORTED=False, SPLIT_K=1, BIASED_CODES=True, CODES_ASM=True, PDL=True)),
+            (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, CODES_ASM=True),
+             dict(row, SORTED=False, SPLIT_K=2, BIASED_CODES=True, CODES_ASM=True, PDL=True)),
+            # one dot per K tile over the planes side by side (ONE_DOT; K = 576: x padded to whole tiles)
+            dict(tc, SWAP_AB=True, ONE_DOT=True, X_PLANES=False), dict(tc, SWAP_AB=True, ONE_DOT=True, PACKED=False),
+            dict(tc, SWAP_AB=True, ONE_DOT=True, BLOCK_K=256, SPLIT_K=1, PDL=True),
+            dict(tc, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, num_warps=8,
+                 num_stages=2)]
 
 
 def _worker_init(device: str) -> None:
@@ -463,11 +474,29 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 def dense_candidates(m: int) -> list[dict]:
     """The committed config of each M, the same with PDL flipped (launched as a programmatic dependent of the
     kernel before it: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's
-    end), and at M = 2 and 4 the M = 1 GEMV tiles, one row per program. Measured and dropped in issue 27's session
+    end), at M = 2 and 4 the M = 1 GEMV tiles, one row per program, and from M = 3 the SWAP_AB tensor-core tiles with
+    one dot per K tile (ONE_DOT; with SPLIT_FIT, other tile shapes, splits and stages). Measured and dropped in issue 27's session
     11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
     one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
     other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
+    if m >= 3:     # one dot per K tile over the 8 planes side by side (ONE_DOT), x in its per-tile layout
+        one = dict(tensor_core(OLD_DENSE[m]["BLOCK_M"], OLD_DENSE[m]["BLOCK_N"], OLD_DENSE[m]["BLOCK_K"],
+                               planes=False, warps=OLD_DENSE[m]["num_warps"], split=OLD_DENSE[m]["SPLIT_CTAS"]),
+                   SWAP_AB=True, ONE_DOT=True, PDL=m > 16)
+        cands += [one, dict(one, SPLIT_FIT=True)]
+        if m <= 16:
+            cands += [dict(one, BLOCK_N=32, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, BLOCK_N=32, SPLIT_CTAS=396),
+                      dict(one, BLOCK_K=128, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, num_stages=4)]
+        elif m <= 32:
+            cands += [dict(one, BLOCK_N=128, num_warps=8, SPLIT_CTAS=132, SPLIT_FIT=True),
+                      dict(one, BLOCK_N=32, SPLIT_CTAS=396, SPLIT_FIT=True), dict(one, SPLIT_FIT=True, num_stages=4),
+                      dict(one, SPLIT_CTAS=200, SPLIT_FIT=True), dict(one, BLOCK_K=128, SPLIT_FIT=True)]
+        else:
+            cands += [dict(one, BLOCK_N=64, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True),
+                      dict(one, BLOCK_N=64, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True, BLOCK_K=128),
+                      dict(one, SPLIT_FIT=True, num_stages=4), dict(one, SPLIT_FIT=True, SPLIT_CTAS=100),
+                      dict(one, SPLIT_FIT=True, BLOCK_K=128), dict(one, SPLIT_FIT=True, num_stages=2)]
     if m in (2, 4):     # the one-row GEMV of M = 1 run once per row (the second row's weight reads mostly from L2)
         cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
                   for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264))]
@@ -480,13 +509,33 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
     """The committed gate/up tile with PDL flipped (session 11 also measured the biased codes, adopted, and
-    register caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md)."""
+    register caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md). Other GEMV tile shapes: see
+    moe_pair_candidates (session 12: 16-wide tiles, 1-warp down tiles of 256 and gate/up K tiles of 1024 1.5-3x slower)."""
     return [dict(OLD_MOE[m][0], PDL=not OLD_MOE[m][0].get("PDL"))]
 
 
 def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
     """The committed down tile with PDL flipped."""
     return [dict(OLD_MOE[m][1], PDL=not OLD_MOE[m][1].get("PDL"))]
+
+
+def moe_pair_candidates(m: int) -> list[tuple[dict, dict]]:
+    """Whole (gate/up, down) pairs: on the GEMV launches (M <= 16) both with PDL, so the down launch loads its first
+    weight tile while gate/up ends (ROUTED), with down and gate/up tiles of other shapes."""
+    old13, old2 = OLD_MOE[m]
+    if old13["BLOCK_M"] != 1:
+        return []
+    gu, down = dict(old13, PDL=True), dict(old2, PDL=True)
+    pairs = [(gu, down)]
+    downs = [dict(down, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+             for bn, bk, w in ((32, 256, 2), (64, 256, 2), (32, 128, 1), (64, 128, 2), (32, 128, 2))]
+    pairs += [(gu, d) for d in downs]
+    small_down = downs[0]
+    pairs += [(dict(gu, BLOCK_N=bn, BLOCK_K=bk, num_warps=w), small_down)
+              for bn, bk, w in ((32, 512, 4), (32, 256, 2), (64, 512, 4), (64, 256, 4), (64, 1024, 8))]
+    # gate/up split over K in two (twice the programs, each half as long; partials meet in the workspace)
+    pairs += [(dict(gu, BLOCK_N=bn, SPLIT_K=2), small_down) for bn in (32, 64)]
+    return pairs
 
 
 def down_reference(m: int, sorted_: bool) -> dict:
@@ -502,7 +551,7 @@ def moe_candidates(m: int) -> list[tuple[dict, dict]]:
     cands = [(old13, old2)]
     cands += [(gu, down_reference(m, sorted_)) for gu in moe_gate_up_candidates(m)]
     cands += [(old13, d) for d in moe_down_candidates(m, sorted_)]
-    return cands
+    return cands + moe_pair_candidates(m)
 
 
 def warm_jobs():
@@ -577,6 +626,10 @@ def run_sweep(device, log, layer: K2Layer) -> dict:
             t = time_moe_cfg(m, cfg, xs, routings)
             if t:
                 scores.append((t, cfg))
+        for cfg in moe_pair_candidates(m):
+            t = time_moe_cfg(m, cfg, xs, routings)
+            if t:
+                scores.append((t, cfg))
         us, cfg = min(scores, key=lambda t: t[0])
         log(f"sweep moe M={m}: best {cfg} {us:.1f} us (reference {ref:.1f} us)" if ref else
             f"sweep moe M={m}: best {cfg} {us:.1f} us")
@@ -634,13 +687,13 @@ def guarded(log, what, fn, *args):
 
 
 def profile(device, log) -> None:
-    """Dense K=7168->N=4096 at M = 1, 2 and 16, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
+    """Dense K=7168->N=4096 at M = 1, 32 and 64, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
     k, n = 7168, 4096
     gen = verify.generator(device, "profile")
     w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
     layer = K2Layer(device, with_bf16=False)
     calls = []
-    for m in (1, 2, 16):
+    for m in (1, 32, 64):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         calls.append(lambda x=x: w4a16_linear(x, w))
     for m in (1, 16):

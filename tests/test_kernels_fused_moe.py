@@ -127,6 +127,17 @@ def test_sorted_layout_groups_pairs_by_expert():
     assert len(block_expert) == (9 + 6 * 3) // 4     # the host-sync-free bound
 
 
+def test_one_dot_is_refused():
+    # ONE_DOT needs x (and h) in its per-tile layout, which the MoE launches do not make
+    from k2vec.engines.gpu_triton.kernels import verify
+    from k2vec.engines.gpu_triton.kernels.fused_moe import fused_moe
+    gen = verify.generator("cpu", "one-dot")
+    experts = verify.random_experts(4, 64, 32, 32, "float32", gen, "cpu")
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True)
+    with pytest.raises(ValueError, match="ONE_DOT"):
+        fused_moe(torch.randn(1, 64), experts, torch.tensor([[0, 1]]), torch.ones(1, 2), config=(cfg, cfg))
+
+
 GPU_GRID = list(itertools.product((1, 2, 4, 8, 16, 32, 64), GROUPS, SCALES, ("float32", "bfloat16", "float16")))
 
 

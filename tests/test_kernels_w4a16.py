@@ -20,7 +20,9 @@ CPU_GRID = [(m, 37, 9 * g, g, sd, act)
 CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=planes, SCALE_GROUPS=groups)
              for planes, groups in ((False, False), (True, False), (True, True))] + \
             [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=planes) for planes in (False, True)] + \
-            [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True)]
+            [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True),
+             # one dot per K tile over the 8 planes side by side (K = 288 / 576: x padded to whole tiles)
+             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True)]
 # split-K on each tile path; K = 288 / 576 is 4.5 tiles of 64 / 128 (a partial tile), N = 37 (partial N tiles),
 # and 5 tiles over 4 splits leaves the last split empty (runs of 2)
 CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
@@ -39,7 +41,10 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               # the biased codes (1 + u/128, one correction per group) on the one-row and 2-row GEMV
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True,
                    SPLIT_K=4),
-              dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True)]
+              dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True),
+              # one dot per K tile (ONE_DOT), split (5 tiles over 4 splits) and over M = 33 rows in 32-row tiles
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, SPLIT_K=4),
+              dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True)]
 CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip) for m in (1, 16) for flip in ("low", "high")]
 
 
@@ -86,6 +91,26 @@ def test_split_k_counts_splits_within_k_tiles():
     assert split_k({**cfg, "SPLIT_CTAS": 264}, 256, 1) == 2          # at most one split per K tile
     assert split_k({**cfg, "SPLIT_K": 4}, 576, 5) == 4
     assert split_k(cfg, 7168, 1) == 1                               # no SPLIT_CTAS: no split
+    # SPLIT_FIT: the grid stays within SPLIT_CTAS programs (one wave of a tile resident once per SM)
+    fit = dict(BLOCK_K=256, SPLIT_CTAS=132, SPLIT_FIT=True)
+    assert split_k({**fit, "SPLIT_FIT": False}, 7168, 32) == 5      # 160 programs: two waves
+    assert split_k(fit, 7168, 32) == 4                              # 128
+    assert split_k(fit, 2048, 56) == 2                              # 112
+    assert split_k(fit, 7168, 16) == 7                              # 8 wanted: runs of 4 of 28 K tiles, 7 splits
+    assert split_k(fit, 7168, 200) == 1                             # more tiles than programs: no split
+
+
+def test_to_tiles_puts_each_k_tile_plane_major_and_pads():
+    from k2vec.engines.gpu_triton.kernels.w4a16 import to_tiles
+    x = torch.arange(2 * 40, dtype=torch.float32).reshape(2, 40)     # K = 40: 2.5 tiles of 16
+    t = to_tiles(x, 16)
+    assert t.shape == (2, 48)
+    for m in range(2):
+        for k in range(40):
+            tile, r = divmod(k, 16)
+            i, e = divmod(r, 8)     # word i of the tile, element e of the word
+            assert t[m, tile * 16 + e * 2 + i] == x[m, k]
+    assert (t[:, 32 + 1::2] == 0).all()     # the last tile's word 1 (K 40..47) is padding, in every plane
 
 
 def test_interpreted_flipped_nibble_is_detected(cpu_results):

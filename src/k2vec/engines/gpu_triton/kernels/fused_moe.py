@@ -121,7 +121,7 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                 X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
                 EVEN_K: tl.constexpr, OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr, X_WIDE: tl.constexpr,
                 SPLIT_GU: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
-                BIASED_CODES: tl.constexpr, PDL: tl.constexpr):
+                BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr, ROUTED: tl.constexpr):
     """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
     OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input.
     SPLIT_K > 1: K split over the grid's third axis, partials (gate and up apart) reduced as in w4a16.
@@ -129,8 +129,12 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
     pairs are summed in j order by the last of them to arrive (the split-K reduction with j as the split).
     SPLIT_GU (GATED): gate and up columns in separate programs (grid axis 0 twice the N tiles), each with half the
     registers of a program doing both; their partials meet in the workspace like split-K partials (2 * SPLIT_K
-    arrivals per tile) and the last to arrive sums each in split order and applies SiLU * up."""
-    _grid_wait(PDL)     # PDL: the routing and x come from earlier kernels, so the wait comes before every load
+    arrivals per tile) and the last to arrive sums each in split order and applies SiLU * up.
+    ROUTED (the down launch): the routing was complete before the kernel this one follows began (that kernel read
+    it after its own wait), so with PDL the expert ids and, on the one-row PREFETCH path, the first K tile's weights
+    and scales load before the wait, while that kernel ends; x (h), the route weights and every write after it."""
+    if not ROUTED:
+        _grid_wait(PDL)     # PDL: the routing and x may come from the kernel just before, so wait before every load
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -159,12 +163,12 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
         s_e += half.to(tl.int64) * N * stride_sn
     acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB,
-                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False)
+                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False, PDL and ROUTED)
     if GATED and not SPLIT_GU:
         up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
                         s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False)
+                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False, False)
     else:
         up = acc
     if COMBINE:
@@ -204,24 +208,24 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
 # M upper bound -> tile configs of (gate/up, down). SORTED False: one (token, expert) pair per program, on CUDA
 # cores (BLOCK_M 1) or tensor cores with the pair in row 0 of 16 (BLOCK_M 16); SORTED (BLOCK_M >= 16): pairs
 # grouped by expert. MOE_CONFIGS (bfloat16/float16 activations): the winners of the H200 sweep of bench/w4a16.py
-# (bench/RESULTS.md, 2026-12-02, issue 27, session 11): up to M = 16 both launches as one-row GEMV tiles (X_WIDE,
+# (bench/RESULTS.md, 2026-12-02, issue 27, session 12): up to M = 16 both launches as one-row GEMV tiles (X_WIDE,
 # PREFETCH, CODES_ASM, BIASED_CODES; one pair per program: top-8 of 384 experts gives about one pair per expert
 # there, and at M = 16 reading an expert once per token still beat the expert-sorted tensor-core tiles), gate and up
-# in separate programs (SPLIT_GU); the down launch summing each token's rows itself (COMBINE) where the sweep picked
-# it; from M = 17 the expert-sorted tensor-core tiles. PDL (launched as a programmatic dependent of the kernel before
-# it) at M = 2-8 and 17-32 is the sweep's pick by margins inside its run-to-run spread (<= 1%).
+# in separate programs (SPLIT_GU), both launched with PDL so that the down launch, in programs of 2 warps, loads its
+# first weight tile while gate/up ends (ROUTED); the down launch summing each token's rows itself (COMBINE) where the
+# sweep picked it; from M = 17 the expert-sorted tensor-core tiles, the down launch with PDL.
 _PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
 _SORTED_TC = dict(_PAIR_TC, SORTED=True)
 _ROW_GEMV = dict(BLOCK_M=1, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True,
                  CODES_ASM=True, BIASED_CODES=True, num_warps=4, num_stages=3)
-_ROW_GATE_UP = dict(_ROW_GEMV, BLOCK_N=32, BLOCK_K=512, SPLIT_GU=True)
+_ROW_GATE_UP = dict(_ROW_GEMV, BLOCK_N=32, BLOCK_K=512, SPLIT_GU=True, PDL=True)
+_ROW_DOWN = dict(_ROW_GEMV, BLOCK_N=32, num_warps=2, PDL=True)
 MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
-    (1, (_ROW_GATE_UP, dict(_ROW_GEMV, COMBINE=True))),
-    (4, (_ROW_GATE_UP, dict(_ROW_GEMV, PDL=True))),
-    (8, (dict(_ROW_GATE_UP, PDL=True), dict(_ROW_GEMV, COMBINE=True, PDL=True))),
-    (16, (_ROW_GATE_UP, _ROW_GEMV)),
-    (32, (dict(_SORTED_TC, SPLIT_GU=True), dict(_SORTED_TC, PDL=True))),
-    (1 << 62, (dict(_SORTED_TC, SPLIT_GU=True), _SORTED_TC)),
+    (1, (dict(_ROW_GATE_UP, BLOCK_N=64), dict(_ROW_DOWN, COMBINE=True))),
+    (4, (_ROW_GATE_UP, _ROW_DOWN)),
+    (8, (dict(_ROW_GATE_UP, BLOCK_N=64), dict(_ROW_DOWN, COMBINE=True))),
+    (16, (_ROW_GATE_UP, dict(_ROW_DOWN, BLOCK_N=64))),
+    (1 << 62, (dict(_SORTED_TC, SPLIT_GU=True), dict(_SORTED_TC, PDL=True))),
 ]
 # float32 activations: the 2026-11-30 sweep's one-pair CUDA-core path at every M
 _ONE_PAIR = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)
@@ -254,8 +258,9 @@ def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int)
 
 
 def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, n, k, num_experts,
-            x_row_div, gated, weighted, sorted_, group_size, cfg, out_planes, combine_top_k=0):
-    """One MoE GEMM launch; combine_top_k > 0: the down launch writes the output rows itself (COMBINE)."""
+            x_row_div, gated, weighted, sorted_, group_size, cfg, out_planes, combine_top_k=0, routed=False):
+    """One MoE GEMM launch; combine_top_k > 0: the down launch writes the output rows itself (COMBINE); routed: the
+    launch follows the gate/up launch, which read the routing after its own wait (ROUTED)."""
     bf16_scales = s.dtype == torch.bfloat16
     s = s.view(torch.int16) if bf16_scales else s
     w = w.view(torch.int32)     # the packed bytes as words (see w4a16._int4_tile)
@@ -274,6 +279,7 @@ def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, 
         X_ROW_DIV=x_row_div, GATED=gated, WEIGHTED=weighted, SORTED=sorted_, G=group_size, SPLIT_K=splits,
         TOP_K=max(combine_top_k, 1), COMBINE=combine_top_k > 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
         OUT_PLANES=out_planes, BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, SPLIT_GU=split_gu,
+        ROUTED=bool(routed and cfg["PDL"]),
         **launch_keys({key: v for key, v in cfg.items() if key not in ("COMBINE", "SPLIT_GU")}, x.dtype,
                       bf16_scales))
 
@@ -298,6 +304,8 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     interpret = interpreting()
     cfg13 = tile_config(cfg13, experts.group_size, interpret, x.device)
     cfg2 = tile_config(cfg2, experts.group_size, interpret, x.device)
+    if cfg13["ONE_DOT"] or cfg2["ONE_DOT"]:
+        raise ValueError("fused_moe: ONE_DOT is a dense-only option (x and h would need its layout)")
     sorted_ = cfg13.pop("SORTED", cfg13["BLOCK_M"] > 1)
     if cfg2.pop("SORTED", cfg2["BLOCK_M"] > 1) != sorted_ or (sorted_ and cfg13["BLOCK_M"] != cfg2["BLOCK_M"]):
         raise ValueError("fused_moe: gate/up and down configs must share SORTED and, sorted, BLOCK_M (one layout)")
@@ -316,11 +324,11 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     if cfg2.get("COMBINE") and not sorted_ and out.dtype == x.dtype and out.stride(1) == 1:
         # the down launch sums each token's pairs into `out` itself
         _launch(h, experts.w2, experts.s2, out, pair_ids, block_expert, route_w, num_pairs, num_blocks, hidden,
-                inter, experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2, False, top_k)
+                inter, experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2, False, top_k, True)
         return out
     y = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     _launch(h, experts.w2, experts.s2, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, hidden, inter,
-            experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2, False)
+            experts.num_experts, 1, False, True, sorted_, experts.group_size, cfg2, False, routed=True)
     torch.sum(y.view(m, top_k, hidden), dim=1, out=out) if out.dtype == torch.float32 else \
         out.copy_(y.view(m, top_k, hidden).sum(dim=1))
     return out

@@ -226,6 +226,17 @@ def _split8(v):
 
 
 @triton.jit
+def _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7):
+    """The 8 planes [N, WORDS] side by side along K: [N, 8 * WORDS], column e * WORDS + i = plane e's word i (the
+    order of x's ONE_DOT layout). Joins and a permute only: each thread keeps the values it holds."""
+    n: tl.constexpr = w0.shape[0]
+    words: tl.constexpr = w0.shape[1]
+    v = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
+    # v[:, i, c, b, a] = plane 4a + 2b + c
+    return tl.reshape(tl.permute(v, (0, 4, 3, 2, 1)), [n, 8 * words])
+
+
+@triton.jit
 def _x_wide(x_rows, i, x_mask, T: tl.constexpr):
     """X_WIDE: x in its natural order, the 8 elements of each word i as one 16-byte load (bf16/fp16), split into
     the 8 element planes in registers: [rows, words] each, or (T) [words, rows]. No plane-major copy of x."""
@@ -378,7 +389,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
                PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
-               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, PDL: tl.constexpr):
+               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr,
+               PDL: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
     The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
@@ -394,6 +406,9 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     PDL: _grid_wait before the first read of x (the one-row PREFETCH path loads its first weight tile before it).
     SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
     instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
+    ONE_DOT (SWAP_AB): one dot per K tile instead of one per plane, over the 8 dequantised planes side by side along
+    K (_cat_planes), x stored to match (to_tiles: each K tile's x plane-major within the tile, K padded to a whole
+    tile), so the MMAs of a tile are issued together and waited for once.
 
     w_ptr: the packed bytes read as int32 words (row stride stride_wn words); word i of a row holds
     elements 8i .. 8i+7, element 8i+e in bits 4e..4e+3, all in group (8i) // G.
@@ -493,7 +508,9 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                 mask_t = n_mask[:, None] & i_mask[None, :]
                 words_t = tl.load(w_rows[:, None] + i[None, :], mask=mask_t, other=0)
                 xm_t = i_mask[:, None] & row_mask[None, :]
-                if X_WIDE:
+                if ONE_DOT:
+                    pass    # x is loaded as one [BLOCK_K, BLOCK_M] tile below
+                elif X_WIDE:
                     x0, x1, x2, x3, x4, x5, x6, x7 = _x_wide(x_rows, i, xm_t, True)
                 else:
                     x0 = _x_plane_t(x_rows, 0, i, k_words, xm_t)
@@ -504,7 +521,26 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                     x5 = _x_plane_t(x_rows, 5, i, k_words, xm_t)
                     x6 = _x_plane_t(x_rows, 6, i, k_words, xm_t)
                     x7 = _x_plane_t(x_rows, 7, i, k_words, xm_t)
-                if PACKED:
+                if ONE_DOT:
+                    x_t = tl.load(x_rows[None, :] + kt * BLOCK_K + tl.arange(0, BLOCK_K)[:, None],
+                                  mask=row_mask[None, :], other=0.0)
+                    if PACKED:
+                        s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
+                                                other=0), 1, WORDS_PER_GROUP)
+                        w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words_t, s_t)
+                    else:
+                        s_t = _per_word(_load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & g_mask[None, :],
+                                                     BF16_SCALES), 1, WORDS_PER_GROUP)
+                        w0 = (_code(words_t, 0) * s_t).to(x_t.dtype)
+                        w1 = (_code(words_t, 1) * s_t).to(x_t.dtype)
+                        w2 = (_code(words_t, 2) * s_t).to(x_t.dtype)
+                        w3 = (_code(words_t, 3) * s_t).to(x_t.dtype)
+                        w4 = (_code(words_t, 4) * s_t).to(x_t.dtype)
+                        w5 = (_code(words_t, 5) * s_t).to(x_t.dtype)
+                        w6 = (_code(words_t, 6) * s_t).to(x_t.dtype)
+                        w7 = (_code(words_t, 7) * s_t).to(x_t.dtype)
+                    acc_t = _dot(acc_t, _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7), x_t, IEEE)
+                elif PACKED:
                     s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
                                             other=0), 1, WORDS_PER_GROUP)
                     w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words_t, s_t)
@@ -613,7 +649,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
                   SPLIT_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
                   SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
                   X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
-                  BIASED_CODES: tl.constexpr, PDL: tl.constexpr):
+                  BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -624,7 +660,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, PDL)
+                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, PDL)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -644,21 +680,21 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a prefetched next K
 # tile, split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up"),
 # with the biased codes and launched with PDL (session 11: its first weight tile loads while the kernel before it
-# ends); at M = 2 a program per row, the second row's weight reads mostly served by L2. PDL at M = 32 and 64 is the
-# sweep's pick by margins inside its run-to-run spread.
+# ends); at M = 2 a program per row, the second row's weight reads mostly served by L2. M = 3-4 and 9-64: SWAP_AB
+# tensor-core tiles with one dot per K tile (ONE_DOT, session 12); from M = 17 split so that the grid stays within
+# one wave of resident programs (SPLIT_FIT: 2 per SM at 32 x 64, 1 at 64 x 128). M = 5-8: the mma tile with one dot
+# per plane, which ONE_DOT did not beat there.
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
+_ONE_DOT = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_CTAS=264, num_warps=4,
+                num_stages=3)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
     (2, _GEMV),
-    (4, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
-             num_stages=3)),
+    (4, _ONE_DOT),
     (8, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)),
-    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, num_warps=4,
-              num_stages=3)),
-    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=264, PDL=True, num_warps=4,
-              num_stages=3)),
-    (1 << 62, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, X_PLANES=True, SWAP_AB=True, SPLIT_CTAS=132, PDL=True,
-                   num_warps=8, num_stages=3)),
+    (16, _ONE_DOT),
+    (32, dict(_ONE_DOT, BLOCK_M=32, SPLIT_FIT=True, PDL=True)),
+    (1 << 62, dict(_ONE_DOT, BLOCK_M=64, BLOCK_N=128, SPLIT_CTAS=132, SPLIT_FIT=True, PDL=True, num_warps=8)),
 ]
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
 DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
@@ -675,14 +711,18 @@ def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
 
 def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
     """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16.
-    Keeps the host-side keys SPLIT_K / SPLIT_CTAS (see split_k), PACKED (False: float32 dequantization) and
+    Keeps the host-side keys SPLIT_K / SPLIT_CTAS / SPLIT_FIT (see split_k), PACKED (False: float32 dequantization) and
     SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE). PDL (launch as a programmatic
     dependent, see _grid_wait) is dropped in the interpreter and on a `device` older than sm_90."""
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False,
-           "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False,
+           "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False, "ONE_DOT": False,
            "PDL": False, **config}
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
+    if cfg["ONE_DOT"]:  # x in the ONE_DOT layout (to_tiles) instead
+        if not (cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]):
+            raise ValueError(f"ONE_DOT is an option of the SWAP_AB tensor-core tiles, got {config}")
+        cfg["X_PLANES"] = cfg["X_WIDE"] = False
     if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
         raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
@@ -704,21 +744,23 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
 
 
 def split_k(cfg: dict, k: int, tiles: int) -> int:
-    """Splits of K for a grid of `tiles` output tiles: SPLIT_K if given, else enough to reach SPLIT_CTAS programs,
-    rounded down so that no split is left empty (the K tiles dealt out in runs of equal length but the last);
-    at most one split per BLOCK_K tile."""
+    """Splits of K for a grid of `tiles` output tiles: SPLIT_K if given, else enough to reach SPLIT_CTAS programs
+    (SPLIT_FIT: as many as keep the grid within SPLIT_CTAS programs, so that a tile resident once per SM's worth of
+    slots runs in one wave), rounded down so that no split is left empty (the K tiles dealt out in runs of equal
+    length but the last); at most one split per BLOCK_K tile."""
     k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
     if cfg.get("SPLIT_K"):
         return max(1, min(cfg["SPLIT_K"], k_tiles))
-    want = max(1, min(triton.cdiv(cfg.get("SPLIT_CTAS", 0), tiles), k_tiles))
+    ctas = cfg.get("SPLIT_CTAS", 0)
+    want = max(1, min(ctas // tiles if cfg.get("SPLIT_FIT") else triton.cdiv(ctas, tiles), k_tiles))
     return triton.cdiv(k_tiles, triton.cdiv(k_tiles, want))
 
 
 def launch_keys(cfg: dict, activation: torch.dtype, bf16_scales: bool) -> dict:
     """The kernel's constexpr/launch keys of a tile config (host-side keys dropped); PACKED only where it applies."""
-    out = {key: value for key, value in cfg.items() if key not in ("SPLIT_K", "SPLIT_CTAS")}
+    out = {key: value for key, value in cfg.items() if key not in ("SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT")}
     out["PACKED"] = bool(cfg["PACKED"] and cfg["BLOCK_M"] > 1 and activation == torch.bfloat16 and bf16_scales)
-    out["SWAP_AB"] = bool(cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and (cfg["X_PLANES"] or cfg["X_WIDE"]))
+    out["SWAP_AB"] = bool(cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and (cfg["X_PLANES"] or cfg["X_WIDE"] or cfg["ONE_DOT"]))
     if cfg["PDL"]:      # launched as a programmatic dependent of the kernel before it (see _grid_wait)
         out["launch_pdl"] = True
     return out
@@ -741,6 +783,16 @@ def to_planes(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] -> plane-major rows: element 8i + e of a row at e * K/8 + i (one small copy of the activations)."""
     m, k = x.shape
     return x.view(m, k // 8, 8).transpose(1, 2).reshape(m, k)
+
+
+def to_tiles(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x [M, K] -> the ONE_DOT layout [M, K'] (K' = K padded with zeros to a multiple of block_k): element 8i + e of K
+    tile t (i counted within the tile) at t * block_k + e * block_k/8 + i (one small copy of the activations)."""
+    m, k = x.shape
+    kp = triton.cdiv(k, block_k) * block_k
+    if kp != k:
+        x = torch.nn.functional.pad(x, (0, kp - k))
+    return x.reshape(m, kp // block_k, block_k // 8, 8).transpose(2, 3).reshape(m, kp)
 
 
 def check_activation(x: torch.Tensor, k: int, what: str) -> None:
@@ -775,6 +827,8 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     words = weight.packed.view(torch.int32)
     if cfg["X_PLANES"]:
         x = to_planes(x)
+    elif cfg["ONE_DOT"]:
+        x = to_tiles(x, cfg["BLOCK_K"])
     n_tiles, m_tiles = triton.cdiv(weight.n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
     splits = split_k(cfg, weight.k, n_tiles * m_tiles)
     ws, counters = split_buffers(x.device, n_tiles * m_tiles, n_tiles * m_tiles * splits * cfg["BLOCK_M"] *
