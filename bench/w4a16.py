@@ -133,7 +133,13 @@ def split_configs() -> list:
             dict(tc, SWAP_AB=True, ONE_DOT=True, X_PLANES=False), dict(tc, SWAP_AB=True, ONE_DOT=True, PACKED=False),
             dict(tc, SWAP_AB=True, ONE_DOT=True, BLOCK_K=256, SPLIT_K=1, PDL=True),
             dict(tc, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, num_warps=8,
-                 num_stages=2)]
+                 num_stages=2),
+            # ONE_DOT with the planes interleaved into K's order and x read as it is (X_WIDE; K = 576: a masked tail)
+            dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True), dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True,
+                                                                    PACKED=False),
+            dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, BLOCK_K=256, SPLIT_K=1, PDL=True),
+            dict(tc, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, SPLIT_K=2,
+                 num_warps=8, num_stages=2)]
 
 
 def _worker_init(device: str) -> None:
@@ -475,16 +481,20 @@ def dense_candidates(m: int) -> list[dict]:
     """The committed config of each M, the same with PDL flipped (launched as a programmatic dependent of the
     kernel before it: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's
     end), at M = 2 and 4 the M = 1 GEMV tiles, one row per program, and from M = 3 the SWAP_AB tensor-core tiles with
-    one dot per K tile (ONE_DOT; with SPLIT_FIT, other tile shapes, splits and stages). Measured and dropped in issue 27's session
+    one dot per K tile (ONE_DOT; with SPLIT_FIT, other tile shapes, splits and stages; with x read as it is,
+    X_WIDE, instead of copied into the per-tile layout before the launch). Measured and dropped in issue 27's session
     11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
     one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
     other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
+    if OLD_DENSE[m].get("ONE_DOT"):     # the committed ONE_DOT tile with x read as it is (no to_tiles copy)
+        cands += [dict(OLD_DENSE[m], X_WIDE=not OLD_DENSE[m].get("X_WIDE")),
+                  dict(OLD_DENSE[m], X_WIDE=not OLD_DENSE[m].get("X_WIDE"), PDL=True)]
     if m >= 3:     # one dot per K tile over the 8 planes side by side (ONE_DOT), x in its per-tile layout
         one = dict(tensor_core(OLD_DENSE[m]["BLOCK_M"], OLD_DENSE[m]["BLOCK_N"], OLD_DENSE[m]["BLOCK_K"],
                                planes=False, warps=OLD_DENSE[m]["num_warps"], split=OLD_DENSE[m]["SPLIT_CTAS"]),
                    SWAP_AB=True, ONE_DOT=True, PDL=m > 16)
-        cands += [one, dict(one, SPLIT_FIT=True)]
+        cands += [one, dict(one, SPLIT_FIT=True), dict(one, X_WIDE=True), dict(one, X_WIDE=True, PDL=True)]
         if m <= 16:
             cands += [dict(one, BLOCK_N=32, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, BLOCK_N=32, SPLIT_CTAS=396),
                       dict(one, BLOCK_K=128, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, num_stages=4)]
@@ -500,7 +510,10 @@ def dense_candidates(m: int) -> list[dict]:
     if m in (2, 4):     # the one-row GEMV of M = 1 run once per row (the second row's weight reads mostly from L2)
         cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
                   for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264))]
-    return cands
+    unique = {}
+    for cfg in cands:   # the first of equal configs (the committed one is found by identity)
+        unique.setdefault(json.dumps(cfg, sort_keys=True), cfg)
+    return list(unique.values())
 
 
 SWEEP_MOE_MS = (1, 4, 8, 16, 32, 64)

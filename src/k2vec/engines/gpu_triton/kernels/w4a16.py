@@ -226,13 +226,16 @@ def _split8(v):
 
 
 @triton.jit
-def _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7):
+def _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7, NATURAL: tl.constexpr):
     """The 8 planes [N, WORDS] side by side along K: [N, 8 * WORDS], column e * WORDS + i = plane e's word i (the
-    order of x's ONE_DOT layout). Joins and a permute only: each thread keeps the values it holds."""
+    order of x's ONE_DOT layout), or (NATURAL) interleaved back into K's own order, column 8i + e (x read as it is).
+    Joins and a permute only: each thread keeps the values it holds."""
     n: tl.constexpr = w0.shape[0]
     words: tl.constexpr = w0.shape[1]
     v = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
     # v[:, i, c, b, a] = plane 4a + 2b + c
+    if NATURAL:
+        return tl.reshape(tl.permute(v, (0, 1, 4, 3, 2)), [n, 8 * words])
     return tl.reshape(tl.permute(v, (0, 4, 3, 2, 1)), [n, 8 * words])
 
 
@@ -408,7 +411,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
     ONE_DOT (SWAP_AB): one dot per K tile instead of one per plane, over the 8 dequantised planes side by side along
     K (_cat_planes), x stored to match (to_tiles: each K tile's x plane-major within the tile, K padded to a whole
-    tile), so the MMAs of a tile are issued together and waited for once.
+    tile), so the MMAs of a tile are issued together and waited for once. With X_WIDE the planes are interleaved
+    back into K's order instead and x is read as it is (no copy of x before the launch).
 
     w_ptr: the packed bytes read as int32 words (row stride stride_wn words); word i of a row holds
     elements 8i .. 8i+7, element 8i+e in bits 4e..4e+3, all in group (8i) // G.
@@ -522,8 +526,12 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                     x6 = _x_plane_t(x_rows, 6, i, k_words, xm_t)
                     x7 = _x_plane_t(x_rows, 7, i, k_words, xm_t)
                 if ONE_DOT:
-                    x_t = tl.load(x_rows[None, :] + kt * BLOCK_K + tl.arange(0, BLOCK_K)[:, None],
-                                  mask=row_mask[None, :], other=0.0)
+                    k_t = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+                    if X_WIDE:  # x as it is (the planes interleaved to match): K's tail masked, not padded
+                        x_t = tl.load(x_rows[None, :] + k_t[:, None], mask=((k_t < K) | EVEN_K)[:, None] &
+                                      row_mask[None, :], other=0.0)
+                    else:       # x in the ONE_DOT layout, K padded to whole tiles (to_tiles)
+                        x_t = tl.load(x_rows[None, :] + k_t[:, None], mask=row_mask[None, :], other=0.0)
                     if PACKED:
                         s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
                                                 other=0), 1, WORDS_PER_GROUP)
@@ -539,7 +547,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                         w5 = (_code(words_t, 5) * s_t).to(x_t.dtype)
                         w6 = (_code(words_t, 6) * s_t).to(x_t.dtype)
                         w7 = (_code(words_t, 7) * s_t).to(x_t.dtype)
-                    acc_t = _dot(acc_t, _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7), x_t, IEEE)
+                    acc_t = _dot(acc_t, _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7, X_WIDE), x_t, IEEE)
                 elif PACKED:
                     s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
                                             other=0), 1, WORDS_PER_GROUP)
@@ -719,10 +727,10 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
            "PDL": False, **config}
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
-    if cfg["ONE_DOT"]:  # x in the ONE_DOT layout (to_tiles) instead
+    if cfg["ONE_DOT"]:  # x in the ONE_DOT layout (to_tiles), or with X_WIDE as it is
         if not (cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]):
             raise ValueError(f"ONE_DOT is an option of the SWAP_AB tensor-core tiles, got {config}")
-        cfg["X_PLANES"] = cfg["X_WIDE"] = False
+        cfg["X_PLANES"] = False
     if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
         raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
@@ -827,7 +835,7 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     words = weight.packed.view(torch.int32)
     if cfg["X_PLANES"]:
         x = to_planes(x)
-    elif cfg["ONE_DOT"]:
+    elif cfg["ONE_DOT"] and not cfg["X_WIDE"]:
         x = to_tiles(x, cfg["BLOCK_K"])
     n_tiles, m_tiles = triton.cdiv(weight.n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
     splits = split_k(cfg, weight.k, n_tiles * m_tiles)
