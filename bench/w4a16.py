@@ -139,7 +139,10 @@ def split_configs() -> list:
                                                                     PACKED=False),
             dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, BLOCK_K=256, SPLIT_K=1, PDL=True),
             dict(tc, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, SPLIT_K=2,
-                 num_warps=8, num_stages=2)]
+                 num_warps=8, num_stages=2),
+            # the same on the MoE's expert-sorted tiles: gate and up apart, the down launch split, with PDL
+            (dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_GU=True),
+             dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, PDL=True))]
 
 
 def _worker_init(device: str) -> None:
@@ -533,13 +536,21 @@ def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
 
 
 def moe_pair_candidates(m: int) -> list[tuple[dict, dict]]:
-    """Whole (gate/up, down) pairs: on the GEMV launches (M <= 16) both with PDL, so the down launch loads its first
-    weight tile while gate/up ends (ROUTED), with down and gate/up tiles of other shapes."""
+    """Whole (gate/up, down) pairs: from M = 16 expert-sorted tiles with one dot per K tile (ONE_DOT, X_WIDE); on
+    the GEMV launches (M <= 16) both with PDL, so the down launch loads its first weight tile while gate/up ends
+    (ROUTED), with down and gate/up tiles of other shapes."""
     old13, old2 = OLD_MOE[m]
+    pairs = []
+    if m >= 16:     # expert-sorted tiles with one dot per K tile, x and h read as they are (ONE_DOT, X_WIDE)
+        one = dict(BLOCK_M=16, SORTED=True, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,
+                   num_warps=4, num_stages=3)
+        pairs += [(dict(one, SPLIT_GU=True), dict(one, PDL=True)), (one, dict(one, PDL=True)),
+                  (dict(one, SPLIT_GU=True, BLOCK_N=32), dict(one, BLOCK_N=32, PDL=True)),
+                  (dict(one, SPLIT_GU=True, BLOCK_K=128), dict(one, BLOCK_K=128, PDL=True))]
     if old13["BLOCK_M"] != 1:
-        return []
+        return pairs
     gu, down = dict(old13, PDL=True), dict(old2, PDL=True)
-    pairs = [(gu, down)]
+    pairs += [(gu, down)]
     downs = [dict(down, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
              for bn, bk, w in ((32, 256, 2), (64, 256, 2), (32, 128, 1), (64, 128, 2), (32, 128, 2))]
     pairs += [(gu, d) for d in downs]

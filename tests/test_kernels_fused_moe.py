@@ -56,7 +56,13 @@ SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, B
                "one-row-biased-gu": (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
                                           PREFETCH=True, BIASED_CODES=True, SPLIT_GU=True, SPLIT_K=3),
                                      dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
-                                          PREFETCH=True, BIASED_CODES=True, COMBINE=True))}
+                                          PREFETCH=True, BIASED_CODES=True, COMBINE=True)),
+               # expert-sorted tiles with one dot per K tile, x and h read as they are (ONE_DOT, X_WIDE; hidden
+               # 288: a masked partial K tile), gate and up apart, the down launch split
+               "sorted-one-dot": (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,
+                                       SPLIT_GU=True),
+                                  dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,
+                                       SPLIT_K=2))}
 
 
 def cpu_case(m, g, sd, act, path):
@@ -127,8 +133,8 @@ def test_sorted_layout_groups_pairs_by_expert():
     assert len(block_expert) == (9 + 6 * 3) // 4     # the host-sync-free bound
 
 
-def test_one_dot_is_refused():
-    # ONE_DOT needs x (and h) in its per-tile layout, which the MoE launches do not make
+def test_one_dot_without_x_wide_is_refused():
+    # ONE_DOT without X_WIDE reads x (and h) in to_tiles' layout, which the MoE launches do not make
     from k2vec.engines.gpu_triton.kernels import verify
     from k2vec.engines.gpu_triton.kernels.fused_moe import fused_moe
     gen = verify.generator("cpu", "one-dot")
