@@ -134,12 +134,15 @@ def split_configs() -> list:
             dict(tc, SWAP_AB=True, ONE_DOT=True, BLOCK_K=256, SPLIT_K=1, PDL=True),
             dict(tc, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, num_warps=8,
                  num_stages=2),
-            # ONE_DOT with the planes interleaved into K's order and x read as it is (X_WIDE; K = 576: a masked tail)
+            # ONE_DOT with x read as it is (X_WIDE; K = 576: a masked tail), gathered in the tile's order or, the
+            # planes interleaved into K's order, in it (INTERLEAVE)
             dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True), dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True,
                                                                     PACKED=False),
             dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, BLOCK_K=256, SPLIT_K=1, PDL=True),
             dict(tc, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, SPLIT_K=2,
                  num_warps=8, num_stages=2),
+            dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True),
+            dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True, PACKED=False, SPLIT_K=1, PDL=True),
             # the same on the MoE's expert-sorted tiles: gate and up apart, the down launch split, with PDL
             (dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_GU=True),
              dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, PDL=True))]
@@ -491,13 +494,14 @@ def dense_candidates(m: int) -> list[dict]:
     other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     if OLD_DENSE[m].get("ONE_DOT"):     # the committed ONE_DOT tile with x read as it is (no to_tiles copy)
-        cands += [dict(OLD_DENSE[m], X_WIDE=not OLD_DENSE[m].get("X_WIDE")),
-                  dict(OLD_DENSE[m], X_WIDE=not OLD_DENSE[m].get("X_WIDE"), PDL=True)]
+        wide = dict(OLD_DENSE[m], X_WIDE=True)
+        cands += [wide, dict(wide, PDL=True), dict(wide, INTERLEAVE=True), dict(wide, INTERLEAVE=True, PDL=True)]
     if m >= 3:     # one dot per K tile over the 8 planes side by side (ONE_DOT), x in its per-tile layout
         one = dict(tensor_core(OLD_DENSE[m]["BLOCK_M"], OLD_DENSE[m]["BLOCK_N"], OLD_DENSE[m]["BLOCK_K"],
                                planes=False, warps=OLD_DENSE[m]["num_warps"], split=OLD_DENSE[m]["SPLIT_CTAS"]),
                    SWAP_AB=True, ONE_DOT=True, PDL=m > 16)
-        cands += [one, dict(one, SPLIT_FIT=True), dict(one, X_WIDE=True), dict(one, X_WIDE=True, PDL=True)]
+        cands += [one, dict(one, SPLIT_FIT=True), dict(one, X_WIDE=True), dict(one, X_WIDE=True, PDL=True),
+                  dict(one, X_WIDE=True, INTERLEAVE=True)]
         if m <= 16:
             cands += [dict(one, BLOCK_N=32, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, BLOCK_N=32, SPLIT_CTAS=396),
                       dict(one, BLOCK_K=128, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, num_stages=4)]
@@ -545,6 +549,7 @@ def moe_pair_candidates(m: int) -> list[tuple[dict, dict]]:
         one = dict(BLOCK_M=16, SORTED=True, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,
                    num_warps=4, num_stages=3)
         pairs += [(dict(one, SPLIT_GU=True), dict(one, PDL=True)), (one, dict(one, PDL=True)),
+                  (dict(one, SPLIT_GU=True, INTERLEAVE=True), dict(one, INTERLEAVE=True, PDL=True)),
                   (dict(one, SPLIT_GU=True, BLOCK_N=32), dict(one, BLOCK_N=32, PDL=True)),
                   (dict(one, SPLIT_GU=True, BLOCK_K=128), dict(one, BLOCK_K=128, PDL=True))]
     if old13["BLOCK_M"] != 1:

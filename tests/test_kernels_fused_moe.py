@@ -62,7 +62,9 @@ SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, B
                "sorted-one-dot": (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,
                                        SPLIT_GU=True),
                                   dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,
-                                       SPLIT_K=2))}
+                                       SPLIT_K=2)),
+               "sorted-one-dot-interleaved": both(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True,
+                                                  ONE_DOT=True, INTERLEAVE=True)}
 
 
 def cpu_case(m, g, sd, act, path):

@@ -21,10 +21,12 @@ CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=planes, SCALE_GROU
              for planes, groups in ((False, False), (True, False), (True, True))] + \
             [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=planes) for planes in (False, True)] + \
             [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True),
-             # one dot per K tile over the 8 planes side by side (K = 288 / 576: x padded to whole tiles), and with
-             # the planes interleaved into K's order, x read as it is (X_WIDE: K's partial tile masked)
+             # one dot per K tile over the 8 planes side by side (K = 288 / 576: x padded to whole tiles); x read as
+             # it is (X_WIDE: K's partial tile masked), gathered in the tile's order or, with the planes interleaved
+             # into K's order, read in it (INTERLEAVE)
              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True),
-             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True)]
+             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True),
+             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True)]
 # split-K on each tile path; K = 288 / 576 is 4.5 tiles of 64 / 128 (a partial tile), N = 37 (partial N tiles),
 # and 5 tiles over 4 splits leaves the last split empty (runs of 2)
 CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
@@ -47,7 +49,9 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               # one dot per K tile (ONE_DOT), split (5 tiles over 4 splits) and over M = 33 rows in 32-row tiles
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, SPLIT_K=4),
               dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True),
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, SPLIT_K=4)]
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, SPLIT_K=4),
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True,
+                   SPLIT_K=4)]
 CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip) for m in (1, 16) for flip in ("low", "high")]
 
 

@@ -121,7 +121,8 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                 X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
                 EVEN_K: tl.constexpr, OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr, X_WIDE: tl.constexpr,
                 SPLIT_GU: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
-                BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr, ROUTED: tl.constexpr):
+                BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr,
+                ROUTED: tl.constexpr):
     """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
     OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input.
     SPLIT_K > 1: K split over the grid's third axis, partials (gate and up apart) reduced as in w4a16.
@@ -163,12 +164,12 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
         s_e += half.to(tl.int64) * N * stride_sn
     acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB,
-                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, PDL and ROUTED)
+                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, PDL and ROUTED)
     if GATED and not SPLIT_GU:
         up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
                         s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, False)
+                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, False)
     else:
         up = acc
     if COMBINE:

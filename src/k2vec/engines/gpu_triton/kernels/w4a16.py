@@ -228,7 +228,7 @@ def _split8(v):
 @triton.jit
 def _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7, NATURAL: tl.constexpr):
     """The 8 planes [N, WORDS] side by side along K: [N, 8 * WORDS], column e * WORDS + i = plane e's word i (the
-    order of x's ONE_DOT layout), or (NATURAL) interleaved back into K's own order, column 8i + e (x read as it is).
+    order of x's ONE_DOT layout), or (NATURAL) interleaved back into K's own order, column 8i + e.
     Joins and a permute only: each thread keeps the values it holds."""
     n: tl.constexpr = w0.shape[0]
     words: tl.constexpr = w0.shape[1]
@@ -393,7 +393,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
                PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
                PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr,
-               PDL: tl.constexpr):
+               INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
     The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
@@ -411,8 +411,9 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
     ONE_DOT (SWAP_AB): one dot per K tile instead of one per plane, over the 8 dequantised planes side by side along
     K (_cat_planes), x stored to match (to_tiles: each K tile's x plane-major within the tile, K padded to a whole
-    tile), so the MMAs of a tile are issued together and waited for once. With X_WIDE the planes are interleaved
-    back into K's order instead and x is read as it is (no copy of x before the launch).
+    tile), so the MMAs of a tile are issued together and waited for once. With X_WIDE x is read as it is (no copy
+    before the launch): gathered in the tile's plane-major order by its addresses, or (INTERLEAVE) in K's order,
+    the planes interleaved back into K's order to match.
 
     w_ptr: the packed bytes read as int32 words (row stride stride_wn words); word i of a row holds
     elements 8i .. 8i+7, element 8i+e in bits 4e..4e+3, all in group (8i) // G.
@@ -527,7 +528,9 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                     x7 = _x_plane_t(x_rows, 7, i, k_words, xm_t)
                 if ONE_DOT:
                     k_t = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-                    if X_WIDE:  # x as it is (the planes interleaved to match): K's tail masked, not padded
+                    if X_WIDE:  # x as it is: K's tail masked, not padded
+                        if not INTERLEAVE:  # tile row e * WORDS + i holds element 8i + e of the tile
+                            k_t = kt * BLOCK_K + 8 * (tl.arange(0, BLOCK_K) % WORDS) + tl.arange(0, BLOCK_K) // WORDS
                         x_t = tl.load(x_rows[None, :] + k_t[:, None], mask=((k_t < K) | EVEN_K)[:, None] &
                                       row_mask[None, :], other=0.0)
                     else:       # x in the ONE_DOT layout, K padded to whole tiles (to_tiles)
@@ -547,7 +550,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                         w5 = (_code(words_t, 5) * s_t).to(x_t.dtype)
                         w6 = (_code(words_t, 6) * s_t).to(x_t.dtype)
                         w7 = (_code(words_t, 7) * s_t).to(x_t.dtype)
-                    acc_t = _dot(acc_t, _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7, X_WIDE), x_t, IEEE)
+                    acc_t = _dot(acc_t, _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7, INTERLEAVE), x_t, IEEE)
                 elif PACKED:
                     s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
                                             other=0), 1, WORDS_PER_GROUP)
@@ -657,7 +660,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
                   SPLIT_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
                   SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
                   X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
-                  BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr):
+                  BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -668,7 +671,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, PDL)
+                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, PDL)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -723,7 +726,7 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
     SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE). PDL (launch as a programmatic
     dependent, see _grid_wait) is dropped in the interpreter and on a `device` older than sm_90."""
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False,
-           "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False, "ONE_DOT": False,
+           "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False, "ONE_DOT": False, "INTERLEAVE": False,
            "PDL": False, **config}
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
@@ -731,6 +734,8 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
         if not (cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]):
             raise ValueError(f"ONE_DOT is an option of the SWAP_AB tensor-core tiles, got {config}")
         cfg["X_PLANES"] = False
+    if cfg["INTERLEAVE"] and not (cfg["ONE_DOT"] and cfg["X_WIDE"]):
+        raise ValueError(f"INTERLEAVE is an option of ONE_DOT with X_WIDE, got {config}")
     if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
         raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
