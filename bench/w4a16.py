@@ -494,7 +494,7 @@ def dense_candidates(m: int) -> list[dict]:
     other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     if OLD_DENSE[m].get("ONE_DOT"):     # the committed ONE_DOT tile with x read as it is (no to_tiles copy)
-        wide = dict(OLD_DENSE[m], X_WIDE=True)
+        wide = {k: v for k, v in OLD_DENSE[m].items() if k != "INTERLEAVE"} | {"X_WIDE": True}  # x gathered
         cands += [wide, dict(wide, PDL=True), dict(wide, INTERLEAVE=True), dict(wide, INTERLEAVE=True, PDL=True)]
     if m >= 3:     # one dot per K tile over the 8 planes side by side (ONE_DOT), x in its per-tile layout
         one = dict(tensor_core(OLD_DENSE[m]["BLOCK_M"], OLD_DENSE[m]["BLOCK_N"], OLD_DENSE[m]["BLOCK_K"],

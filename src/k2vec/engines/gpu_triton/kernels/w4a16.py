@@ -687,23 +687,21 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 
 # Tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
 # DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
-# 2026-12-02, issue 27), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid has
-# about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a prefetched next K
-# tile, split to ~132 programs of several K tiles each (sweep "W4A16 kernels on the H200, GEMV and split gate/up"),
-# with the biased codes and launched with PDL (session 11: its first weight tile loads while the kernel before it
-# ends); at M = 2 a program per row, the second row's weight reads mostly served by L2. M = 3-4 and 9-64: SWAP_AB
-# tensor-core tiles with one dot per K tile (ONE_DOT, session 12); from M = 17 split so that the grid stays within
-# one wave of resident programs (SPLIT_FIT: 2 per SM at 32 x 64, 1 at 64 x 128). M = 5-8: the mma tile with one dot
-# per plane, which ONE_DOT did not beat there.
+# issue 27, sessions 12 and 13), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the
+# grid has about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a
+# prefetched next K tile, split to ~132 programs of several K tiles each, with the biased codes and launched with PDL
+# (its first weight tile loads while the kernel before it ends); at M = 2 a program per row, the second row's weight
+# reads mostly served by L2. M = 3-16: SWAP_AB tensor-core tiles with one dot per K tile (ONE_DOT), the weight planes
+# put in K's order (INTERLEAVE) so that x is read as it is (X_WIDE, no plane copy of x before the launch; session
+# 13). M = 17-64: plain ONE_DOT, split so that the grid stays within one wave of resident programs (SPLIT_FIT: 2 per
+# SM at 32 x 64, 1 at 64 x 128).
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
 _ONE_DOT = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_CTAS=264, num_warps=4,
                 num_stages=3)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
     (2, _GEMV),
-    (4, _ONE_DOT),
-    (8, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)),
-    (16, _ONE_DOT),
+    (16, dict(_ONE_DOT, X_WIDE=True, INTERLEAVE=True)),
     (32, dict(_ONE_DOT, BLOCK_M=32, SPLIT_FIT=True, PDL=True)),
     (1 << 62, dict(_ONE_DOT, BLOCK_M=64, BLOCK_N=128, SPLIT_CTAS=132, SPLIT_FIT=True, PDL=True, num_warps=8)),
 ]
