@@ -557,11 +557,12 @@ def moe_pair_candidates(m: int) -> list[tuple[dict, dict]]:
     gu, down = dict(old13, PDL=True), dict(old2, PDL=True)
     pairs += [(gu, down)]
     downs = [dict(down, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-             for bn, bk, w in ((32, 256, 2), (64, 256, 2), (32, 128, 1), (64, 128, 2), (32, 128, 2))]
+             for bn, bk, w in ((32, 256, 2), (64, 256, 2), (32, 128, 1), (64, 128, 2), (32, 128, 2),
+                               (32, 512, 4), (64, 512, 4), (32, 1024, 8))]
     pairs += [(gu, d) for d in downs]
     small_down = downs[0]
     pairs += [(dict(gu, BLOCK_N=bn, BLOCK_K=bk, num_warps=w), small_down)
-              for bn, bk, w in ((32, 512, 4), (32, 256, 2), (64, 512, 4), (64, 256, 4), (64, 1024, 8))]
+              for bn, bk, w in ((32, 512, 4), (32, 256, 2), (64, 512, 4), (64, 256, 4), (64, 1024, 8), (32, 1024, 8))]
     # gate/up split over K in two (twice the programs, each half as long; partials meet in the workspace)
     pairs += [(dict(gu, BLOCK_N=bn, SPLIT_K=2), small_down) for bn in (32, 64)]
     return pairs
@@ -716,13 +717,13 @@ def guarded(log, what, fn, *args):
 
 
 def profile(device, log) -> None:
-    """Dense K=7168->N=4096 at M = 1, 32 and 64, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
+    """Dense K=7168->N=4096 at M = 1, 4, 16, 32 and 64, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
     k, n = 7168, 4096
     gen = verify.generator(device, "profile")
     w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
     layer = K2Layer(device, with_bf16=False)
     calls = []
-    for m in (1, 32, 64):
+    for m in (1, 4, 16, 32, 64):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         calls.append(lambda x=x: w4a16_linear(x, w))
     for m in (1, 16):

@@ -214,8 +214,8 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
 # there, and at M = 16 reading an expert once per token still beat the expert-sorted tensor-core tiles), gate and up
 # in separate programs (SPLIT_GU), both launched with PDL so that the down launch, in programs of 2 warps, loads its
 # first weight tile while gate/up ends (ROUTED); the down launch summing each token's rows itself (COMBINE) where the
-# sweep picked it; from M = 17 the expert-sorted tensor-core tiles: up to M = 32 gate/up with PDL and the down
-# launch without (session 13), beyond it the down launch with PDL.
+# sweep picked it; from M = 17 the expert-sorted tensor-core tiles, gate/up with PDL (session 13), the down launch
+# without it up to M = 32 and with it beyond.
 _PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
 _SORTED_TC = dict(_PAIR_TC, SORTED=True)
 _ROW_GEMV = dict(BLOCK_M=1, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True,
@@ -228,7 +228,7 @@ MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
     (8, (dict(_ROW_GATE_UP, BLOCK_N=64), dict(_ROW_DOWN, COMBINE=True))),
     (16, (_ROW_GATE_UP, dict(_ROW_DOWN, BLOCK_N=64))),
     (32, (dict(_SORTED_TC, SPLIT_GU=True, PDL=True), _SORTED_TC)),
-    (1 << 62, (dict(_SORTED_TC, SPLIT_GU=True), dict(_SORTED_TC, PDL=True))),
+    (1 << 62, (dict(_SORTED_TC, SPLIT_GU=True, PDL=True), dict(_SORTED_TC, PDL=True))),
 ]
 # float32 activations: the 2026-11-30 sweep's one-pair CUDA-core path at every M
 _ONE_PAIR = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)
