@@ -502,9 +502,12 @@ def dense_candidates(m: int) -> list[dict]:
                    SWAP_AB=True, ONE_DOT=True, PDL=m > 16)
         cands += [one, dict(one, SPLIT_FIT=True), dict(one, X_WIDE=True), dict(one, X_WIDE=True, PDL=True),
                   dict(one, X_WIDE=True, INTERLEAVE=True)]
-        if m <= 16:
-            cands += [dict(one, BLOCK_N=32, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, BLOCK_N=32, SPLIT_CTAS=396),
-                      dict(one, BLOCK_K=128, SPLIT_CTAS=528, SPLIT_FIT=True), dict(one, num_stages=4)]
+        if m <= 16:     # other shapes, splits and stages of the committed tile (x read as it is)
+            base = OLD_DENSE[m] if OLD_DENSE[m].get("ONE_DOT") else one
+            cands += [dict(base, BLOCK_N=32, SPLIT_CTAS=528, SPLIT_FIT=True), dict(base, BLOCK_N=32, SPLIT_CTAS=396),
+                      dict(base, BLOCK_K=128, SPLIT_CTAS=528, SPLIT_FIT=True), dict(base, num_stages=4),
+                      dict(base, num_stages=2), dict(base, SPLIT_CTAS=396), dict(base, SPLIT_CTAS=528),
+                      dict(base, SPLIT_CTAS=132), dict(base, num_warps=8)]
         elif m <= 32:
             cands += [dict(one, BLOCK_N=128, num_warps=8, SPLIT_CTAS=132, SPLIT_FIT=True),
                       dict(one, BLOCK_N=32, SPLIT_CTAS=396, SPLIT_FIT=True), dict(one, SPLIT_FIT=True, num_stages=4),
