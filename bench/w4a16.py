@@ -565,7 +565,8 @@ def moe_pair_candidates(m: int) -> list[tuple[dict, dict]]:
     pairs += [(gu, d) for d in downs]
     small_down = downs[0]
     pairs += [(dict(gu, BLOCK_N=bn, BLOCK_K=bk, num_warps=w), small_down)
-              for bn, bk, w in ((32, 512, 4), (32, 256, 2), (64, 512, 4), (64, 256, 4), (64, 1024, 8), (32, 1024, 8))]
+              for bn, bk, w in ((32, 512, 4), (32, 256, 2), (64, 512, 4), (64, 256, 4), (64, 1024, 8), (32, 1024, 8),
+                                 (64, 512, 8))]
     # gate/up split over K in two (twice the programs, each half as long; partials meet in the workspace)
     pairs += [(dict(gu, BLOCK_N=bn, SPLIT_K=2), small_down) for bn in (32, 64)]
     return pairs
