@@ -145,13 +145,7 @@ def split_configs() -> list:
             dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True, PACKED=False, SPLIT_K=1, PDL=True),
             # the same on the MoE's expert-sorted tiles: gate and up apart, the down launch split, with PDL
             (dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_GU=True),
-             dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, PDL=True)),
-            # two K tiles prefetched (PREFETCH=2): split (runs of 2 and 3 tiles) and whole, with the biased codes and
-            # PDL; the MoE's gate/up split and the down launch ROUTED and summing the rows
-            dict(row, PREFETCH=2), dict(row, PREFETCH=2, BIASED_CODES=True, CODES_ASM=True, SPLIT_K=1, PDL=True),
-            (dict(row, SORTED=False, SPLIT_GU=True, PREFETCH=2, BIASED_CODES=True, CODES_ASM=True, PDL=True),
-             dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, PREFETCH=2, BIASED_CODES=True, CODES_ASM=True,
-                  PDL=True))]
+             dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, PDL=True))]
 
 
 def _worker_init(device: str) -> None:
@@ -523,9 +517,6 @@ def dense_candidates(m: int) -> list[dict]:
                       dict(one, BLOCK_N=64, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True, BLOCK_K=128),
                       dict(one, SPLIT_FIT=True, num_stages=4), dict(one, SPLIT_FIT=True, SPLIT_CTAS=100),
                       dict(one, SPLIT_FIT=True, BLOCK_K=128), dict(one, SPLIT_FIT=True, num_stages=2)]
-    if OLD_DENSE[m].get("PREFETCH"):     # the committed one-row GEMV with two K tiles in flight (PREFETCH=2)
-        two = dict(OLD_DENSE[m], PREFETCH=2)
-        cands += [two, dict(two, BLOCK_K=512, num_warps=4), dict(two, BLOCK_K=512), dict(two, SPLIT_CTAS=264)]
     if m in (2, 4):     # the one-row GEMV of M = 1 run once per row (the second row's weight reads mostly from L2)
         cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
                   for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264))]
@@ -576,10 +567,6 @@ def moe_pair_candidates(m: int) -> list[tuple[dict, dict]]:
     pairs += [(dict(gu, BLOCK_N=bn, BLOCK_K=bk, num_warps=w), small_down)
               for bn, bk, w in ((32, 512, 4), (32, 256, 2), (64, 512, 4), (64, 256, 4), (64, 1024, 8), (32, 1024, 8),
                                  (64, 512, 8))]
-    # two K tiles in flight per program (PREFETCH=2) on gate/up, down or both
-    gu2, down2 = dict(gu, PREFETCH=2), dict(down, PREFETCH=2)
-    pairs += [(gu2, down), (gu, down2), (gu2, down2), (dict(gu2, BLOCK_N=32), down2), (dict(gu2, BLOCK_N=32), down),
-              (gu2, dict(down2, BLOCK_K=128)), (dict(gu2, BLOCK_K=256), down2)]
     # gate/up split over K in two (twice the programs, each half as long; partials meet in the workspace)
     pairs += [(dict(gu, BLOCK_N=bn, SPLIT_K=2), small_down) for bn in (32, 64)]
     return pairs

@@ -57,12 +57,6 @@ SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, B
                                           PREFETCH=True, BIASED_CODES=True, SPLIT_GU=True, SPLIT_K=3),
                                      dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
                                           PREFETCH=True, BIASED_CODES=True, COMBINE=True)),
-               # two K tiles prefetched (PREFETCH=2), gate/up split 3 ways (runs of one tile: the prefetches past
-               # each run masked), down over whole K
-               "one-row-prefetch2": (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
-                                          PREFETCH=2, BIASED_CODES=True, SPLIT_GU=True, SPLIT_K=3),
-                                     dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
-                                          PREFETCH=2, COMBINE=True)),
                # expert-sorted tiles with one dot per K tile, x and h read as they are (ONE_DOT, X_WIDE; hidden
                # 288: a masked partial K tile), gate and up apart, the down launch split
                "sorted-one-dot": (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,

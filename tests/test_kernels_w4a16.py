@@ -39,9 +39,6 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, SPLIT_K=3),
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4),
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True),
-              # two tiles prefetched (PREFETCH=2): runs of 3 over 4 splits (the last empty) and unsplit
-              dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=2, SPLIT_K=4),
-              dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=2, BIASED_CODES=True),
               # the same GEMV over 2 and 4 rows per program (each code used for every row), M = 3 a partial row tile
               dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4),
               dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True),
@@ -108,15 +105,6 @@ def test_split_k_counts_splits_within_k_tiles():
     assert split_k(fit, 2048, 56) == 2                              # 112
     assert split_k(fit, 7168, 16) == 7                              # 8 wanted: runs of 4 of 28 K tiles, 7 splits
     assert split_k(fit, 7168, 200) == 1                             # more tiles than programs: no split
-
-
-@pytest.mark.parametrize("config", [dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=2),
-                                    dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=3)],
-                         ids=["two-tiles-ahead-on-two-rows", "three-tiles-ahead"])
-def test_prefetch_depth_other_than_the_one_row_paths_is_refused(config):
-    from k2vec.engines.gpu_triton.kernels.w4a16 import tile_config
-    with pytest.raises(ValueError, match="PREFETCH"):
-        tile_config(config, 32, interpret=True)
 
 
 def test_to_tiles_puts_each_k_tile_plane_major_and_pads():

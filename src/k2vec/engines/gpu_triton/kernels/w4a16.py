@@ -404,8 +404,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     PREFETCH (CUDA cores, with X_WIDE and SCALE_GROUPS; BLOCK_M 1 or a few rows, each code used for every row):
     the next K tile's weight words, x and scales are
     loaded before this tile's arithmetic (registers double-buffered by hand), so a program's DRAM reads overlap
-    its dequantisation instead of alternating with it; PREFETCH=2 (one row): the next two tiles, so that more bytes
-    are in flight per program (registers triple-buffered). CODES_ASM (PREFETCH, GPU only): codes by _f32_codes.
+    its dequantisation instead of alternating with it. CODES_ASM (PREFETCH, GPU only): codes by _f32_codes.
     BIASED_CODES (PREFETCH): codes as 1 + u/128 and one correction per group (_F32_BIASED_ASM's comment).
     PDL: _grid_wait before the first read of x (the one-row PREFETCH path loads its first weight tile before it).
     SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
@@ -452,23 +451,12 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
         if PREFETCH:    # the first tile's weights before the wait: with PDL they load while the last kernel ends
             words_n, s_n = _row_weight_loads(w_rows, s_rows, n_mask, kt_lo, kt_hi, K, k_words, G, WORDS, BF16_SCALES,
                                              EVEN_K)
-            if PREFETCH == 2:   # and the second tile's
-                words_nn, s_nn = _row_weight_loads(w_rows, s_rows, n_mask, kt_lo + 1, kt_hi, K, k_words, G, WORDS,
-                                                   BF16_SCALES, EVEN_K)
             _grid_wait(PDL)
             xv_n = _row_x_loads(x_rows, row_mask, kt_lo, kt_hi, k_words, WORDS, EVEN_K)
-            if PREFETCH == 2:
-                xv_nn = _row_x_loads(x_rows, row_mask, kt_lo + 1, kt_hi, k_words, WORDS, EVEN_K)
         else:
             _grid_wait(PDL)
         for kt in range(kt_lo, kt_hi):
-            if PREFETCH == 2:   # two tiles in flight while this one is computed
-                words, xv, s = words_n, xv_n, s_n
-                words_n, xv_n, s_n = words_nn, xv_nn, s_nn
-                words_nn, xv_nn, s_nn = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 2, kt_hi, K,
-                                                   k_words, G, WORDS, BF16_SCALES, EVEN_K)
-                acc += _row_part(words, xv, s, BLOCK_N, GROUPS, WORDS_PER_GROUP, CODES_ASM, BIASED_CODES)
-            elif PREFETCH:
+            if PREFETCH:
                 words, xv, s = words_n, xv_n, s_n
                 words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 1, kt_hi, K,
                                                 k_words, G, WORDS, BF16_SCALES, EVEN_K)
@@ -746,8 +734,6 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
         cfg["X_PLANES"] = False
     if cfg["INTERLEAVE"] and not (cfg["ONE_DOT"] and cfg["X_WIDE"]):
         raise ValueError(f"INTERLEAVE is an option of ONE_DOT with X_WIDE, got {config}")
-    if cfg["PREFETCH"] not in (False, True, 1, 2) or (cfg["PREFETCH"] == 2 and cfg["BLOCK_M"] != 1):
-        raise ValueError(f"PREFETCH is a flag, or 2 (two tiles ahead) on the one-row path, got {config}")
     if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
         raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
