@@ -92,6 +92,9 @@ def cpu_results():
               {"config": PATHS[path], "flip": flip}) for path in ("one-row", "sorted") for flip in ("low", "high")]
     defaults = [("check_moe", cpu_case(m, 32, "bfloat16", "float32", None)[0], {}) for m in (1, 16)]
     defaults += [("check_moe", cpu_case(m, 32, "bfloat16", "float16", None)[0], {}) for m in (1, 16)]
+    # int32 expert ids (int64, as torch's topk gives them, everywhere else): one pair per program and sorted
+    defaults += [("check_moe", cpu_case(m, 32, "bfloat16", "float16", None)[0], {"ids_dtype": "int32"})
+                 for m in (1, 33)]
     splits = [("check_moe", [m, 8, 288, 160, 3, 6, 32, "bfloat16", act], {"config": SPLIT_PATHS[path]})
               for m, act, path in SPLIT_GRID]
     results = run_interpreted(calls + flips + defaults + splits)

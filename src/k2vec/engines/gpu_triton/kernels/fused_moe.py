@@ -289,7 +289,8 @@ def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, 
 
 def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               out: torch.Tensor | None = None, config: tuple[dict, dict] | None = None) -> torch.Tensor:
-    """out [M, H] in x.dtype; routed_scaling_factor is not applied (fold it into topk_weights)."""
+    """out [M, H] in x.dtype; routed_scaling_factor is not applied (fold it into topk_weights); topk_ids int64 (as
+    torch's topk and sort give them) or int32."""
     check_activation(x, experts.hidden, "fused_moe")
     m, top_k = topk_ids.shape
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
@@ -300,7 +301,9 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     if m == 0:
         return out
     x = x.contiguous()
-    flat_ids = topk_ids.reshape(-1).to(torch.int32)
+    flat_ids = topk_ids.reshape(-1)
+    if flat_ids.dtype != torch.int64:   # int64 ids (torch's topk and sort) are read as they are: no cast launch
+        flat_ids = flat_ids.to(torch.int32)
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
     num_pairs = flat_ids.numel()
     cfg13, cfg2 = config or pick_config(MOE_CONFIGS_FP32 if x.dtype == torch.float32 else MOE_CONFIGS, m)

@@ -108,14 +108,17 @@ def moe_reference(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tenso
 
 def check_moe(m: int, num_experts: int, hidden: int, inter: int, top_k: int, used_experts: int, group_size: int,
               scale_dtype: str, act: str, device, flip: str | None = None,
-              config: tuple[dict, dict] | None = None, experts: PackedExperts | None = None) -> CheckResult:
-    """fused_moe vs float64; flip corrupts one nibble of a used expert's gate/up weight after the reference."""
+              config: tuple[dict, dict] | None = None, experts: PackedExperts | None = None,
+              ids_dtype: str = "int64") -> CheckResult:
+    """fused_moe vs float64; flip corrupts one nibble of a used expert's gate/up weight after the reference;
+    ids_dtype: the expert ids as torch's topk gives them (int64) or as int32."""
     name = (f"moe m{m} e{num_experts} h{hidden} i{inter} top{top_k} used{used_experts} g{group_size} "
-            f"{scale_dtype} {act}" + (f" flip-{flip}" if flip else ""))
+            f"{scale_dtype} {act}" + (f" flip-{flip}" if flip else "") + ("" if ids_dtype == "int64" else f" {ids_dtype}"))
     gen = generator(device, name)
     if experts is None:
         experts = random_experts(num_experts, hidden, inter, group_size, scale_dtype, gen, device)
     ids, weights = random_routing(m, top_k, num_experts, used_experts, gen, device)
+    ids = ids.to(getattr(torch, ids_dtype))
     x = torch.randn(m, hidden, generator=gen, device=device).to(DTYPES[act])
     ref = moe_reference(x, experts, ids, weights)
     if flip:
