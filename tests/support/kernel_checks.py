@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,13 +28,23 @@ print(json.dumps(out))
 
 
 def run_interpreted(calls: list[tuple[str, list, dict]]) -> list[dict]:
-    """[(verify function, args, kwargs)] -> their CheckResults as dicts, computed on CPU by Triton's interpreter."""
+    """[(verify function, args, kwargs)] -> their CheckResults as dicts, computed on CPU by Triton's interpreter, in
+    one child per CPU core (calls dealt out in turn; each check seeds itself from its name, so the split does not
+    change a result)."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(calls), capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, f"interpreted kernel checks failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    workers = max(1, min(len(calls), len(os.sched_getaffinity(0))))
+    shares = [calls[i::workers] for i in range(workers)]
+
+    def child(share):
+        proc = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(share), capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert proc.returncode == 0, f"interpreted kernel checks failed:\n{proc.stderr[-4000:]}"
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(workers) as pool:
+        outs = list(pool.map(child, shares))
+    return [outs[i % workers][i // workers] for i in range(len(calls))]
 
 
 def cuda_device():
