@@ -521,8 +521,9 @@ def dense_candidates(m: int) -> list[dict]:
         cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
                   for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264))]
     unique = {}
-    for cfg in cands:   # the first of equal configs (the committed one is found by identity)
-        unique.setdefault(json.dumps(cfg, sort_keys=True), cfg)
+    for cfg in cands:   # the first of equal configs (the committed one is found by identity); a flag set to False
+        # is the flag left out
+        unique.setdefault(json.dumps({k: v for k, v in cfg.items() if v is not False}, sort_keys=True), cfg)
     return list(unique.values())
 
 
