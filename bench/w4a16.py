@@ -143,6 +143,10 @@ def split_configs() -> list:
                  num_warps=8, num_stages=2),
             dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True),
             dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True, PACKED=False, SPLIT_K=1, PDL=True),
+            # the weight's MMA-order words (K = 576: 4.5 blocks of 128, the last padded), unsplit, split, 8 warps, PDL
+            mma_tile(16, 64, 4, 0, SPLIT_K=4), mma_tile(16, 64, 4, 0, SPLIT_K=1, PACKED=False),
+            mma_tile(16, 128, 8, 0, SPLIT_K=3, PDL=True), mma_tile(64, 128, 8, 0, SPLIT_K=2),
+            mma_tile(32, 64, 4, 0, stages=5, SPLIT_K=1),
             # the same on the MoE's expert-sorted tiles: gate and up apart, the down launch split, with PDL
             (dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_GU=True),
              dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, PDL=True))]
@@ -479,6 +483,12 @@ def tensor_core(bm, bn, bk, planes=True, warps=4, stages=3, split=0, wide=False,
 OLD_DENSE = {m: dict(pick_config(DENSE_CONFIGS, m)) for m in MS}
 
 
+def mma_tile(bm, bn, warps, split, stages=3, **extra):
+    """A tensor-core tile on the weight's MMA-order words (w4a16._mma_order_tile), K blocks of 128."""
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, MMA_ORDER=True, num_warps=warps, num_stages=stages,
+                SPLIT_CTAS=split, **extra)
+
+
 def prefetch_row(bn, bk, warps=4, split=0, **extra):
     return dict(one_row(bn, bk, warps=warps, split=split, wide=True), PREFETCH=True, **extra)
 
@@ -517,6 +527,13 @@ def dense_candidates(m: int) -> list[dict]:
                       dict(one, BLOCK_N=64, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True, BLOCK_K=128),
                       dict(one, SPLIT_FIT=True, num_stages=4), dict(one, SPLIT_FIT=True, SPLIT_CTAS=100),
                       dict(one, SPLIT_FIT=True, BLOCK_K=128), dict(one, SPLIT_FIT=True, num_stages=2)]
+    if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        cands += [mma_tile(bm, 64, 4, sp) for sp in (132, 264, 396, 528, 792)]
+        cands += [mma_tile(bm, 64, 4, 528, stages=st) for st in (2, 4, 6)]
+        cands += [mma_tile(bm, 64, 4, 528, PDL=True), mma_tile(bm, 64, 4, 264, PDL=True),
+                  mma_tile(bm, 128, 8, 264), mma_tile(bm, 128, 8, 528), mma_tile(bm, 128, 4, 264),
+                  mma_tile(bm, 32, 4, 528) if bm <= 16 else mma_tile(bm, 64, 8, 264)]
     if m in (2, 4):     # the one-row GEMV of M = 1 run once per row (the second row's weight reads mostly from L2)
         cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
                   for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264))]

@@ -26,7 +26,9 @@ CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=planes, SCALE_GROU
              # into K's order, read in it (INTERLEAVE)
              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True),
              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True),
-             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True)]
+             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True),
+             # the weight's MMA-order words (K = 288 / 576: a partial last block of 128, padded in the words)
+             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True)]
 # split-K on each tile path; K = 288 / 576 is 4.5 tiles of 64 / 128 (a partial tile), N = 37 (partial N tiles),
 # and 5 tiles over 4 splits leaves the last split empty (runs of 2)
 CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
@@ -51,8 +53,12 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, SPLIT_K=4),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True,
-                   SPLIT_K=4)]
-CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip) for m in (1, 16) for flip in ("low", "high")]
+                   SPLIT_K=4),
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, SPLIT_K=4)]
+MMA_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True)
+# a flipped bundle nibble, on the default tiles and on the MMA-order words made from the flipped bytes
+CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip, None) for m in (1, 16) for flip in ("low", "high")] + \
+            [(16, 37, 288, 32, "float32", "float32", flip, MMA_TILE) for flip in ("low", "high")]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +68,7 @@ def cpu_results():
     calls += [("check_dense", [3, 37, 576, 64, "float32", "float16"], {"config": cfg}) for cfg in CPU_PATHS]
     split_calls = [("check_dense", [m, 37, 576, 32, "bfloat16", act], {"config": cfg})
                    for cfg in CPU_SPLITS for m, act in ((1, "float32"), (3, "float16"))]
-    calls += [("check_dense", list(case[:-1]), {"flip": case[-1]}) for case in CPU_FLIPS]
+    calls += [("check_dense", list(case[:-2]), {"flip": case[-2], "config": case[-1]}) for case in CPU_FLIPS]
     results = run_interpreted(calls + split_calls)
     splits = results[len(calls):]
     results = results[:len(calls)]
@@ -124,6 +130,34 @@ def test_interpreted_flipped_nibble_is_detected(cpu_results):
     for result in cpu_results["flips"]:
         assert result["all_written"], result
         assert result["rel_err"] > 10 * result["tolerance"], f"a flipped nibble went unnoticed: {result}"
+
+
+def test_mma_order_words_place_each_code_where_its_mma_thread_reads_it():
+    from k2vec.engines.gpu_triton.kernels.int4_layout import mma_order_words
+    n, k = 3, 160       # one whole block of 128 and a partial one (32 elements, padded with code 8)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(n, k).tolist()
+    words = mma_order_words(packed, k)
+    assert words.dtype == torch.int32 and words.shape == (n, 32)
+    for r in range(n):
+        for b in range(2):
+            for c, j, e in itertools.product(range(4), range(4), range(8)):
+                e0, e1, e2 = e & 1, (e >> 1) & 1, e >> 2
+                col = 128 * b + 32 * j + 16 * e1 + 8 * e0 + 2 * c + e2
+                nibble = (int(words[r, 16 * b + 4 * c + j]) >> (4 * e)) & 15
+                assert nibble == (codes[r][col] if col < k else 8), (r, b, c, j, e)
+
+
+def test_mma_order_config_needs_the_mma_words():
+    from k2vec.engines.gpu_triton.kernels import pack_for_gpu, w4a16_linear
+    from k2vec.engines.gpu_triton.kernels.verify import random_int4
+    weight = pack_for_gpu(*random_int4(32, 128, 32, "float32", torch.Generator().manual_seed(1), "cpu"), 32,
+                          "float32", "cpu", mma_order=False)
+    assert weight.mma is None
+    with pytest.raises(ValueError, match="MMA-order words"):
+        w4a16_linear(torch.zeros(4, 128), weight, config=MMA_TILE)
+    with pytest.raises(ValueError, match="MMA_ORDER is a tensor-core tile"):
+        w4a16_linear(torch.zeros(4, 128), weight, config=dict(MMA_TILE, BLOCK_K=256))
 
 
 def test_flip_nibble_changes_exactly_one_code():

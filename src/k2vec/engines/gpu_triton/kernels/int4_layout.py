@@ -1,9 +1,10 @@
 """Load-time placement of a bundle's `<name>.qw` / `<name>.sc` pair on the GPU.
 
-No repacking: the kernels read the packed bytes exactly as `docs/int4-format.md` stores them
-(uint8 [N, K/2], element 2j in the low nibble, 2j+1 in the high nibble, q + 8) and the scales
-row-major [N, K/G]. bfloat16 scales (uint16 bits in the bundle) become a torch.bfloat16 tensor by a
-free reinterpretation of the same bits; float32 scales stay float32.
+The kernels read the packed bytes exactly as `docs/int4-format.md` stores them (uint8 [N, K/2], element 2j
+in the low nibble, 2j+1 in the high nibble, q + 8) and the scales row-major [N, K/G]. bfloat16 scales
+(uint16 bits in the bundle) become a torch.bfloat16 tensor by a free reinterpretation of the same bits;
+float32 scales stay float32. One load-time copy besides: the codes of dense weights in the MMA order
+(mma_order_words), which the tensor-core tiles of several rows read.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class PackedInt4:
     n: int
     k: int
     group_size: int
+    mma: torch.Tensor | None = None     # int32 [n, ceil(k / 128) * 16]: the same codes in the MMA order
 
     def dequantize(self) -> torch.Tensor:
         """float32 [n, k]; exact (q * scale is one float32 product). For references and tests, not the hot path."""
@@ -31,6 +33,29 @@ class PackedInt4:
         codes = torch.stack([low, high], dim=-1).reshape(self.n, self.k).to(torch.float32)
         groups = codes.reshape(self.n, self.k // self.group_size, self.group_size)
         return (groups * self.scales.to(torch.float32)[:, :, None]).reshape(self.n, self.k)
+
+
+MMA_BLOCK = 128     # K elements per block of the MMA order
+
+
+def mma_order_words(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The codes of uint8 [n, k/2] in the MMA order: int32 words [n, kb * 16], kb = ceil(k / 128) blocks of 128
+    elements (a partial last block padded with code 8, q = 0, whose scales the kernel reads as 0).
+
+    Word 4c + j of a block holds, in its bits 4e .. 4e + 3 (e = e0 + 2 e1 + 4 e2), the code of block element
+    32j + 16 e1 + 8 e0 + 2c + e2: the elements that thread c of a tensor-core MMA quad holds for two 16-wide K steps
+    of one row, each word within one group of 32, nibbles e and e + 4 K-adjacent (w4a16._mma_order_tile).
+    """
+    n = packed.shape[0]
+    blocks = -(-k // MMA_BLOCK)
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, k)
+    if blocks * MMA_BLOCK != k:
+        codes = torch.nn.functional.pad(codes, (0, blocks * MMA_BLOCK - k), value=8)
+    # [n, block, j, e1, e0, c, e2] in K's order -> [n, block, c, j, e2, e1, e0]: word 4c + j, nibble e
+    codes = codes.reshape(n, blocks, 4, 2, 2, 4, 2).permute(0, 1, 5, 2, 6, 3, 4).reshape(n, blocks * 16, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
+    words = (codes.to(torch.int64) << shifts).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def _as_tensor(array) -> torch.Tensor:
@@ -58,8 +83,10 @@ def scales_tensor(sc, scale_dtype: str, name: str = "scales") -> torch.Tensor:
     return sc
 
 
-def pack_for_gpu(qw, sc, group_size: int, scale_dtype: str, device, name: str = "weight") -> PackedInt4:
-    """Place one bundle weight on `device`, verifying the shapes the kernels rely on."""
+def pack_for_gpu(qw, sc, group_size: int, scale_dtype: str, device, name: str = "weight",
+                 mma_order: bool = True) -> PackedInt4:
+    """Place one bundle weight on `device`, verifying the shapes the kernels rely on; mma_order: with the codes'
+    MMA-order copy (mma_order_words, as many bytes again) for the dense tensor-core tiles."""
     if group_size not in (32, 64, 128):
         raise ValueError(f"{name}: group_size must be 32, 64 or 128, got {group_size}")
     packed = _as_tensor(qw)
@@ -72,4 +99,6 @@ def pack_for_gpu(qw, sc, group_size: int, scale_dtype: str, device, name: str = 
     if tuple(scales.shape) != (n, k // group_size):
         raise ValueError(f"{name}.sc: expected shape {(n, k // group_size)} for .qw {tuple(packed.shape)} "
                          f"and group_size {group_size}, got {tuple(scales.shape)}")
-    return PackedInt4(packed.to(device).contiguous(), scales.to(device).contiguous(), n, k, group_size)
+    packed = packed.to(device).contiguous()
+    return PackedInt4(packed, scales.to(device).contiguous(), n, k, group_size,
+                      mma_order_words(packed, k) if mma_order else None)

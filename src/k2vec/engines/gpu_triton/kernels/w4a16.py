@@ -388,12 +388,53 @@ def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 
 @triton.jit
+def _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, PACKED: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+    """MMA_ORDER: float32 acc^T [BLOCK_N, BLOCK_M] over 128-element K blocks kt_lo..kt_hi-1, the weight's words in the
+    MMA order of int4_layout.mma_order_words (word 4c + j of a block holds the elements its MMA thread needs).
+
+    The 8 planes of a [BLOCK_N, 16] word tile, joined and put in K's order by a reshape and a permute, land in the
+    register layout of the MMA's A operand as they are: no trip through shared memory between the dequantisation
+    and the MMA, and each register holds two K-adjacent weights as _bf16_planes makes them (nibbles p and p + 4).
+    """
+    offs_w = tl.arange(0, 16)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kt in range(kt_lo, kt_hi):
+        words = tl.load(w_rows[:, None] + (kt * 16 + offs_w)[None, :], mask=n_mask[:, None], other=0)
+        k = kt * 128 + tl.arange(0, 128)
+        x_t = tl.load(x_rows[None, :] + k[:, None], mask=((k < K) | EVEN_K)[:, None] & row_mask[None, :], other=0.0)
+        # word 4c + j: elements 32j .. 32j + 31 of the block (written so that the compiler sees 4 / 2 / 1
+        # consecutive groups per thread, for G = 32 / 64 / 128, and vectorises the scale loads)
+        g = kt * (128 // G) + (offs_w % 4) // (G // 32)
+        s_mask = n_mask[:, None] & ((g < K // G) | EVEN_K)[None, :]     # a padded block's words scale to 0
+        if PACKED:
+            w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, tl.load(s_rows[:, None] + g[None, :], mask=s_mask,
+                                                                          other=0))
+        else:
+            s = _load_scales(s_rows[:, None] + g[None, :], s_mask, BF16_SCALES)
+            w0 = (_code(words, 0) * s).to(x_t.dtype)
+            w1 = (_code(words, 1) * s).to(x_t.dtype)
+            w2 = (_code(words, 2) * s).to(x_t.dtype)
+            w3 = (_code(words, 3) * s).to(x_t.dtype)
+            w4 = (_code(words, 4) * s).to(x_t.dtype)
+            w5 = (_code(words, 5) * s).to(x_t.dtype)
+            w6 = (_code(words, 6) * s).to(x_t.dtype)
+            w7 = (_code(words, 7) * s).to(x_t.dtype)
+        v = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
+        # v[n, 4c + j, e0, e1, e2] = plane e0 + 2 e1 + 4 e2, at K = 32j + 16 e1 + 8 e0 + 2c + e2 of the block
+        v = tl.reshape(tl.permute(tl.reshape(v, [BLOCK_N, 4, 4, 2, 2, 2]), (0, 2, 4, 3, 1, 5)), [BLOCK_N, 128])
+        acc_t = _dot(acc_t, v, x_t, IEEE)
+    return tl.trans(acc_t)
+
+
+@triton.jit
 def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
                PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
                PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr,
-               INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
+               INTERLEAVE: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
     The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
@@ -414,6 +455,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     tile), so the MMAs of a tile are issued together and waited for once. With X_WIDE x is read as it is (no copy
     before the launch): gathered in the tile's plane-major order by its addresses, or (INTERLEAVE) in K's order,
     the planes interleaved back into K's order to match.
+    MMA_ORDER (tensor cores, BLOCK_K 128): the weight's words in the MMA order (_mma_order_tile), x as it is.
 
     w_ptr: the packed bytes read as int32 words (row stride stride_wn words); word i of a row holds
     elements 8i .. 8i+7, element 8i+e in bits 4e..4e+3, all in group (8i) // G.
@@ -427,7 +469,10 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
     if not (PREFETCH and BLOCK_M == 1):
         _grid_wait(PDL)
-    if PREFETCH and BLOCK_M > 1:
+    if MMA_ORDER:
+        return _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G, BLOCK_M, BLOCK_N,
+                               BF16_SCALES, IEEE, PACKED, EVEN_K)
+    elif PREFETCH and BLOCK_M > 1:
         # a few rows on CUDA cores: the one-row GEMV with each code used for BLOCK_M rows (the weight read once)
         GROUPS_M: tl.constexpr = WORDS // WORDS_PER_GROUP
         acc = tl.zeros([BLOCK_M, BLOCK_N, GROUPS_M], dtype=tl.float32)
@@ -660,7 +705,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
                   SPLIT_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
                   SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
                   X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
-                  BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
+                  BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
+                  MMA_ORDER: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -671,7 +717,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, PDL)
+                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, MMA_ORDER,
+                     PDL)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -721,11 +768,16 @@ def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
 def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
     """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16.
     Keeps the host-side keys SPLIT_K / SPLIT_CTAS / SPLIT_FIT (see split_k), PACKED (False: float32 dequantization) and
-    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE). PDL (launch as a programmatic
+    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE). MMA_ORDER reads the weight's
+    `mma` words (int4_layout.mma_order_words). PDL (launch as a programmatic
     dependent, see _grid_wait) is dropped in the interpreter and on a `device` older than sm_90."""
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False,
            "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False, "ONE_DOT": False, "INTERLEAVE": False,
-           "PDL": False, **config}
+           "MMA_ORDER": False, "PDL": False, **config}
+    if cfg["MMA_ORDER"]:    # tensor cores on the MMA-order words, x as it is, one 128-element block per step
+        if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg["ONE_DOT"] or cfg.get("BLOCK_K", 128) != 128:
+            raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH or ONE_DOT, got {config}")
+        cfg["BLOCK_K"], cfg["X_PLANES"], cfg["X_WIDE"] = 128, False, True
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
     if cfg["ONE_DOT"]:  # x in the ONE_DOT layout (to_tiles), or with X_WIDE as it is
@@ -835,7 +887,13 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     cfg = tile_config(config or pick_config(table, m), weight.group_size, interpreting(), x.device)
     bf16_scales = weight.scales.dtype == torch.bfloat16
     scales = weight.scales.view(torch.int16) if bf16_scales else weight.scales
-    words = weight.packed.view(torch.int32)
+    if cfg["MMA_ORDER"]:
+        if weight.mma is None:
+            raise ValueError(f"w4a16_linear: config {cfg} reads the weight's MMA-order words, which this weight "
+                             f"[{weight.n}, {weight.k}] was packed without (pack_for_gpu(..., mma_order=True))")
+        words = weight.mma
+    else:
+        words = weight.packed.view(torch.int32)
     if cfg["X_PLANES"]:
         x = to_planes(x)
     elif cfg["ONE_DOT"] and not cfg["X_WIDE"]:
