@@ -531,6 +531,8 @@ def dense_candidates(m: int) -> list[dict]:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         cands += [mma_tile(bm, 64, 4, sp) for sp in (132, 264, 396, 528, 792)]
         cands += [mma_tile(bm, 64, 4, 528, stages=st) for st in (2, 4, 6)]
+        cands += [mma_tile(bm, 64, 4, sp, stages=4) for sp in (264, 396, 792)] + [mma_tile(bm, 64, 4, 528, stages=4,
+                                                                                            PDL=True)]
         cands += [mma_tile(bm, 64, 4, 528, PDL=True), mma_tile(bm, 64, 4, 264, PDL=True),
                   mma_tile(bm, 128, 8, 264), mma_tile(bm, 128, 8, 528), mma_tile(bm, 128, 4, 264),
                   mma_tile(bm, 32, 4, 528) if bm <= 16 else mma_tile(bm, 64, 8, 264)]

@@ -147,6 +147,10 @@ def test_one_dot_without_x_wide_is_refused():
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True)
     with pytest.raises(ValueError, match="ONE_DOT"):
         fused_moe(torch.randn(1, 64), experts, torch.tensor([[0, 1]]), torch.ones(1, 2), config=(cfg, cfg))
+    # the experts keep the bundle's byte order only: the dense MMA-order tile is refused, not launched
+    mma = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True)
+    with pytest.raises(ValueError, match="MMA_ORDER"):
+        fused_moe(torch.randn(1, 64), experts, torch.tensor([[0, 1]]), torch.ones(1, 2), config=(mma, mma))
 
 
 GPU_GRID = list(itertools.product((1, 2, 4, 8, 16, 32, 64), GROUPS, SCALES, ("float32", "bfloat16", "float16")))

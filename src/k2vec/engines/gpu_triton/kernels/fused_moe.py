@@ -313,6 +313,8 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     if (cfg13["ONE_DOT"] and not cfg13["X_WIDE"]) or (cfg2["ONE_DOT"] and not cfg2["X_WIDE"]):
         raise ValueError("fused_moe: ONE_DOT needs X_WIDE here (x and h are read as they are, never in to_tiles' "
                          "layout)")
+    if cfg13.pop("MMA_ORDER") or cfg2.pop("MMA_ORDER"):
+        raise ValueError("fused_moe: MMA_ORDER is a dense tile (the experts keep only the bundle's byte order)")
     sorted_ = cfg13.pop("SORTED", cfg13["BLOCK_M"] > 1)
     if cfg2.pop("SORTED", cfg2["BLOCK_M"] > 1) != sorted_ or (sorted_ and cfg13["BLOCK_M"] != cfg2["BLOCK_M"]):
         raise ValueError("fused_moe: gate/up and down configs must share SORTED and, sorted, BLOCK_M (one layout)")
