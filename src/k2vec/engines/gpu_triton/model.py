@@ -143,7 +143,9 @@ class BundleLoader:
             raise GpuEngineError(f"cannot stack {names}: some quantized, some not")
         if kinds.pop():
             qw, sc = self._packed_parts(list(names))
-            return pack_for_gpu(qw, sc, self.group_size, self.scale_dtype, self.device)
+            # the MMA-order copy serves the bf16/fp16 tensor-core tiles only (float32 has its own tiles)
+            return pack_for_gpu(qw, sc, self.group_size, self.scale_dtype, self.device,
+                                mma_order=self.dtype != torch.float32)
         return torch.cat([self.dense(n) for n in names])
 
     def mlp(self, prefix: str, intermediate: int) -> MLP:
