@@ -1,0 +1,97 @@
+"""The dense W4A16 kernel's machine code for a GPU this machine does not have: registers, shared memory and the
+instruction mix of its K loop, per config, compiled by Triton for the target (default sm_90, the H200) without a GPU.
+
+    python bench/sass.py                       # the committed bf16 configs at M = 1, 2, 4, 16, 32, 64
+    python bench/sass.py --config '{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "MMA_ORDER": true}'
+
+Counts are per warp and per trip of the longest loop (a K tile); they explain a profile, they are not timings. The
+device runs Triton 3.6 (bench/RESULTS.md); another Triton version may compile differently (`--triton-check` off by
+default only warns). Needs Triton's bundled `nvdisasm` and `cuobjdump` (in the wheel's backends/nvidia/bin).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from k2vec.engines.gpu_triton.kernels import w4a16  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
+             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+             "stride_sn": "i32", "stride_ym": "i32"}
+ALIGNED = (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12)     # pointers and sizes the launches see as multiples of 16
+
+
+def compile_config(config: dict, k: int, n: int, m: int, arch: int) -> bytes:
+    """The cubin of _w4a16_kernel for bfloat16 x and bfloat16 scales, as w4a16_linear would launch `config`."""
+    cfg = w4a16.tile_config(config, 32, interpret=False)
+    keys = w4a16.launch_keys(cfg, torch.bfloat16, bf16_scales=True)
+    keys.pop("launch_pdl", None)
+    options = {"num_warps": keys.pop("num_warps", 4), "num_stages": keys.pop("num_stages", 3)}
+    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
+    keys.update(G=32, SPLIT_K=w4a16.split_k(cfg, k, tiles), BF16_SCALES=True, IEEE=False,
+                EVEN_K=k % cfg["BLOCK_K"] == 0)
+    signature = dict(SIGNATURE, **{key: "constexpr" for key in keys})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in ALIGNED}
+    src = ASTSource(fn=w4a16._w4a16_kernel, signature=signature, constexprs=keys, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """Instruction count and opcode mix of the longest backward-branch loop of a disassembly."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    start, end = max(spans, key=lambda s: s[1] - s[0])
+    ops = [re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T] )?", "", line).split()[0].split(".")[0]
+           for line in lines[start:end + 1] if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]
+    return len(ops), collections.Counter(ops)
+
+
+def describe(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([BIN / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([BIN / "nvdisasm", "-c", f.name], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    total, mix = loop_mix(sass)
+    return {"registers": regs, "loop_instructions": total, "mix": dict(mix.most_common())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", type=json.loads, help="a launch config (JSON); repeatable")
+    parser.add_argument("--m", type=int, default=16, help="M for --config (default 16)")
+    parser.add_argument("--shape", default="7168,4096", help="K,N (default 7168,4096)")
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    k, n = map(int, args.shape.split(","))
+    if triton.__version__.split(".")[:2] != ["3", "6"]:
+        print(f"note: Triton {triton.__version__} here; the H200 runs 3.6 (bench/RESULTS.md)", file=sys.stderr)
+    jobs = [(args.m, cfg) for cfg in args.config] if args.config else \
+        [(m, w4a16.pick_config(w4a16.DENSE_CONFIGS, m)) for m in (1, 2, 4, 16, 32, 64)]
+    for m, cfg in jobs:
+        d = describe(compile_config(dict(cfg), k, n, m, args.arch))
+        mix = " ".join(f"{op}:{count}" for op, count in d["mix"].items())
+        print(f"M={m} {json.dumps(cfg)}\n  {d['registers']} registers; K loop {d['loop_instructions']} instructions "
+              f"per warp and trip: {mix}")
+
+
+if __name__ == "__main__":
+    main()
