@@ -493,27 +493,35 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
     return dict(one_row(bn, bk, warps=warps, split=split, wide=True), PREFETCH=True, **extra)
 
 
+def one_dot_reference(m: int) -> dict:
+    """Session 13's default of M >= 3 (ONE_DOT on the bundle's order), the MMA-order tiles' predecessor."""
+    base = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_CTAS=264, num_warps=4,
+                num_stages=3)
+    if m <= 16:
+        return dict(base, X_WIDE=True, INTERLEAVE=True)
+    if m <= 32:
+        return dict(base, BLOCK_M=32, SPLIT_FIT=True, PDL=True)
+    return dict(base, BLOCK_M=64, BLOCK_N=128, SPLIT_CTAS=132, SPLIT_FIT=True, num_warps=8)
+
+
 def dense_candidates(m: int) -> list[dict]:
     """The committed config of each M, the same with PDL flipped (launched as a programmatic dependent of the
     kernel before it: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's
-    end), at M = 2 and 4 the M = 1 GEMV tiles, one row per program, and from M = 3 the SWAP_AB tensor-core tiles with
-    one dot per K tile (ONE_DOT; with SPLIT_FIT, other tile shapes, splits and stages; with x read as it is,
-    X_WIDE, instead of copied into the per-tile layout before the launch). Measured and dropped in issue 27's session
+    end), at M = 2 and 4 the M = 1 GEMV tiles, one row per program, from M = 2 the tensor-core tiles on the weight's
+    MMA-order words (MMA_ORDER: tile shapes, splits, stages, warps, PDL), and from M = 3 the SWAP_AB tensor-core tiles
+    with one dot per K tile on the bundle's order (ONE_DOT, the defaults before session 14; with SPLIT_FIT, other tile
+    shapes, splits and stages; with x read as it is, X_WIDE, gathered or with INTERLEAVE). Measured and dropped in issue 27's session
     11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
     one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
     other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
-    if OLD_DENSE[m].get("ONE_DOT"):     # the committed ONE_DOT tile with x read as it is (no to_tiles copy)
-        wide = {k: v for k, v in OLD_DENSE[m].items() if k != "INTERLEAVE"} | {"X_WIDE": True}  # x gathered
-        cands += [wide, dict(wide, PDL=True), dict(wide, INTERLEAVE=True), dict(wide, INTERLEAVE=True, PDL=True)]
     if m >= 3:     # one dot per K tile over the 8 planes side by side (ONE_DOT), x in its per-tile layout
-        one = dict(tensor_core(OLD_DENSE[m]["BLOCK_M"], OLD_DENSE[m]["BLOCK_N"], OLD_DENSE[m]["BLOCK_K"],
-                               planes=False, warps=OLD_DENSE[m]["num_warps"], split=OLD_DENSE[m]["SPLIT_CTAS"]),
-                   SWAP_AB=True, ONE_DOT=True, PDL=m > 16)
-        cands += [one, dict(one, SPLIT_FIT=True), dict(one, X_WIDE=True), dict(one, X_WIDE=True, PDL=True),
+        ref = one_dot_reference(m)
+        one = {k: v for k, v in ref.items() if k not in ("X_WIDE", "INTERLEAVE", "SPLIT_FIT", "PDL")} | {"PDL": m > 16}
+        cands += [ref, one, dict(one, SPLIT_FIT=True), dict(one, X_WIDE=True), dict(one, X_WIDE=True, PDL=True),
                   dict(one, X_WIDE=True, INTERLEAVE=True)]
-        if m <= 16:     # other shapes, splits and stages of the committed tile (x read as it is)
-            base = OLD_DENSE[m] if OLD_DENSE[m].get("ONE_DOT") else one
+        if m <= 16:     # other shapes, splits and stages of the ONE_DOT tile (x read as it is)
+            base = dict(one, X_WIDE=True, INTERLEAVE=True)
             cands += [dict(base, BLOCK_N=32, SPLIT_CTAS=528, SPLIT_FIT=True), dict(base, BLOCK_N=32, SPLIT_CTAS=396),
                       dict(base, BLOCK_K=128, SPLIT_CTAS=528, SPLIT_FIT=True), dict(base, num_stages=4),
                       dict(base, num_stages=2), dict(base, SPLIT_CTAS=396), dict(base, SPLIT_CTAS=528),

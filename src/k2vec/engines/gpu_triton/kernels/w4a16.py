@@ -1,4 +1,5 @@
-"""Dense W4A16 GEMM: y[M, N] = x[M, K] @ W^T, W INT4 with group scales, read as the bundle stores it.
+"""Dense W4A16 GEMM: y[M, N] = x[M, K] @ W^T, W INT4 with group scales, read as the bundle stores it or (MMA_ORDER)
+from the load-time copy of its codes in the MMA's register order (int4_layout.mma_order_words).
 
 The kernel reads a row's packed bytes as little-endian int32 words: word i holds elements 8i .. 8i+7
 (element 8i+e in bits 4e..4e+3, `docs/int4-format.md`), all in one group since G is a multiple of 8. So
@@ -734,23 +735,21 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 
 # Tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
 # DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
-# issue 27, sessions 12 and 13), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the
-# grid has about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a
-# prefetched next K tile, split to ~132 programs of several K tiles each, with the biased codes and launched with PDL
-# (its first weight tile loads while the kernel before it ends); at M = 2 a program per row, the second row's weight
-# reads mostly served by L2. M = 3-16: SWAP_AB tensor-core tiles with one dot per K tile (ONE_DOT), the weight planes
-# put in K's order (INTERLEAVE) so that x is read as it is (X_WIDE, no plane copy of x before the launch; session
-# 13). M = 17-64: plain ONE_DOT, split so that the grid stays within one wave of resident programs (SPLIT_FIT: 2 per
-# SM at 32 x 64, 1 at 64 x 128), with PDL up to M = 32 (without it from M = 33: 1-4% faster in three sweeps).
+# issue 27, sessions 12-14), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid
+# has about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a prefetched
+# next K tile, split to ~132 programs of several K tiles each, with the biased codes and launched with PDL (its first
+# weight tile loads while the kernel before it ends); at M = 2 a program per row, the second row's weight reads
+# mostly served by L2. M = 3-64: tensor cores on the weight's MMA-order words (MMA_ORDER, session 14), 64 output
+# columns and 4 warps per program: M = 3-16 in 16-row tiles, 4 stages, split to ~528 programs; M = 17-32 in
+# 32-row tiles with PDL, M = 33-64 in 64-row tiles, both split to ~264.
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
-_ONE_DOT = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_CTAS=264, num_warps=4,
-                num_stages=3)
+_MMA = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
     (2, _GEMV),
-    (16, dict(_ONE_DOT, X_WIDE=True, INTERLEAVE=True)),
-    (32, dict(_ONE_DOT, BLOCK_M=32, SPLIT_FIT=True, PDL=True)),
-    (1 << 62, dict(_ONE_DOT, BLOCK_M=64, BLOCK_N=128, SPLIT_CTAS=132, SPLIT_FIT=True, num_warps=8)),
+    (16, dict(_MMA, SPLIT_CTAS=528, num_stages=4)),
+    (32, dict(_MMA, BLOCK_M=32, PDL=True)),
+    (1 << 62, dict(_MMA, BLOCK_M=64)),
 ]
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
 DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
