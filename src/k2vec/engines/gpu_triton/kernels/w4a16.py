@@ -389,6 +389,16 @@ def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP
 
 
 @triton.jit
+def _scaled_planes(words, s, like):
+    """The 8 planes q_e * s of int32 words dequantised in float32 and cast to like's dtype (float32/float16 x,
+    float32 scales, the interpreter; PACKED makes them with _bf16_planes)."""
+    return ((_code(words, 0) * s).to(like.dtype), (_code(words, 1) * s).to(like.dtype),
+            (_code(words, 2) * s).to(like.dtype), (_code(words, 3) * s).to(like.dtype),
+            (_code(words, 4) * s).to(like.dtype), (_code(words, 5) * s).to(like.dtype),
+            (_code(words, 6) * s).to(like.dtype), (_code(words, 7) * s).to(like.dtype))
+
+
+@triton.jit
 def _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, PACKED: tl.constexpr,
                     EVEN_K: tl.constexpr):
@@ -413,15 +423,8 @@ def _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G
             w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, tl.load(s_rows[:, None] + g[None, :], mask=s_mask,
                                                                           other=0))
         else:
-            s = _load_scales(s_rows[:, None] + g[None, :], s_mask, BF16_SCALES)
-            w0 = (_code(words, 0) * s).to(x_t.dtype)
-            w1 = (_code(words, 1) * s).to(x_t.dtype)
-            w2 = (_code(words, 2) * s).to(x_t.dtype)
-            w3 = (_code(words, 3) * s).to(x_t.dtype)
-            w4 = (_code(words, 4) * s).to(x_t.dtype)
-            w5 = (_code(words, 5) * s).to(x_t.dtype)
-            w6 = (_code(words, 6) * s).to(x_t.dtype)
-            w7 = (_code(words, 7) * s).to(x_t.dtype)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _scaled_planes(
+                words, _load_scales(s_rows[:, None] + g[None, :], s_mask, BF16_SCALES), x_t)
         v = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
         # v[n, 4c + j, e0, e1, e2] = plane e0 + 2 e1 + 4 e2, at K = 32j + 16 e1 + 8 e0 + 2c + e2 of the block
         v = tl.reshape(tl.permute(tl.reshape(v, [BLOCK_N, 4, 4, 2, 2, 2]), (0, 2, 4, 3, 1, 5)), [BLOCK_N, 128])
@@ -588,14 +591,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                     else:
                         s_t = _per_word(_load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & g_mask[None, :],
                                                      BF16_SCALES), 1, WORDS_PER_GROUP)
-                        w0 = (_code(words_t, 0) * s_t).to(x_t.dtype)
-                        w1 = (_code(words_t, 1) * s_t).to(x_t.dtype)
-                        w2 = (_code(words_t, 2) * s_t).to(x_t.dtype)
-                        w3 = (_code(words_t, 3) * s_t).to(x_t.dtype)
-                        w4 = (_code(words_t, 4) * s_t).to(x_t.dtype)
-                        w5 = (_code(words_t, 5) * s_t).to(x_t.dtype)
-                        w6 = (_code(words_t, 6) * s_t).to(x_t.dtype)
-                        w7 = (_code(words_t, 7) * s_t).to(x_t.dtype)
+                        w0, w1, w2, w3, w4, w5, w6, w7 = _scaled_planes(words_t, s_t, x_t)
                     acc_t = _dot(acc_t, _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7, INTERLEAVE), x_t, IEEE)
                 elif PACKED:
                     s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
