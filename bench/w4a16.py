@@ -616,11 +616,11 @@ def moe_candidates(m: int) -> list[tuple[dict, dict]]:
     return cands + moe_pair_candidates(m)
 
 
-def warm_jobs():
+def warm_jobs(moe: bool = True):
     """One compile job per distinct kernel (SPLIT_K is a compile-time constant: the warm-up runs every shape)."""
     jobs, seen = [], set()
     for kind, m, cfg in ([("dense", m, c) for m in MS for c in dense_candidates(m)]
-                         + [("moe", m, c) for m in SWEEP_MOE_MS for c in moe_candidates(m)]):
+                         + [("moe", m, c) for m in SWEEP_MOE_MS for c in moe_candidates(m) if moe]):
         key = json.dumps([kind, m if (kind == "moe" or m > 16) else 0, cfg], sort_keys=True)
         if key not in seen:
             seen.add(key)
@@ -628,9 +628,10 @@ def warm_jobs():
     return jobs
 
 
-def run_sweep(device, log, layer: K2Layer) -> dict:
+def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
     """Best config per M: dense by the sum of its times over the three K2 shapes; MoE on the K2 layer, gate/up
-    tiles first (with the reference down tile), then down tiles with the best gate/up tile."""
+    tiles first (with the reference down tile), then down tiles with the best gate/up tile (not moe: the committed
+    MoE configs, untimed)."""
     rows = []
     weights = {}
     for k, n in DENSE_SHAPES:
@@ -671,7 +672,7 @@ def run_sweep(device, log, layer: K2Layer) -> dict:
         rows.append(dict(kind="moe", m=m, config=cfg, us=us))
         return us
 
-    for m in SWEEP_MOE_MS:
+    for m in SWEEP_MOE_MS if moe else ():
         routings = [layer.routing(m) for _ in range(8)]
         xs = [torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in routings]
         old13, old2 = OLD_MOE[m]
@@ -773,6 +774,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sweep", action="store_true", help="pick configs per M first, then measure with them")
+    parser.add_argument("--dense-only", action="store_true", help="--sweep: the dense configs only (the MoE keeps "
+                        "its committed configs)")
     parser.add_argument("--configs", type=Path, help="configs.json of an earlier sweep to use")
     parser.add_argument("--profile", action="store_true", help="only the calls to profile (run under ncu)")
     parser.add_argument("--skip-correctness", action="store_true")
@@ -801,7 +804,7 @@ def main() -> None:
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"
     pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))
-    warm_async = pool.map_async(_warm, warm_jobs(), chunksize=1) if args.sweep else None
+    warm_async = pool.map_async(_warm, warm_jobs(not args.dense_only), chunksize=1) if args.sweep else None
     t0 = time.perf_counter()
     results = {}
     device = torch.device("cuda:0") if gpus else None
@@ -815,7 +818,7 @@ def main() -> None:
             warm = warm_async.get()
             log(f"sweep compiles: {sum(w == 'ok' for w in warm)}/{len(warm)} ok; "
                 + "; ".join(sorted({w for w in warm if w != 'ok'}))[:800])
-            sweep = guarded(log, "sweep", run_sweep, device, log, layer)
+            sweep = guarded(log, "sweep", run_sweep, device, log, layer, not args.dense_only)
             if sweep:
                 results["sweep"] = sweep
                 tables = [sweep["dense_table"], sweep["moe_table"]]

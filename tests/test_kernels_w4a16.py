@@ -27,8 +27,10 @@ CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=planes, SCALE_GROU
              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True),
              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True),
              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True),
-             # the weight's MMA-order words (K = 288 / 576: a partial last block of 128, padded in the words)
-             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True)]
+             # the weight's MMA-order words (K = 288 / 576: a partial last block of 128, padded in the words); with
+             # PDL the first block's weights load before the wait (PEEL: the interpreter drops PDL, keeps the peel)
+             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True),
+             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, PDL=True)]
 # split-K on each tile path; K = 288 / 576 is 4.5 tiles of 64 / 128 (a partial tile), N = 37 (partial N tiles),
 # and 5 tiles over 4 splits leaves the last split empty (runs of 2)
 CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
@@ -54,7 +56,8 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, SPLIT_K=4),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True,
                    SPLIT_K=4),
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, SPLIT_K=4)]
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, SPLIT_K=4),
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, PDL=True, SPLIT_K=4)]   # the last split empty
 MMA_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True)
 # a flipped bundle nibble, on the default tiles and on the MMA-order words made from the flipped bytes
 CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip, None) for m in (1, 16) for flip in ("low", "high")] + \

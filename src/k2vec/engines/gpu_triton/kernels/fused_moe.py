@@ -164,12 +164,13 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
         s_e += half.to(tl.int64) * N * stride_sn
     acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB,
-                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, False, PDL and ROUTED)
+                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, False, False,
+                     PDL and ROUTED)
     if GATED and not SPLIT_GU:
         up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
                         s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, False, False)
+                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, False, False, False)
     else:
         up = acc
     if COMBINE:
@@ -313,7 +314,7 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     if (cfg13["ONE_DOT"] and not cfg13["X_WIDE"]) or (cfg2["ONE_DOT"] and not cfg2["X_WIDE"]):
         raise ValueError("fused_moe: ONE_DOT needs X_WIDE here (x and h are read as they are, never in to_tiles' "
                          "layout)")
-    if cfg13.pop("MMA_ORDER") or cfg2.pop("MMA_ORDER"):
+    if cfg13.pop("MMA_ORDER") | cfg2.pop("MMA_ORDER") | cfg13.pop("PEEL") | cfg2.pop("PEEL"):
         raise ValueError("fused_moe: MMA_ORDER is a dense tile (the experts keep only the bundle's byte order)")
     sorted_ = cfg13.pop("SORTED", cfg13["BLOCK_M"] > 1)
     if cfg2.pop("SORTED", cfg2["BLOCK_M"] > 1) != sorted_ or (sorted_ and cfg13["BLOCK_M"] != cfg2["BLOCK_M"]):

@@ -399,36 +399,70 @@ def _scaled_planes(words, s, like):
 
 
 @triton.jit
+def _mma_weights(w_rows, s_rows, n_mask, kt, K, G: tl.constexpr, BF16_SCALES: tl.constexpr, PACKED: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """MMA-order words [BLOCK_N, 16] of 128-element K block kt and their scales, one per word: bf16 bits (PACKED) or
+    float32. Word 4c + j covers elements 32j .. 32j + 31 of the block; the index is written so that the compiler
+    sees 4 / 2 / 1 consecutive groups per thread (G = 32 / 64 / 128) and vectorises the scale loads. A padded
+    block's words scale to 0."""
+    offs_w = tl.arange(0, 16)
+    words = tl.load(w_rows[:, None] + (kt * 16 + offs_w)[None, :], mask=n_mask[:, None], other=0)
+    g = kt * (128 // G) + (offs_w % 4) // (G // 32)
+    s_mask = n_mask[:, None] & ((g < K // G) | EVEN_K)[None, :]
+    if PACKED:
+        s = tl.load(s_rows[:, None] + g[None, :], mask=s_mask, other=0)
+    else:
+        s = _load_scales(s_rows[:, None] + g[None, :], s_mask, BF16_SCALES)
+    return words, s
+
+
+@triton.jit
+def _mma_x(x_rows, row_mask, kt, K, EVEN_K: tl.constexpr):
+    """x^T [128, BLOCK_M] of K block kt, as it is (K's tail and the rows where row_mask is false masked)."""
+    k = kt * 128 + tl.arange(0, 128)
+    return tl.load(x_rows[None, :] + k[:, None], mask=((k < K) | EVEN_K)[:, None] & row_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _mma_step(acc_t, words, s, x_t, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PACKED: tl.constexpr):
+    """acc^T += one block's dequantised weight [BLOCK_N, 128] @ x^T [128, BLOCK_M].
+
+    The 8 planes of the [BLOCK_N, 16] word tile, joined and put in K's order by a reshape and a permute, land in the
+    register layout of the MMA's A operand as they are: no trip through shared memory between the dequantisation
+    and the MMA, and each register holds two K-adjacent weights as _bf16_planes makes them (nibbles p and p + 4)."""
+    if PACKED:
+        w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, s)
+    else:
+        w0, w1, w2, w3, w4, w5, w6, w7 = _scaled_planes(words, s, x_t)
+    v = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
+    # v[n, 4c + j, e0, e1, e2] = plane e0 + 2 e1 + 4 e2, at K = 32j + 16 e1 + 8 e0 + 2c + e2 of the block
+    v = tl.reshape(tl.permute(tl.reshape(v, [BLOCK_N, 4, 4, 2, 2, 2]), (0, 2, 4, 3, 1, 5)), [BLOCK_N, 128])
+    return _dot(acc_t, v, x_t, IEEE)
+
+
+@triton.jit
 def _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, PACKED: tl.constexpr,
-                    EVEN_K: tl.constexpr):
+                    EVEN_K: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
     """MMA_ORDER: float32 acc^T [BLOCK_N, BLOCK_M] over 128-element K blocks kt_lo..kt_hi-1, the weight's words in the
-    MMA order of int4_layout.mma_order_words (word 4c + j of a block holds the elements its MMA thread needs).
-
-    The 8 planes of a [BLOCK_N, 16] word tile, joined and put in K's order by a reshape and a permute, land in the
-    register layout of the MMA's A operand as they are: no trip through shared memory between the dequantisation
-    and the MMA, and each register holds two K-adjacent weights as _bf16_planes makes them (nibbles p and p + 4).
-    """
-    offs_w = tl.arange(0, 16)
+    MMA order of int4_layout.mma_order_words (word 4c + j of a block holds the elements its MMA thread needs), one
+    block per step (_mma_step). PEEL (set with PDL by tile_config, and kept in the interpreter, which drops PDL): the
+    first block's words and scales (constant data) load before the PDL wait, so that their DRAM latency overlaps the
+    end of the kernel before; x and everything after come after the wait."""
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if not PEEL:
+        _grid_wait(PDL)
+    else:
+        # an explicit SPLIT_K may leave the last splits empty: their peeled step reads the last block and is dropped
+        kt0 = tl.minimum(kt_lo, kt_hi - 1)
+        words, s = _mma_weights(w_rows, s_rows, n_mask, kt0, K, G, BF16_SCALES, PACKED, EVEN_K)
+        _grid_wait(PDL)
+        step = _mma_step(acc_t, words, s, _mma_x(x_rows, row_mask, kt0, K, EVEN_K), BLOCK_N, IEEE, PACKED)
+        acc_t = tl.where(kt_lo < kt_hi, step, acc_t)
+        kt_lo += 1
     for kt in range(kt_lo, kt_hi):
-        words = tl.load(w_rows[:, None] + (kt * 16 + offs_w)[None, :], mask=n_mask[:, None], other=0)
-        k = kt * 128 + tl.arange(0, 128)
-        x_t = tl.load(x_rows[None, :] + k[:, None], mask=((k < K) | EVEN_K)[:, None] & row_mask[None, :], other=0.0)
-        # word 4c + j: elements 32j .. 32j + 31 of the block (written so that the compiler sees 4 / 2 / 1
-        # consecutive groups per thread, for G = 32 / 64 / 128, and vectorises the scale loads)
-        g = kt * (128 // G) + (offs_w % 4) // (G // 32)
-        s_mask = n_mask[:, None] & ((g < K // G) | EVEN_K)[None, :]     # a padded block's words scale to 0
-        if PACKED:
-            w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, tl.load(s_rows[:, None] + g[None, :], mask=s_mask,
-                                                                          other=0))
-        else:
-            w0, w1, w2, w3, w4, w5, w6, w7 = _scaled_planes(
-                words, _load_scales(s_rows[:, None] + g[None, :], s_mask, BF16_SCALES), x_t)
-        v = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
-        # v[n, 4c + j, e0, e1, e2] = plane e0 + 2 e1 + 4 e2, at K = 32j + 16 e1 + 8 e0 + 2c + e2 of the block
-        v = tl.reshape(tl.permute(tl.reshape(v, [BLOCK_N, 4, 4, 2, 2, 2]), (0, 2, 4, 3, 1, 5)), [BLOCK_N, 128])
-        acc_t = _dot(acc_t, v, x_t, IEEE)
+        words, s = _mma_weights(w_rows, s_rows, n_mask, kt, K, G, BF16_SCALES, PACKED, EVEN_K)
+        acc_t = _mma_step(acc_t, words, s, _mma_x(x_rows, row_mask, kt, K, EVEN_K), BLOCK_N, IEEE, PACKED)
     return tl.trans(acc_t)
 
 
@@ -438,7 +472,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
                PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
                PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr,
-               INTERLEAVE: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr):
+               INTERLEAVE: tl.constexpr, MMA_ORDER: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
     The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
@@ -471,11 +505,11 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
-    if not (PREFETCH and BLOCK_M == 1):
+    if not ((PREFETCH and BLOCK_M == 1) or MMA_ORDER):
         _grid_wait(PDL)
     if MMA_ORDER:
         return _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G, BLOCK_M, BLOCK_N,
-                               BF16_SCALES, IEEE, PACKED, EVEN_K)
+                               BF16_SCALES, IEEE, PACKED, EVEN_K, PEEL, PDL)
     elif PREFETCH and BLOCK_M > 1:
         # a few rows on CUDA cores: the one-row GEMV with each code used for BLOCK_M rows (the weight read once)
         GROUPS_M: tl.constexpr = WORDS // WORDS_PER_GROUP
@@ -703,7 +737,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
                   SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
                   X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
                   BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
-                  MMA_ORDER: tl.constexpr, PDL: tl.constexpr):
+                  MMA_ORDER: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -715,7 +749,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
                      SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, MMA_ORDER,
-                     PDL)
+                     PEEL, PDL)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -773,6 +807,7 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
         if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg["ONE_DOT"] or cfg.get("BLOCK_K", 128) != 128:
             raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH or ONE_DOT, got {config}")
         cfg["BLOCK_K"], cfg["X_PLANES"], cfg["X_WIDE"] = 128, False, True
+    cfg["PEEL"] = bool(cfg["MMA_ORDER"] and cfg["PDL"])     # before the interpreter drops PDL: its peel runs there too
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
     if cfg["ONE_DOT"]:  # x in the ONE_DOT layout (to_tiles), or with X_WIDE as it is
