@@ -771,14 +771,15 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
 # weight tile loads while the kernel before it ends); at M = 2 a program per row, the second row's weight reads
 # mostly served by L2. M = 3-64: tensor cores on the weight's MMA-order words (MMA_ORDER, session 14), 64 output
 # columns and 4 warps per program: M = 3-16 in 16-row tiles, 4 stages, split to ~528 programs; M = 17-32 in
-# 32-row tiles with PDL, M = 33-64 in 64-row tiles, both split to ~264.
+# 32-row tiles split to ~528 with PDL (the first block's weights loaded before the wait); M = 33-64 in 64-row tiles
+# split to ~264.
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
 _MMA = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
     (2, _GEMV),
     (16, dict(_MMA, SPLIT_CTAS=528, num_stages=4)),
-    (32, dict(_MMA, BLOCK_M=32, PDL=True)),
+    (32, dict(_MMA, BLOCK_M=32, SPLIT_CTAS=528, PDL=True)),
     (1 << 62, dict(_MMA, BLOCK_M=64)),
 ]
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
