@@ -807,7 +807,7 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
     if cfg["MMA_ORDER"]:    # tensor cores on the MMA-order words, x as it is, one 128-element block per step
         if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg["ONE_DOT"] or cfg.get("BLOCK_K", 128) != 128:
             raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH or ONE_DOT, got {config}")
-        cfg["BLOCK_K"], cfg["X_PLANES"], cfg["X_WIDE"] = 128, False, True
+        cfg["BLOCK_K"], cfg["X_PLANES"] = 128, False
     cfg["PEEL"] = bool(cfg["MMA_ORDER"] and cfg["PDL"])     # before the interpreter drops PDL: its peel runs there too
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
