@@ -4,9 +4,10 @@ instruction mix of its K loop, per config, compiled by Triton for the target (de
     python bench/sass.py                       # the committed bf16 configs at M = 1, 2, 4, 16, 32, 64
     python bench/sass.py --config '{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "MMA_ORDER": true}'
 
-Counts are per warp and per trip of the longest loop (a K tile); they explain a profile, they are not timings. The
-device runs Triton 3.6 (bench/RESULTS.md); another Triton version may compile differently (`--triton-check` off by
-default only warns). Needs Triton's bundled `nvdisasm` and `cuobjdump` (in the wheel's backends/nvidia/bin).
+Counts are per warp and per trip of the longest loop (a K tile); they explain a profile, they are not timings.
+Triton versions compile differently, so the first line names the one used: [test] installs 3.7.1, the one torch
+2.13 pins (what `pip install '.[gpu]'` brings), while the lent H200's torch 2.11 has 3.6 (bench/RESULTS.md). Needs
+Triton's bundled `nvdisasm` and `cuobjdump` (in the wheel's backends/nvidia/bin).
 """
 from __future__ import annotations
 
@@ -82,8 +83,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     k, n = map(int, args.shape.split(","))
-    if triton.__version__.split(".")[:2] != ["3", "6"]:
-        print(f"note: Triton {triton.__version__} here; the H200 runs 3.6 (bench/RESULTS.md)", file=sys.stderr)
+    print(f"Triton {triton.__version__}, sm_{args.arch}, K={k} N={n}")
     jobs = [(args.m, cfg) for cfg in args.config] if args.config else \
         [(m, w4a16.pick_config(w4a16.DENSE_CONFIGS, m)) for m in (1, 2, 4, 16, 32, 64)]
     for m, cfg in jobs:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import triton
 
 from k2vec.ddtree.drafter import RecordedDrafts
 from k2vec.engines.cli import contract_parser, contract_runs, write_output
@@ -67,8 +68,8 @@ def greedy_decode(model: Transformer, prompts: list[np.ndarray], max_new_tokens:
 def device_description(device: torch.device, dtype: str) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return f"{props.name} (torch {torch.__version__}, activations {dtype})"
-    return f"cpu (torch {torch.__version__}, Triton interpreter, activations {dtype})"
+        return f"{props.name} (torch {torch.__version__}, Triton {triton.__version__}, activations {dtype})"
+    return f"cpu (torch {torch.__version__}, Triton {triton.__version__} interpreter, activations {dtype})"
 
 
 def gpu_identity(device: torch.device) -> dict | None:
