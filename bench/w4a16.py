@@ -513,7 +513,8 @@ def dense_candidates(m: int) -> list[dict]:
     shapes, splits and stages; with x read as it is, X_WIDE, gathered or with INTERLEAVE). Measured and dropped in issue 27's session
     11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
     one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
-    other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M."""
+    other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M. Session 15: M = 1
+    GEMV tiles 16 x 1024 of 4 warps and 64 x 512 of 8 warps, 1.0-2.2x slower."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     if m >= 3:     # one dot per K tile over the 8 planes side by side (ONE_DOT), x in its per-tile layout
         ref = one_dot_reference(m)
@@ -561,7 +562,8 @@ OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP
 def moe_gate_up_candidates(m: int) -> list[dict]:
     """The committed gate/up tile with PDL flipped (session 11 also measured the biased codes, adopted, and
     register caps on the GEMV and sorted tiles, 5-100% slower; bench/RESULTS.md). Other GEMV tile shapes: see
-    moe_pair_candidates (session 12: 16-wide tiles, 1-warp down tiles of 256 and gate/up K tiles of 1024 1.5-3x slower)."""
+    moe_pair_candidates (session 12: 16-wide tiles, 1-warp down tiles of 256 and gate/up K tiles of 1024 1.5-3x slower;
+    session 15: gate/up 128 x 256 of 4 and 8 warps, 5-30% slower, a down tile 32 x 512 of 2 warps 2x slower)."""
     return [dict(OLD_MOE[m][0], PDL=not OLD_MOE[m][0].get("PDL"))]
 
 
