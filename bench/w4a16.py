@@ -98,12 +98,12 @@ def split_configs() -> list:
                                              SPLIT_K=3),
             (pair, pair), (dict(tc, SORTED=True), dict(tc, SORTED=True, SPLIT_K=2)),
             (pair, dict(pair, SPLIT_K=1, COMBINE=True)),
-            wide, dict(wide, SWAP_AB=True), dict(wide, SWAP_AB=True, PACKED=False),
+            wide, dict(wide, PACKED=False),
             dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SCALE_GROUPS=True, SPLIT_K=3), row, dict(row, SPLIT_K=3),
-            (dict(wpair, SPLIT_GU=True, SWAP_AB=True), dict(wpair, SPLIT_K=1, COMBINE=True)),
-            (dict(pair, SPLIT_GU=True, SWAP_AB=True), dict(pair, SPLIT_K=1, COMBINE=True)),
-            (dict(pair, SPLIT_GU=True, SPLIT_K=1), dict(pair, SWAP_AB=True)),
-            (dict(tc, SORTED=True, SPLIT_GU=True, SWAP_AB=True), dict(tc, SORTED=True, SPLIT_K=2)),
+            (dict(wpair, SPLIT_GU=True), dict(wpair, SPLIT_K=1, COMBINE=True)),
+            (dict(pair, SPLIT_GU=True), dict(pair, SPLIT_K=1, COMBINE=True)),
+            (dict(pair, SPLIT_GU=True, SPLIT_K=1), pair),
+            (dict(tc, SORTED=True, SPLIT_GU=True), dict(tc, SORTED=True, SPLIT_K=2)),
             (dict(row, SORTED=False, SPLIT_GU=True), dict(row, SORTED=False, SPLIT_K=1, COMBINE=True)),
             (dict(row, SORTED=False, SPLIT_GU=True, SPLIT_K=1), dict(pair, SPLIT_K=1)),
             dict(row, CODES_ASM=True), dict(row, CODES_ASM=True, SPLIT_K=1),     # GPU only (inline PTX)
@@ -129,27 +129,12 @@ def split_configs() -> list:
              dict(row, SORTED=False, SPLIT_K=1, BIASED_CODES=True, CODES_ASM=True, PDL=True)),
             (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, CODES_ASM=True),
              dict(row, SORTED=False, SPLIT_K=2, BIASED_CODES=True, CODES_ASM=True, PDL=True)),
-            # one dot per K tile over the planes side by side (ONE_DOT; K = 576: x padded to whole tiles)
-            dict(tc, SWAP_AB=True, ONE_DOT=True, X_PLANES=False), dict(tc, SWAP_AB=True, ONE_DOT=True, PACKED=False),
-            dict(tc, SWAP_AB=True, ONE_DOT=True, BLOCK_K=256, SPLIT_K=1, PDL=True),
-            dict(tc, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, num_warps=8,
-                 num_stages=2),
-            # ONE_DOT with x read as it is (X_WIDE; K = 576: a masked tail), gathered in the tile's order or, the
-            # planes interleaved into K's order, in it (INTERLEAVE)
-            dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True), dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True,
-                                                                    PACKED=False),
-            dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, BLOCK_K=256, SPLIT_K=1, PDL=True),
-            dict(tc, BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, SPLIT_K=2,
-                 num_warps=8, num_stages=2),
-            dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True),
-            dict(tc, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True, PACKED=False, SPLIT_K=1, PDL=True),
             # the weight's MMA-order words (K = 576: 4.5 blocks of 128, the last padded), unsplit, split, 8 warps, PDL
             mma_tile(16, 64, 4, 0, SPLIT_K=4), mma_tile(16, 64, 4, 0, SPLIT_K=1, PACKED=False),
             mma_tile(16, 128, 8, 0, SPLIT_K=3, PDL=True), mma_tile(64, 128, 8, 0, SPLIT_K=2),
             mma_tile(32, 64, 4, 0, stages=5, SPLIT_K=1),
-            # the same on the MoE's expert-sorted tiles: gate and up apart, the down launch split, with PDL
-            (dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_GU=True),
-             dict(tc, X_PLANES=False, X_WIDE=True, SORTED=True, SWAP_AB=True, ONE_DOT=True, SPLIT_K=2, PDL=True))]
+            # the MoE's expert-sorted tiles on natural-order x: gate and up apart, the down launch split, with PDL
+            (dict(wide, SORTED=True, SPLIT_GU=True), dict(wide, SORTED=True, SPLIT_K=2, PDL=True))]
 
 
 def _worker_init(device: str) -> None:
@@ -493,49 +478,17 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
     return dict(one_row(bn, bk, warps=warps, split=split, wide=True), PREFETCH=True, **extra)
 
 
-def one_dot_reference(m: int) -> dict:
-    """Session 13's default of M >= 3 (ONE_DOT on the bundle's order), the MMA-order tiles' predecessor."""
-    base = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SWAP_AB=True, ONE_DOT=True, SPLIT_CTAS=264, num_warps=4,
-                num_stages=3)
-    if m <= 16:
-        return dict(base, X_WIDE=True, INTERLEAVE=True)
-    if m <= 32:
-        return dict(base, BLOCK_M=32, SPLIT_FIT=True, PDL=True)
-    return dict(base, BLOCK_M=64, BLOCK_N=128, SPLIT_CTAS=132, SPLIT_FIT=True, num_warps=8)
-
-
 def dense_candidates(m: int) -> list[dict]:
     """The committed config of each M, the same with PDL flipped (launched as a programmatic dependent of the
     kernel before it: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's
-    end), at M = 2 and 4 the M = 1 GEMV tiles, one row per program, from M = 2 the tensor-core tiles on the weight's
-    MMA-order words (MMA_ORDER: tile shapes, splits, stages, warps, PDL), and from M = 3 the SWAP_AB tensor-core tiles
-    with one dot per K tile on the bundle's order (ONE_DOT, the defaults before session 14; with SPLIT_FIT, other tile
-    shapes, splits and stages; with x read as it is, X_WIDE, gathered or with INTERLEAVE). Measured and dropped in issue 27's session
-    11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
+    end), at M = 2 and 4 the M = 1 GEMV tiles, one row per program, and from M = 2 the tensor-core tiles on the
+    weight's MMA-order words (MMA_ORDER: tile shapes, splits, stages, warps, PDL). Session 13's defaults at M = 3-64
+    (weight as the A operand, one dot per K tile on the bundle's order) lost to them in session 14 and were removed in
+    session 15. Measured and dropped in issue 27's session 11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
     one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
     other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M. Session 15: M = 1
     GEMV tiles 16 x 1024 of 4 warps and 64 x 512 of 8 warps, 1.0-2.2x slower."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
-    if m >= 3:     # one dot per K tile over the 8 planes side by side (ONE_DOT), x in its per-tile layout
-        ref = one_dot_reference(m)
-        one = {k: v for k, v in ref.items() if k not in ("X_WIDE", "INTERLEAVE", "SPLIT_FIT", "PDL")} | {"PDL": m > 16}
-        cands += [ref, one, dict(one, SPLIT_FIT=True), dict(one, X_WIDE=True), dict(one, X_WIDE=True, PDL=True),
-                  dict(one, X_WIDE=True, INTERLEAVE=True)]
-        if m <= 16:     # other shapes, splits and stages of the ONE_DOT tile (x read as it is)
-            base = dict(one, X_WIDE=True, INTERLEAVE=True)
-            cands += [dict(base, BLOCK_N=32, SPLIT_CTAS=528, SPLIT_FIT=True), dict(base, BLOCK_N=32, SPLIT_CTAS=396),
-                      dict(base, BLOCK_K=128, SPLIT_CTAS=528, SPLIT_FIT=True), dict(base, num_stages=4),
-                      dict(base, num_stages=2), dict(base, SPLIT_CTAS=396), dict(base, SPLIT_CTAS=528),
-                      dict(base, SPLIT_CTAS=132), dict(base, num_warps=8)]
-        elif m <= 32:
-            cands += [dict(one, BLOCK_N=128, num_warps=8, SPLIT_CTAS=132, SPLIT_FIT=True),
-                      dict(one, BLOCK_N=32, SPLIT_CTAS=396, SPLIT_FIT=True), dict(one, SPLIT_FIT=True, num_stages=4),
-                      dict(one, SPLIT_CTAS=200, SPLIT_FIT=True), dict(one, BLOCK_K=128, SPLIT_FIT=True)]
-        else:
-            cands += [dict(one, BLOCK_N=64, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True),
-                      dict(one, BLOCK_N=64, num_warps=4, SPLIT_CTAS=264, SPLIT_FIT=True, BLOCK_K=128),
-                      dict(one, SPLIT_FIT=True, num_stages=4), dict(one, SPLIT_FIT=True, SPLIT_CTAS=100),
-                      dict(one, SPLIT_FIT=True, BLOCK_K=128), dict(one, SPLIT_FIT=True, num_stages=2)]
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         cands += [mma_tile(bm, 64, 4, sp) for sp in (132, 264, 396, 528, 792)]
@@ -573,18 +526,18 @@ def moe_down_candidates(m: int, sorted_: bool) -> list[dict]:
 
 
 def moe_pair_candidates(m: int) -> list[tuple[dict, dict]]:
-    """Whole (gate/up, down) pairs: from M = 16 expert-sorted tiles with one dot per K tile (ONE_DOT, X_WIDE); on
-    the GEMV launches (M <= 16) both with PDL, so the down launch loads its first weight tile while gate/up ends
-    (ROUTED), with down and gate/up tiles of other shapes."""
+    """Whole (gate/up, down) pairs: from M = 16 expert-sorted tensor-core tiles of other shapes and stages (session
+    13's with one dot per K tile, slower, were removed in session 15); on the GEMV launches (M <= 16) both with PDL,
+    so the down launch loads its first weight tile while gate/up ends (ROUTED), with down and gate/up tiles of other
+    shapes."""
     old13, old2 = OLD_MOE[m]
     pairs = []
-    if m >= 16:     # expert-sorted tiles with one dot per K tile, x and h read as they are (ONE_DOT, X_WIDE)
-        one = dict(BLOCK_M=16, SORTED=True, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,
-                   num_warps=4, num_stages=3)
-        pairs += [(dict(one, SPLIT_GU=True), dict(one, PDL=True)), (one, dict(one, PDL=True)),
-                  (dict(one, SPLIT_GU=True, INTERLEAVE=True), dict(one, INTERLEAVE=True, PDL=True)),
-                  (dict(one, SPLIT_GU=True, BLOCK_N=32), dict(one, BLOCK_N=32, PDL=True)),
-                  (dict(one, SPLIT_GU=True, BLOCK_K=128), dict(one, BLOCK_K=128, PDL=True))]
+    if m >= 16:     # expert-sorted tensor-core tiles
+        tc = dict(BLOCK_M=16, SORTED=True, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
+        pairs += [(dict(tc, SPLIT_GU=True, PDL=True), dict(tc, PDL=True)),
+                  (dict(tc, SPLIT_GU=True, PDL=True, BLOCK_N=32), dict(tc, BLOCK_N=32, PDL=True)),
+                  (dict(tc, SPLIT_GU=True, PDL=True, BLOCK_K=128), dict(tc, BLOCK_K=128, PDL=True)),
+                  (dict(tc, SPLIT_GU=True, PDL=True, num_stages=4), dict(tc, num_stages=4, PDL=True))]
     if old13["BLOCK_M"] != 1:
         return pairs
     gu, down = dict(old13, PDL=True), dict(old2, PDL=True)

@@ -24,16 +24,14 @@ PATHS = {"one-row": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SCAL
          # the same paths with interleaved activations and per-word scaling
          "one-row-interleaved": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, X_PLANES=False, SCALE_GROUPS=False),
          "sorted-interleaved": both(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=False),
-         # one pair per program on tensor cores (row 0 of 16), weight as the B or (SWAP_AB) the A operand
-         "one-pair-tc": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True),
-         "one-pair-tc-swap": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SWAP_AB=True)}
+         # one pair per program on tensor cores (row 0 of 16)
+         "one-pair-tc": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True)}
 # split-K (gate and up reduced apart, then SiLU): hidden 288 = 2.25 tiles of 128, so 3 splits over 3 tiles and
 # 2 over 2 for the down projection (intermediate 160); the sorted path splits too; COMBINE: top-3 rows summed
 # by the down launch
 SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SPLIT_K=3),
                "one-row-split": both(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
-               "sorted-swap-split": both(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True,
-                                         SPLIT_K=2),
+               "sorted-split": both(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SPLIT_K=2),
                # the down launch sums each token's top-k rows itself (the split-K reduction over j)
                "one-pair-tc-combine": (dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True,
                                             SPLIT_K=2),
@@ -45,7 +43,7 @@ SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, B
                # gate and up in separate programs (SPLIT_GU), split over K or not; one-row tiles with natural-order
                # x (X_WIDE) and the next K tile prefetched (PREFETCH), gate/up split 3 ways, down summing top-k rows
                "one-pair-tc-gu-split": (dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True,
-                                             SWAP_AB=True, SPLIT_GU=True, SPLIT_K=3),
+                                             SPLIT_GU=True, SPLIT_K=3),
                                         dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=128, X_PLANES=True)),
                "sorted-gu": both(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, X_PLANES=True, SPLIT_GU=True),
                "one-row-prefetch-gu": (dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
@@ -57,14 +55,10 @@ SPLIT_PATHS = {"one-pair-tc-split": both(BLOCK_M=16, SORTED=False, BLOCK_N=64, B
                                           PREFETCH=True, BIASED_CODES=True, SPLIT_GU=True, SPLIT_K=3),
                                      dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True,
                                           PREFETCH=True, BIASED_CODES=True, COMBINE=True)),
-               # expert-sorted tiles with one dot per K tile, x and h read as they are (ONE_DOT, X_WIDE; hidden
-               # 288: a masked partial K tile), gate and up apart, the down launch split
-               "sorted-one-dot": (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,
-                                       SPLIT_GU=True),
-                                  dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True, ONE_DOT=True,
-                                       SPLIT_K=2)),
-               "sorted-one-dot-interleaved": both(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True,
-                                                  ONE_DOT=True, INTERLEAVE=True)}
+               # expert-sorted tiles with x and h read as they are (X_WIDE; hidden 288: a masked partial K tile),
+               # gate and up apart, the down launch split
+               "sorted-wide": (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SPLIT_GU=True),
+                               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SPLIT_K=2))}
 
 
 def cpu_case(m, g, sd, act, path):
@@ -80,8 +74,7 @@ CPU_GRID = ([(1, g, sd, "float32", "one-row") for g in GROUPS for sd in SCALES]
                                                             (33, "float32", "float16"), (33, "bfloat16", "float32"))]
             + [(m, 64, "bfloat16", "float32", path) for m, path in ((3, "one-row-interleaved"),
                                                                     (16, "sorted-interleaved"))]
-            + [(3, 32, "bfloat16", act, path) for act, path in (("float32", "one-pair-tc"),
-                                                                ("float16", "one-pair-tc-swap"))])
+            + [(3, 32, "bfloat16", act, "one-pair-tc") for act in ("float32", "float16")])
 SPLIT_GRID = [(m, act, path) for path in SPLIT_PATHS for m, act in ((1, "float32"), (3, "float16"))]
 
 
@@ -138,15 +131,11 @@ def test_sorted_layout_groups_pairs_by_expert():
     assert len(block_expert) == (9 + 6 * 3) // 4     # the host-sync-free bound
 
 
-def test_one_dot_without_x_wide_is_refused():
-    # ONE_DOT without X_WIDE reads x (and h) in to_tiles' layout, which the MoE launches do not make
+def test_dense_only_tile_is_refused():
     from k2vec.engines.gpu_triton.kernels import verify
     from k2vec.engines.gpu_triton.kernels.fused_moe import fused_moe
     gen = verify.generator("cpu", "one-dot")
     experts = verify.random_experts(4, 64, 32, 32, "float32", gen, "cpu")
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True)
-    with pytest.raises(ValueError, match="ONE_DOT"):
-        fused_moe(torch.randn(1, 64), experts, torch.tensor([[0, 1]]), torch.ones(1, 2), config=(cfg, cfg))
     # the experts keep the bundle's byte order only: the dense MMA-order tile is refused, not launched
     mma = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True)
     with pytest.raises(ValueError, match="MMA_ORDER"):

@@ -20,14 +20,7 @@ CPU_GRID = [(m, 37, 9 * g, g, sd, act)
 CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=planes, SCALE_GROUPS=groups)
              for planes, groups in ((False, False), (True, False), (True, True))] + \
             [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=planes) for planes in (False, True)] + \
-            [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True),
-             # one dot per K tile over the 8 planes side by side (K = 288 / 576: x padded to whole tiles); x read as
-             # it is (X_WIDE: K's partial tile masked), gathered in the tile's order or, with the planes interleaved
-             # into K's order, read in it (INTERLEAVE)
-             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True),
-             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True),
-             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True),
-             # the weight's MMA-order words (K = 288 / 576: a partial last block of 128, padded in the words); with
+            [# the weight's MMA-order words (K = 288 / 576: a partial last block of 128, padded in the words); with
              # PDL the first block's weights load before the wait (PEEL: the interpreter drops PDL, keeps the peel)
              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True),
              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, PDL=True)]
@@ -35,11 +28,10 @@ CPU_PATHS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=planes, SCALE_GROU
 # and 5 tiles over 4 splits leaves the last split empty (runs of 2)
 CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUPS=True, SPLIT_K=4),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SPLIT_K=4),
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_PLANES=True, SWAP_AB=True, SPLIT_K=2),
               # natural-order x split into planes in registers (X_WIDE), on tensor cores and one-row; the one-row
               # GEMV with the next K tile prefetched (PREFETCH): 9 tiles of 64 over 4 splits (runs of 3, the last
               # empty) and unsplit
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SWAP_AB=True, SPLIT_K=2),
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SPLIT_K=2),
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, SPLIT_K=3),
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4),
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True),
@@ -50,12 +42,8 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True,
                    SPLIT_K=4),
               dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True),
-              # one dot per K tile (ONE_DOT), split (5 tiles over 4 splits) and over M = 33 rows in 32-row tiles
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, SPLIT_K=4),
-              dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True),
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, SPLIT_K=4),
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SWAP_AB=True, ONE_DOT=True, X_WIDE=True, INTERLEAVE=True,
-                   SPLIT_K=4),
+              # the MMA-order words in a 32-row tile, and split (5 blocks over 4 splits)
+              dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, SPLIT_K=4),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, PDL=True, SPLIT_K=4)]   # the last split empty
 MMA_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True)
@@ -116,19 +104,6 @@ def test_split_k_counts_splits_within_k_tiles():
     assert split_k(fit, 7168, 200) == 1                             # more tiles than programs: no split
 
 
-def test_to_tiles_puts_each_k_tile_plane_major_and_pads():
-    from k2vec.engines.gpu_triton.kernels.w4a16 import to_tiles
-    x = torch.arange(2 * 40, dtype=torch.float32).reshape(2, 40)     # K = 40: 2.5 tiles of 16
-    t = to_tiles(x, 16)
-    assert t.shape == (2, 48)
-    for m in range(2):
-        for k in range(40):
-            tile, r = divmod(k, 16)
-            i, e = divmod(r, 8)     # word i of the tile, element e of the word
-            assert t[m, tile * 16 + e * 2 + i] == x[m, k]
-    assert (t[:, 32 + 1::2] == 0).all()     # the last tile's word 1 (K 40..47) is padding, in every plane
-
-
 def test_interpreted_flipped_nibble_is_detected(cpu_results):
     for result in cpu_results["flips"]:
         assert result["all_written"], result
@@ -161,6 +136,15 @@ def test_mma_order_config_needs_the_mma_words():
         w4a16_linear(torch.zeros(4, 128), weight, config=MMA_TILE)
     with pytest.raises(ValueError, match="MMA_ORDER is a tensor-core tile"):
         w4a16_linear(torch.zeros(4, 128), weight, config=dict(MMA_TILE, BLOCK_K=256))
+
+
+def test_tile_config_refuses_an_unknown_key():
+    from k2vec.engines.gpu_triton.kernels.w4a16 import tile_config
+    # ONE_DOT: a session-13 tile option since removed; a typo of a known key fails the same way
+    for key in ("ONE_DOT", "BLOCK_n"):
+        with pytest.raises(ValueError, match=f"unknown key\\(s\\) {key}"):
+            tile_config(dict(MMA_TILE, **{key: True}), 32, interpret=True)
+    assert tile_config(MMA_TILE, 32, interpret=True)["MMA_ORDER"]
 
 
 def test_flip_nibble_changes_exactly_one_code():

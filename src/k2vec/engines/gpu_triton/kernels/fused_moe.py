@@ -118,10 +118,9 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
                 X_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, SORTED: tl.constexpr,
                 G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr,
-                X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr,
-                EVEN_K: tl.constexpr, OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr, X_WIDE: tl.constexpr,
-                SPLIT_GU: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
-                BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr,
+                X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, EVEN_K: tl.constexpr,
+                OUT_PLANES: tl.constexpr, COMBINE: tl.constexpr, X_WIDE: tl.constexpr, SPLIT_GU: tl.constexpr,
+                PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, PDL: tl.constexpr,
                 ROUTED: tl.constexpr):
     """y[p, n] for the pairs p of one block: x row p // X_ROW_DIV; GATED: silu(W[n]) * W[N + n]; WEIGHTED: * w[p].
     OUT_PLANES: y rows written plane-major (column n at (n % 8) * N/8 + n // 8), the next GEMM's X_PLANES input.
@@ -163,14 +162,13 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
         w_e += half.to(tl.int64) * N * stride_wn
         s_e += half.to(tl.int64) * N * stride_sn
     acc = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e, stride_wn, s_e, stride_sn, offs_n, n_mask, K,
-                     kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED, SWAP_AB,
-                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, False, False,
-                     PDL and ROUTED)
+                     kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
+                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False, False, PDL and ROUTED)
     if GATED and not SPLIT_GU:
         up = _int4_tile(x_ptr, x_rows, row_mask, stride_xm, w_e + N * stride_wn, stride_wn,
                         s_e + N * stride_sn, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                         G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                        SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, False, False, False)
+                        EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, False, False, False)
     else:
         up = acc
     if COMBINE:
@@ -311,9 +309,6 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     interpret = interpreting()
     cfg13 = tile_config(cfg13, experts.group_size, interpret, x.device)
     cfg2 = tile_config(cfg2, experts.group_size, interpret, x.device)
-    if (cfg13["ONE_DOT"] and not cfg13["X_WIDE"]) or (cfg2["ONE_DOT"] and not cfg2["X_WIDE"]):
-        raise ValueError("fused_moe: ONE_DOT needs X_WIDE here (x and h are read as they are, never in to_tiles' "
-                         "layout)")
     if cfg13.pop("MMA_ORDER") | cfg2.pop("MMA_ORDER") | cfg13.pop("PEEL") | cfg2.pop("PEEL"):
         raise ValueError("fused_moe: MMA_ORDER is a dense tile (the experts keep only the bundle's byte order)")
     sorted_ = cfg13.pop("SORTED", cfg13["BLOCK_M"] > 1)

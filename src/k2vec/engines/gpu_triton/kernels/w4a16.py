@@ -195,20 +195,10 @@ def _x_plane(x_rows, e: tl.constexpr, i, k_words, x_mask, X_PLANES: tl.constexpr
 
 
 @triton.jit
-def _per_word(s, axis: tl.constexpr, WORDS_PER_GROUP: tl.constexpr):
-    """Group scales [groups, n] (axis 0) or [n, groups] (axis 1) repeated to one per word along that axis."""
-    if axis == 0:
-        return tl.reshape(tl.broadcast_to(s[:, None, :], [s.shape[0], WORDS_PER_GROUP, s.shape[1]]),
-                          [s.shape[0] * WORDS_PER_GROUP, s.shape[1]])
-    else:
-        return tl.reshape(tl.broadcast_to(s[:, :, None], [s.shape[0], s.shape[1], WORDS_PER_GROUP]),
-                          [s.shape[0], s.shape[1] * WORDS_PER_GROUP])
-
-
-@triton.jit
-def _x_plane_t(x_rows, e: tl.constexpr, i, k_words, x_mask):
-    """Plane-major activations (SWAP_AB needs X_PLANES) of plane e at words i, transposed ([words, rows])."""
-    return tl.load(x_rows[None, :] + e * k_words + i[:, None], mask=x_mask, other=0.0)
+def _per_word(s, WORDS_PER_GROUP: tl.constexpr):
+    """Group scales [groups, n] repeated to one per word: [groups * WORDS_PER_GROUP, n]."""
+    return tl.reshape(tl.broadcast_to(s[:, None, :], [s.shape[0], WORDS_PER_GROUP, s.shape[1]]),
+                      [s.shape[0] * WORDS_PER_GROUP, s.shape[1]])
 
 
 @triton.jit
@@ -227,42 +217,19 @@ def _split8(v):
 
 
 @triton.jit
-def _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7, NATURAL: tl.constexpr):
-    """The 8 planes [N, WORDS] side by side along K: [N, 8 * WORDS], column e * WORDS + i = plane e's word i (the
-    order of x's ONE_DOT layout), or (NATURAL) interleaved back into K's own order, column 8i + e.
-    Joins and a permute only: each thread keeps the values it holds."""
-    n: tl.constexpr = w0.shape[0]
-    words: tl.constexpr = w0.shape[1]
-    v = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)), tl.join(tl.join(w4, w5), tl.join(w6, w7)))
-    # v[:, i, c, b, a] = plane 4a + 2b + c
-    if NATURAL:
-        return tl.reshape(tl.permute(v, (0, 1, 4, 3, 2)), [n, 8 * words])
-    return tl.reshape(tl.permute(v, (0, 4, 3, 2, 1)), [n, 8 * words])
-
-
-@triton.jit
-def _x_wide(x_rows, i, x_mask, T: tl.constexpr):
+def _x_wide(x_rows, i, x_mask):
     """X_WIDE: x in its natural order, the 8 elements of each word i as one 16-byte load (bf16/fp16), split into
-    the 8 element planes in registers: [rows, words] each, or (T) [words, rows]. No plane-major copy of x."""
-    r8 = tl.arange(0, 8)
-    if T:
-        v = tl.load(x_rows[None, :, None] + 8 * i[:, None, None] + r8[None, None, :], mask=x_mask[:, :, None],
-                    other=0.0)
-    else:
-        v = tl.load(x_rows[:, None, None] + 8 * i[None, :, None] + r8[None, None, :], mask=x_mask[:, :, None],
-                    other=0.0)
+    the 8 element planes in registers ([rows, words] each). No plane-major copy of x."""
+    v = tl.load(x_rows[:, None, None] + 8 * i[None, :, None] + tl.arange(0, 8)[None, None, :], mask=x_mask[:, :, None],
+                other=0.0)
     return _split8(v)
 
 
 @triton.jit
-def _fdot(acc, words, e: tl.constexpr, s, x, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc += plane e of `words` dequantised in float32 (times the per-word scales s), cast to x's dtype, dotted
-    with x's plane e (SWAP_AB: weight as the A operand)."""
-    w = (_code(words, e) * s).to(x.dtype)
-    if SWAP_AB:
-        return _dot(acc, w, x, IEEE)
-    else:
-        return _dot(acc, x, w, IEEE)
+def _fdot(acc, words, e: tl.constexpr, s, x, IEEE: tl.constexpr):
+    """acc += x's plane e dotted with plane e of `words` dequantised in float32 (times the per-word scales s), cast
+    to x's dtype."""
+    return _dot(acc, x, (_code(words, e) * s).to(x.dtype), IEEE)
 
 
 @triton.jit
@@ -470,9 +437,9 @@ def _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G
 def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K, kt_lo, kt_hi,
                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr, SCALE_GROUPS: tl.constexpr,
-               PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
-               PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr,
-               INTERLEAVE: tl.constexpr, MMA_ORDER: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
+               PACKED: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr, PREFETCH: tl.constexpr,
+               CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr, MMA_ORDER: tl.constexpr, PEEL: tl.constexpr,
+               PDL: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[rows, k] @ W[offs_n, k]^T over K tiles kt_lo..kt_hi-1 of one W4A16 weight.
 
     The loops count K tiles (k0 = kt * BLOCK_K) so that the compiler sees word offsets divisible by the tile
@@ -488,11 +455,6 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     PDL: _grid_wait before the first read of x (the one-row PREFETCH path loads its first weight tile before it).
     SCALE_GROUPS (one-row path): sum each group's words before scaling, loading [BLOCK_N, groups] scales
     instead of one per word. PACKED (tensor-core path, bf16 x and scales): dequantize with _bf16_planes.
-    ONE_DOT (SWAP_AB): one dot per K tile instead of one per plane, over the 8 dequantised planes side by side along
-    K (_cat_planes), x stored to match (to_tiles: each K tile's x plane-major within the tile, K padded to a whole
-    tile), so the MMAs of a tile are issued together and waited for once. With X_WIDE x is read as it is (no copy
-    before the launch): gathered in the tile's plane-major order by its addresses, or (INTERLEAVE) in K's order,
-    the planes interleaved back into K's order to match.
     MMA_ORDER (tensor cores, BLOCK_K 128): the weight's words in the MMA order (_mma_order_tile), x as it is.
 
     w_ptr: the packed bytes read as int32 words (row stride stride_wn words); word i of a row holds
@@ -551,7 +513,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
                 words = tl.load(w_rows[:, None] + i[None, :], mask=mask, other=0)
                 x_mask = row_mask[:, None] & i_mask[None, :]
                 if X_WIDE:
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _x_wide(x_rows, i, x_mask, False)
+                    x0, x1, x2, x3, x4, x5, x6, x7 = _x_wide(x_rows, i, x_mask)
                     part = _code(words, 0) * x0.to(tl.float32)
                     part += _code(words, 1) * x1.to(tl.float32)
                     part += _code(words, 2) * x2.to(tl.float32)
@@ -578,7 +540,6 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
         # tensor cores: per element plane e, [BLOCK_M, WORDS] x [WORDS, BLOCK_N] (weight transposed by the
         # pointer arithmetic), the weight dequantized in registers just before the dot
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         TILE_GROUPS: tl.constexpr = WORDS // WORDS_PER_GROUP
         for kt in range(kt_lo, kt_hi):
             i = kt * WORDS + offs_w
@@ -587,106 +548,42 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
             # the tile's group scales, loaded contiguously per row and repeated to one per word in registers
             g = kt * TILE_GROUPS + tl.arange(0, TILE_GROUPS)
             g_mask = (g < K // G) | EVEN_K
-            if not SWAP_AB:
-                words = tl.load(w_rows[None, :] + i[:, None], mask=mask, other=0)
+            words = tl.load(w_rows[None, :] + i[:, None], mask=mask, other=0)
             x_mask = row_mask[:, None] & i_mask[None, :]
-            if SWAP_AB:
-                # weight as the A operand ([BLOCK_N, WORDS], N on the MMA's M side, where Hopper's wgmma can
-                # take it from registers) and x^T as B: acc^T [BLOCK_N, BLOCK_M]
-                mask_t = n_mask[:, None] & i_mask[None, :]
-                words_t = tl.load(w_rows[:, None] + i[None, :], mask=mask_t, other=0)
-                xm_t = i_mask[:, None] & row_mask[None, :]
-                if ONE_DOT:
-                    pass    # x is loaded as one [BLOCK_K, BLOCK_M] tile below
-                elif X_WIDE:
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _x_wide(x_rows, i, xm_t, True)
-                else:
-                    x0 = _x_plane_t(x_rows, 0, i, k_words, xm_t)
-                    x1 = _x_plane_t(x_rows, 1, i, k_words, xm_t)
-                    x2 = _x_plane_t(x_rows, 2, i, k_words, xm_t)
-                    x3 = _x_plane_t(x_rows, 3, i, k_words, xm_t)
-                    x4 = _x_plane_t(x_rows, 4, i, k_words, xm_t)
-                    x5 = _x_plane_t(x_rows, 5, i, k_words, xm_t)
-                    x6 = _x_plane_t(x_rows, 6, i, k_words, xm_t)
-                    x7 = _x_plane_t(x_rows, 7, i, k_words, xm_t)
-                if ONE_DOT:
-                    k_t = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-                    if X_WIDE:  # x as it is: K's tail masked, not padded
-                        if not INTERLEAVE:  # tile row e * WORDS + i holds element 8i + e of the tile
-                            k_t = kt * BLOCK_K + 8 * (tl.arange(0, BLOCK_K) % WORDS) + tl.arange(0, BLOCK_K) // WORDS
-                        x_t = tl.load(x_rows[None, :] + k_t[:, None], mask=((k_t < K) | EVEN_K)[:, None] &
-                                      row_mask[None, :], other=0.0)
-                    else:       # x in the ONE_DOT layout, K padded to whole tiles (to_tiles)
-                        x_t = tl.load(x_rows[None, :] + k_t[:, None], mask=row_mask[None, :], other=0.0)
-                    if PACKED:
-                        s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
-                                                other=0), 1, WORDS_PER_GROUP)
-                        w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words_t, s_t)
-                    else:
-                        s_t = _per_word(_load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & g_mask[None, :],
-                                                     BF16_SCALES), 1, WORDS_PER_GROUP)
-                        w0, w1, w2, w3, w4, w5, w6, w7 = _scaled_planes(words_t, s_t, x_t)
-                    acc_t = _dot(acc_t, _cat_planes(w0, w1, w2, w3, w4, w5, w6, w7, INTERLEAVE), x_t, IEEE)
-                elif PACKED:
-                    s_t = _per_word(tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & g_mask[None, :],
-                                            other=0), 1, WORDS_PER_GROUP)
-                    w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words_t, s_t)
-                    acc_t = _dot(acc_t, w0, x0, IEEE)
-                    acc_t = _dot(acc_t, w1, x1, IEEE)
-                    acc_t = _dot(acc_t, w2, x2, IEEE)
-                    acc_t = _dot(acc_t, w3, x3, IEEE)
-                    acc_t = _dot(acc_t, w4, x4, IEEE)
-                    acc_t = _dot(acc_t, w5, x5, IEEE)
-                    acc_t = _dot(acc_t, w6, x6, IEEE)
-                    acc_t = _dot(acc_t, w7, x7, IEEE)
-                else:
-                    s_t = _per_word(_load_scales(s_rows[:, None] + g[None, :], n_mask[:, None] & g_mask[None, :],
-                                                 BF16_SCALES), 1, WORDS_PER_GROUP)
-                    acc_t = _fdot(acc_t, words_t, 0, s_t, x0, IEEE, True)
-                    acc_t = _fdot(acc_t, words_t, 1, s_t, x1, IEEE, True)
-                    acc_t = _fdot(acc_t, words_t, 2, s_t, x2, IEEE, True)
-                    acc_t = _fdot(acc_t, words_t, 3, s_t, x3, IEEE, True)
-                    acc_t = _fdot(acc_t, words_t, 4, s_t, x4, IEEE, True)
-                    acc_t = _fdot(acc_t, words_t, 5, s_t, x5, IEEE, True)
-                    acc_t = _fdot(acc_t, words_t, 6, s_t, x6, IEEE, True)
-                    acc_t = _fdot(acc_t, words_t, 7, s_t, x7, IEEE, True)
+            if X_WIDE:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x_wide(x_rows, i, x_mask)
             else:
-                if X_WIDE:
-                    x0, x1, x2, x3, x4, x5, x6, x7 = _x_wide(x_rows, i, x_mask, False)
-                else:
-                    x0 = _x_plane(x_rows, 0, i, k_words, x_mask, X_PLANES)
-                    x1 = _x_plane(x_rows, 1, i, k_words, x_mask, X_PLANES)
-                    x2 = _x_plane(x_rows, 2, i, k_words, x_mask, X_PLANES)
-                    x3 = _x_plane(x_rows, 3, i, k_words, x_mask, X_PLANES)
-                    x4 = _x_plane(x_rows, 4, i, k_words, x_mask, X_PLANES)
-                    x5 = _x_plane(x_rows, 5, i, k_words, x_mask, X_PLANES)
-                    x6 = _x_plane(x_rows, 6, i, k_words, x_mask, X_PLANES)
-                    x7 = _x_plane(x_rows, 7, i, k_words, x_mask, X_PLANES)
-                if PACKED:
-                    s_bits = _per_word(tl.load(s_rows[None, :] + g[:, None], mask=g_mask[:, None] & n_mask[None, :],
-                                               other=0), 0, WORDS_PER_GROUP)
-                    w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, s_bits)
-                    acc = _dot(acc, x0, w0, IEEE)
-                    acc = _dot(acc, x1, w1, IEEE)
-                    acc = _dot(acc, x2, w2, IEEE)
-                    acc = _dot(acc, x3, w3, IEEE)
-                    acc = _dot(acc, x4, w4, IEEE)
-                    acc = _dot(acc, x5, w5, IEEE)
-                    acc = _dot(acc, x6, w6, IEEE)
-                    acc = _dot(acc, x7, w7, IEEE)
-                else:
-                    s = _per_word(_load_scales(s_rows[None, :] + g[:, None], g_mask[:, None] & n_mask[None, :],
-                                               BF16_SCALES), 0, WORDS_PER_GROUP)
-                    acc = _fdot(acc, words, 0, s, x0, IEEE, False)
-                    acc = _fdot(acc, words, 1, s, x1, IEEE, False)
-                    acc = _fdot(acc, words, 2, s, x2, IEEE, False)
-                    acc = _fdot(acc, words, 3, s, x3, IEEE, False)
-                    acc = _fdot(acc, words, 4, s, x4, IEEE, False)
-                    acc = _fdot(acc, words, 5, s, x5, IEEE, False)
-                    acc = _fdot(acc, words, 6, s, x6, IEEE, False)
-                    acc = _fdot(acc, words, 7, s, x7, IEEE, False)
-        if SWAP_AB:
-            acc = tl.trans(acc_t)
+                x0 = _x_plane(x_rows, 0, i, k_words, x_mask, X_PLANES)
+                x1 = _x_plane(x_rows, 1, i, k_words, x_mask, X_PLANES)
+                x2 = _x_plane(x_rows, 2, i, k_words, x_mask, X_PLANES)
+                x3 = _x_plane(x_rows, 3, i, k_words, x_mask, X_PLANES)
+                x4 = _x_plane(x_rows, 4, i, k_words, x_mask, X_PLANES)
+                x5 = _x_plane(x_rows, 5, i, k_words, x_mask, X_PLANES)
+                x6 = _x_plane(x_rows, 6, i, k_words, x_mask, X_PLANES)
+                x7 = _x_plane(x_rows, 7, i, k_words, x_mask, X_PLANES)
+            if PACKED:
+                s_bits = _per_word(tl.load(s_rows[None, :] + g[:, None], mask=g_mask[:, None] & n_mask[None, :],
+                                           other=0), WORDS_PER_GROUP)
+                w0, w1, w2, w3, w4, w5, w6, w7 = _bf16_planes(words, s_bits)
+                acc = _dot(acc, x0, w0, IEEE)
+                acc = _dot(acc, x1, w1, IEEE)
+                acc = _dot(acc, x2, w2, IEEE)
+                acc = _dot(acc, x3, w3, IEEE)
+                acc = _dot(acc, x4, w4, IEEE)
+                acc = _dot(acc, x5, w5, IEEE)
+                acc = _dot(acc, x6, w6, IEEE)
+                acc = _dot(acc, x7, w7, IEEE)
+            else:
+                s = _per_word(_load_scales(s_rows[None, :] + g[:, None], g_mask[:, None] & n_mask[None, :],
+                                           BF16_SCALES), WORDS_PER_GROUP)
+                acc = _fdot(acc, words, 0, s, x0, IEEE)
+                acc = _fdot(acc, words, 1, s, x1, IEEE)
+                acc = _fdot(acc, words, 2, s, x2, IEEE)
+                acc = _fdot(acc, words, 3, s, x3, IEEE)
+                acc = _fdot(acc, words, 4, s, x4, IEEE)
+                acc = _fdot(acc, words, 5, s, x5, IEEE)
+                acc = _fdot(acc, words, 6, s, x6, IEEE)
+                acc = _fdot(acc, words, 7, s, x7, IEEE)
         return acc
 
 
@@ -734,9 +631,8 @@ def _split_sum(ws_ptr, tile, mask, SPLIT_K: tl.constexpr, PARTS: tl.constexpr, p
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
-                  SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
-                  X_WIDE: tl.constexpr, PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr,
-                  BIASED_CODES: tl.constexpr, ONE_DOT: tl.constexpr, INTERLEAVE: tl.constexpr,
+                  SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
+                  PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr,
                   MMA_ORDER: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -748,8 +644,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     kt_lo, kt_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     acc = _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride_sn, offs_n, n_mask, K,
                      kt_lo, kt_hi, G, BLOCK_M, BLOCK_N, BLOCK_K, BF16_SCALES, IEEE, X_PLANES, SCALE_GROUPS, PACKED,
-                     SWAP_AB, EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, ONE_DOT, INTERLEAVE, MMA_ORDER,
-                     PEEL, PDL)
+                     EVEN_K, X_WIDE, PREFETCH, CODES_ASM, BIASED_CODES, MMA_ORDER, PEEL, PDL)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     out_mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -795,28 +690,30 @@ def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
     return next(cfg for bound, cfg in configs if m <= bound)
 
 
+# the keys a tile config may hold: the kernel's constexpr flags, Triton's launch options, the host-side split keys
+# (split_k) and fused_moe's own (SORTED, SPLIT_GU, COMBINE)
+CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_K", "X_PLANES", "X_WIDE", "SCALE_GROUPS", "PACKED", "PREFETCH",
+                         "CODES_ASM", "BIASED_CODES", "MMA_ORDER", "PDL", "num_warps", "num_stages", "maxnreg",
+                         "SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT", "SORTED", "SPLIT_GU", "COMBINE"})
+
+
 def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
     """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16.
-    Keeps the host-side keys SPLIT_K / SPLIT_CTAS / SPLIT_FIT (see split_k), PACKED (False: float32 dequantization) and
-    SWAP_AB (tensor cores with the weight as the A operand; needs X_PLANES or X_WIDE). MMA_ORDER reads the weight's
-    `mma` words (int4_layout.mma_order_words). PDL (launch as a programmatic
-    dependent, see _grid_wait) is dropped in the interpreter and on a `device` older than sm_90."""
-    cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "SWAP_AB": False,
-           "PREFETCH": False, "CODES_ASM": False, "BIASED_CODES": False, "ONE_DOT": False, "INTERLEAVE": False,
-           "MMA_ORDER": False, "PDL": False, **config}
+    Keeps the host-side keys SPLIT_K / SPLIT_CTAS / SPLIT_FIT (see split_k) and PACKED (False: float32
+    dequantization). MMA_ORDER reads the weight's `mma` words (int4_layout.mma_order_words). PDL (launch as a
+    programmatic dependent, see _grid_wait) is dropped in the interpreter and on a `device` older than sm_90."""
+    unknown = sorted(set(config) - CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"tile config {config}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(CONFIG_KEYS))}")
+    cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "PREFETCH": False,
+           "CODES_ASM": False, "BIASED_CODES": False, "MMA_ORDER": False, "PDL": False, **config}
     if cfg["MMA_ORDER"]:    # tensor cores on the MMA-order words, x as it is, one 128-element block per step
-        if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg["ONE_DOT"] or cfg.get("BLOCK_K", 128) != 128:
-            raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH or ONE_DOT, got {config}")
+        if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg.get("BLOCK_K", 128) != 128:
+            raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH, got {config}")
         cfg["BLOCK_K"], cfg["X_PLANES"] = 128, False
     cfg["PEEL"] = bool(cfg["MMA_ORDER"] and cfg["PDL"])     # before the interpreter drops PDL: its peel runs there too
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
-    if cfg["ONE_DOT"]:  # x in the ONE_DOT layout (to_tiles), or with X_WIDE as it is
-        if not (cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]):
-            raise ValueError(f"ONE_DOT is an option of the SWAP_AB tensor-core tiles, got {config}")
-        cfg["X_PLANES"] = False
-    if cfg["INTERLEAVE"] and not (cfg["ONE_DOT"] and cfg["X_WIDE"]):
-        raise ValueError(f"INTERLEAVE is an option of ONE_DOT with X_WIDE, got {config}")
     if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
         raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
@@ -854,7 +751,6 @@ def launch_keys(cfg: dict, activation: torch.dtype, bf16_scales: bool) -> dict:
     """The kernel's constexpr/launch keys of a tile config (host-side keys dropped); PACKED only where it applies."""
     out = {key: value for key, value in cfg.items() if key not in ("SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT")}
     out["PACKED"] = bool(cfg["PACKED"] and cfg["BLOCK_M"] > 1 and activation == torch.bfloat16 and bf16_scales)
-    out["SWAP_AB"] = bool(cfg["SWAP_AB"] and cfg["BLOCK_M"] > 1 and (cfg["X_PLANES"] or cfg["X_WIDE"] or cfg["ONE_DOT"]))
     if cfg["PDL"]:      # launched as a programmatic dependent of the kernel before it (see _grid_wait)
         out["launch_pdl"] = True
     return out
@@ -877,16 +773,6 @@ def to_planes(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] -> plane-major rows: element 8i + e of a row at e * K/8 + i (one small copy of the activations)."""
     m, k = x.shape
     return x.view(m, k // 8, 8).transpose(1, 2).reshape(m, k)
-
-
-def to_tiles(x: torch.Tensor, block_k: int) -> torch.Tensor:
-    """x [M, K] -> the ONE_DOT layout [M, K'] (K' = K padded with zeros to a multiple of block_k): element 8i + e of K
-    tile t (i counted within the tile) at t * block_k + e * block_k/8 + i (one small copy of the activations)."""
-    m, k = x.shape
-    kp = triton.cdiv(k, block_k) * block_k
-    if kp != k:
-        x = torch.nn.functional.pad(x, (0, kp - k))
-    return x.reshape(m, kp // block_k, block_k // 8, 8).transpose(2, 3).reshape(m, kp)
 
 
 def check_activation(x: torch.Tensor, k: int, what: str) -> None:
@@ -927,8 +813,6 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
         words = weight.packed.view(torch.int32)
     if cfg["X_PLANES"]:
         x = to_planes(x)
-    elif cfg["ONE_DOT"] and not cfg["X_WIDE"]:
-        x = to_tiles(x, cfg["BLOCK_K"])
     n_tiles, m_tiles = triton.cdiv(weight.n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
     splits = split_k(cfg, weight.k, n_tiles * m_tiles)
     ws, counters = split_buffers(x.device, n_tiles * m_tiles, n_tiles * m_tiles * splits * cfg["BLOCK_M"] *
