@@ -107,13 +107,11 @@ def split_configs() -> list:
             (dict(row, SORTED=False, SPLIT_GU=True), dict(row, SORTED=False, SPLIT_K=1, COMBINE=True)),
             (dict(row, SORTED=False, SPLIT_GU=True, SPLIT_K=1), dict(pair, SPLIT_K=1)),
             dict(row, CODES_ASM=True), dict(row, CODES_ASM=True, SPLIT_K=1),     # GPU only (inline PTX)
-            dict(row, BLOCK_M=2), dict(row, BLOCK_M=4, CODES_ASM=True), dict(row, BLOCK_M=8, CODES_ASM=True, SPLIT_K=1),
             (dict(row, SORTED=False, SPLIT_GU=True, CODES_ASM=True),
              dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, CODES_ASM=True)),
-            # biased codes (1 + u/128, one correction per group): shift/mask and prmt, one row and several
+            # biased codes (1 + u/128, one correction per group): shift/mask and prmt
             dict(row, BIASED_CODES=True), dict(row, BIASED_CODES=True, CODES_ASM=True, SPLIT_K=3),
-            dict(row, BLOCK_M=2, BIASED_CODES=True, CODES_ASM=True), dict(row, BLOCK_M=4, BIASED_CODES=True),
-            dict(row, BLOCK_M=8, BIASED_CODES=True, CODES_ASM=True, SPLIT_K=1),
+            dict(row, BIASED_CODES=True, CODES_ASM=True, SPLIT_K=1),
             (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True, CODES_ASM=True),
              dict(row, SORTED=False, SPLIT_K=1, COMBINE=True, BIASED_CODES=True, CODES_ASM=True)),
             (dict(row, SORTED=False, SPLIT_GU=True, BIASED_CODES=True),

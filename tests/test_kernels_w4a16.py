@@ -35,13 +35,10 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, SPLIT_K=3),
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4),
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True),
-              # the same GEMV over 2 and 4 rows per program (each code used for every row), M = 3 a partial row tile
-              dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4),
-              dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True),
-              # the biased codes (1 + u/128, one correction per group) on the one-row and 2-row GEMV
+              # the biased codes (1 + u/128, one correction per group) on the one-row GEMV
               dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True,
                    SPLIT_K=4),
-              dict(BLOCK_M=2, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True),
+              dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, BIASED_CODES=True),
               # the MMA-order words in a 32-row tile, and split (5 blocks over 4 splits)
               dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, SPLIT_K=4),

@@ -331,31 +331,6 @@ def _row_part(words, xv, s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WORDS_P
 
 
 @triton.jit
-def _rows_part(words, xv, s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-               WORDS_PER_GROUP: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr):
-    """Scaled group sums [BLOCK_M, BLOCK_N, GROUPS] of one K tile for BLOCK_M rows (x as [BLOCK_M, WORDS, 8]):
-    each code is made once and multiplied into every row (BIASED_CODES: over 128, as in _row_part)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
-    if BIASED_CODES:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _biased8(words, CODES_ASM)
-    else:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _codes8(words, CODES_ASM)
-    part = c0[None, :, :] * x0.to(tl.float32)[:, None, :]
-    part += c1[None, :, :] * x1.to(tl.float32)[:, None, :]
-    part += c2[None, :, :] * x2.to(tl.float32)[:, None, :]
-    part += c3[None, :, :] * x3.to(tl.float32)[:, None, :]
-    part += c4[None, :, :] * x4.to(tl.float32)[:, None, :]
-    part += c5[None, :, :] * x5.to(tl.float32)[:, None, :]
-    part += c6[None, :, :] * x6.to(tl.float32)[:, None, :]
-    part += c7[None, :, :] * x7.to(tl.float32)[:, None, :]
-    sums = tl.sum(tl.reshape(part, [BLOCK_M, BLOCK_N, GROUPS, WORDS_PER_GROUP]), axis=3)
-    if BIASED_CODES:
-        xs = tl.sum(xv.to(tl.float32), axis=2)      # [BLOCK_M, WORDS]
-        sums -= 1.0625 * tl.sum(tl.reshape(xs, [BLOCK_M, GROUPS, WORDS_PER_GROUP]), axis=2)[:, None, :]
-    return sums * s[None, :, :]
-
-
-@triton.jit
 def _scaled_planes(words, s, like):
     """The 8 planes q_e * s of int32 words dequantised in float32 and cast to like's dtype (float32/float16 x,
     float32 scales, the interpreter; PACKED makes them with _bf16_planes)."""
@@ -447,8 +422,7 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     e * K/8 + i), so each plane's loads are contiguous and vectorise; otherwise they are stride-8 gathers.
     X_WIDE (instead of X_PLANES): x in natural order, each word's 8 elements one 16-byte load, split into the
     planes in registers (no plane-major copy of x before the launch).
-    PREFETCH (CUDA cores, with X_WIDE and SCALE_GROUPS; BLOCK_M 1 or a few rows, each code used for every row):
-    the next K tile's weight words, x and scales are
+    PREFETCH (the one-row path, with X_WIDE and SCALE_GROUPS): the next K tile's weight words, x and scales are
     loaded before this tile's arithmetic (registers double-buffered by hand), so a program's DRAM reads overlap
     its dequantisation instead of alternating with it. CODES_ASM (PREFETCH, GPU only): codes by _f32_codes.
     BIASED_CODES (PREFETCH): codes as 1 + u/128 and one correction per group (_F32_BIASED_ASM's comment).
@@ -467,25 +441,11 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
-    if not ((PREFETCH and BLOCK_M == 1) or MMA_ORDER):
+    if not (PREFETCH or MMA_ORDER):
         _grid_wait(PDL)
     if MMA_ORDER:
         return _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G, BLOCK_M, BLOCK_N,
                                BF16_SCALES, IEEE, PACKED, EVEN_K, PEEL, PDL)
-    elif PREFETCH and BLOCK_M > 1:
-        # a few rows on CUDA cores: the one-row GEMV with each code used for BLOCK_M rows (the weight read once)
-        GROUPS_M: tl.constexpr = WORDS // WORDS_PER_GROUP
-        acc = tl.zeros([BLOCK_M, BLOCK_N, GROUPS_M], dtype=tl.float32)
-        words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt_lo, kt_hi, K,
-                                        k_words, G, WORDS, BF16_SCALES, EVEN_K)
-        for kt in range(kt_lo, kt_hi):
-            words, xv, s = words_n, xv_n, s_n
-            words_n, xv_n, s_n = _row_loads(w_rows, s_rows, x_rows, n_mask, row_mask, kt + 1, kt_hi, K,
-                                            k_words, G, WORDS, BF16_SCALES, EVEN_K)
-            acc += _rows_part(words, xv, s, BLOCK_M, BLOCK_N, GROUPS_M, WORDS_PER_GROUP, CODES_ASM, BIASED_CODES)
-        if BIASED_CODES:
-            acc *= 128.0     # exact: a power of two
-        return tl.sum(acc, axis=2)
     elif BLOCK_M == 1:
         # one row: multiply-and-add on CUDA cores, partial sums reduced once at the end
         GROUPS: tl.constexpr = WORDS // WORDS_PER_GROUP
@@ -714,14 +674,14 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
     cfg["PEEL"] = bool(cfg["MMA_ORDER"] and cfg["PDL"])     # before the interpreter drops PDL: its peel runs there too
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
-    if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"]):
-        raise ValueError(f"PREFETCH (CUDA-core GEMV of BLOCK_M rows) needs X_WIDE and SCALE_GROUPS, got {config}")
+    if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"] and cfg["BLOCK_M"] == 1):
+        raise ValueError(f"PREFETCH (the one-row CUDA-core GEMV) needs BLOCK_M 1, X_WIDE and SCALE_GROUPS, got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
         raise ValueError(f"CODES_ASM is an option of the PREFETCH one-row path, got {config}")
     if cfg["BIASED_CODES"] and not cfg["PREFETCH"]:
         raise ValueError(f"BIASED_CODES is an option of the PREFETCH one-row path, got {config}")
     cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group_size)
-    if cfg["BLOCK_M"] > 1 and not cfg["PREFETCH"]:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
+    if cfg["BLOCK_M"] > 1:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
         cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 16)
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 128)
     if interpret:    # the interpreter ignores warps, stages and register caps, and runs no inline PTX
