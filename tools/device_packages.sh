@@ -10,7 +10,9 @@
 #   here:   tools/device_packages.sh               (repository root; needs pip, unzip, strip and xz; minutes)
 #   there:  carry [".devpkgs"]; tools/device_env.sh unpacks both to /tmp/devpkgs and puts them first on PYTHONPATH
 set -euo pipefail
-TRITON=${TRITON:-3.7.1}
+TRITON=${TRITON:-$(python3 -c 'import tomllib
+extra = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]
+print(next(d.split("==")[1] for d in extra if d.startswith("triton==")))')}    # [test]'s pin
 dest=$PWD/.devpkgs
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
