@@ -457,11 +457,6 @@ def one_row(bn, bk, planes=True, groups=True, warps=4, split=0, wide=False):
                 num_warps=warps, num_stages=3, SPLIT_CTAS=split, **({"X_WIDE": True} if wide else {}))
 
 
-def tensor_core(bm, bn, bk, planes=True, warps=4, stages=3, split=0, wide=False, **extra):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes and not wide, num_warps=warps,
-                num_stages=stages, SPLIT_CTAS=split, **({"X_WIDE": True} if wide else {}), **extra)
-
-
 # the committed configs (the previous sweep's winners), timed beside the candidates as references
 OLD_DENSE = {m: dict(pick_config(DENSE_CONFIGS, m)) for m in MS}
 
@@ -482,9 +477,10 @@ def dense_candidates(m: int) -> list[dict]:
     end), at M = 2 and 4 the M = 1 GEMV tiles, one row per program, and from M = 2 the tensor-core tiles on the
     weight's MMA-order words (MMA_ORDER: tile shapes, splits, stages, warps, PDL). Session 13's defaults at M = 3-64
     (weight as the A operand, one dot per K tile on the bundle's order) lost to them in session 14 and were removed in
-    session 15. Measured and dropped in issue 27's session 11 (bench/RESULTS.md): the GEMV over 2-8 rows with the biased codes, as 3-D tiles and as a two-row variant of the
-    one-row 2-D tiles, 1.1-3x slower than the tensor-core tiles at M = 2-8; register caps (maxnreg 64-128) on every committed tile, 0-100% slower; tensor-core K tiles of 512 and
-    other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M. Session 15: M = 1
+    session 15. Measured and dropped in issue 27's session 11 (bench/RESULTS.md): the GEMV over 2-8 rows with the
+    biased codes, as 3-D tiles and as a two-row variant of the one-row 2-D tiles, 1.1-3x slower than the tensor-core
+    tiles at M = 2-8 (removed from the kernel in session 15); register caps (maxnreg 64-128) on every committed tile,
+    0-100% slower; tensor-core K tiles of 512 and other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M. Session 15: M = 1
     GEMV tiles 16 x 1024 of 4 warps and 64 x 512 of 8 warps, 1.0-2.2x slower."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
