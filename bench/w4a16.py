@@ -481,7 +481,9 @@ def dense_candidates(m: int) -> list[dict]:
     biased codes, as 3-D tiles and as a two-row variant of the one-row 2-D tiles, 1.1-3x slower than the tensor-core
     tiles at M = 2-8 (removed from the kernel in session 15); register caps (maxnreg 64-128) on every committed tile,
     0-100% slower; tensor-core K tiles of 512 and other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M. Session 15: M = 1
-    GEMV tiles 16 x 1024 of 4 warps and 64 x 512 of 8 warps, 1.0-2.2x slower."""
+    GEMV tiles 16 x 1024 of 4 warps and 64 x 512 of 8 warps, 1.0-2.2x slower. Session 16: at M = 32 and 64 tiles of
+    half and a quarter of the rows (two or four programs per column tile, each dequantizing the whole weight
+    again), 528-1056 splits, 1.1-1.6x slower."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
