@@ -25,6 +25,7 @@ install-test: $(BIN)/python
 run: install
 	$(BIN)/snakemake --cores $(CORES)
 
-# Runs the test suite (fast tests; `make test PYTEST_ARGS="-m slow"` for the slow ones).
+# Runs the test suite (fast tests; `make test PYTEST_ARGS="-m slow"` for the slow ones), a worker per core
+# (pytest-xdist, at most 8; PYTEST_ARGS="-n 0" runs it in one process).
 test: install-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)

@@ -11,6 +11,47 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 
+# Test files that read the session's `pipeline` fixture (the default run, ~2 minutes): under pytest-xdist (-n, as
+# `make test` runs) they share a worker, so that it is built once (pytest_collection_modifyitems keeps the list
+# complete).
+PIPELINE_FILES = {"test_judge", "test_native_engine", "test_pipeline"}
+
+
+def worker_scope(nodeid: str) -> str:
+    """What runs whole on one xdist worker: a test's file (its module fixtures are built once), the PIPELINE_FILES
+    as one."""
+    path = nodeid.split("::", 1)[0]
+    return "pipeline" if Path(path).stem in PIPELINE_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Tests dealt out by worker_scope. (xdist's own xdist_group marks do not reach its scheduler under pytest
+    9.2, whose node ids no longer come from the `_nodeid` that xdist 3.8 rewrites.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_scope(nodeid)
+
+    return ScopeScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: a worker per usable core, at most 8 (each imports torch; the heaviest scope takes minutes alone)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 8))
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test file reading `pipeline` outside PIPELINE_FILES would build the default run again on its worker."""
+    strays = sorted({item.path.name for item in items if "pipeline" in getattr(item, "fixturenames", ())
+                     and item.path.stem not in PIPELINE_FILES})
+    if strays:
+        raise pytest.UsageError(f"{', '.join(strays)} use(s) the `pipeline` fixture: add to tests/conftest.py's "
+                                f"PIPELINE_FILES so that a parallel run builds it once")
+
+
 def default_config() -> dict:
     return yaml.safe_load((REPO / "config.yaml").read_text())
 
