@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from k2vec.engines.gpu_triton.kernels import w4a16  # noqa: E402
+from k2vec.engines.gpu_triton.kernels import configs, w4a16  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
@@ -38,12 +38,12 @@ ALIGNED = (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12)     # pointers and sizes the l
 
 def compile_config(config: dict, k: int, n: int, m: int, arch: int) -> bytes:
     """The cubin of _w4a16_kernel for bfloat16 x and bfloat16 scales, as w4a16_linear would launch `config`."""
-    cfg = w4a16.tile_config(config, 32, interpret=False)
-    keys = w4a16.launch_keys(cfg, torch.bfloat16, bf16_scales=True)
+    cfg = configs.tile_config(config, 32, interpret=False)
+    keys = configs.launch_keys(cfg, torch.bfloat16, bf16_scales=True)
     keys.pop("launch_pdl", None)
     options = {"num_warps": keys.pop("num_warps", 4), "num_stages": keys.pop("num_stages", 3)}
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
-    keys.update(G=32, SPLIT_K=w4a16.split_k(cfg, k, tiles), BF16_SCALES=True, IEEE=False,
+    keys.update(G=32, SPLIT_K=configs.split_k(cfg, k, tiles), BF16_SCALES=True, IEEE=False,
                 EVEN_K=k % cfg["BLOCK_K"] == 0)
     signature = dict(SIGNATURE, **{key: "constexpr" for key in keys})
     attrs = {(i,): [["tt.divisibility", 16]] for i in ALIGNED}
@@ -85,7 +85,7 @@ def main() -> None:
     k, n = map(int, args.shape.split(","))
     print(f"Triton {triton.__version__}, sm_{args.arch}, K={k} N={n}")
     jobs = [(args.m, cfg) for cfg in args.config] if args.config else \
-        [(m, w4a16.pick_config(w4a16.DENSE_CONFIGS, m)) for m in (1, 2, 4, 16, 32, 64)]
+        [(m, configs.pick_config(configs.DENSE_CONFIGS, m)) for m in (1, 2, 4, 16, 32, 64)]
     for m, cfg in jobs:
         d = describe(compile_config(dict(cfg), k, n, m, args.arch))
         mix = " ".join(f"{op}:{count}" for op, count in d["mix"].items())

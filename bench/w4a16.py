@@ -37,8 +37,8 @@ import triton.language as tl  # noqa: E402
 
 from k2vec.engines.gpu_triton.kernels import fused_moe, pack_for_gpu, w4a16_linear  # noqa: E402
 from k2vec.engines.gpu_triton.kernels import verify  # noqa: E402
-from k2vec.engines.gpu_triton.kernels.fused_moe import MOE_CONFIGS, PackedExperts  # noqa: E402
-from k2vec.engines.gpu_triton.kernels.w4a16 import DENSE_CONFIGS, pick_config  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.configs import DENSE_CONFIGS, MOE_CONFIGS, pick_config  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts  # noqa: E402
 
 MS = (1, 2, 4, 8, 16, 32, 64)
 GROUPS = (32, 64, 128)

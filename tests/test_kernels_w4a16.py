@@ -85,7 +85,7 @@ def test_interpreted_split_k_matches(cpu_results):
 
 
 def test_split_k_counts_splits_within_k_tiles():
-    from k2vec.engines.gpu_triton.kernels.w4a16 import split_k
+    from k2vec.engines.gpu_triton.kernels.configs import split_k
     cfg = dict(BLOCK_K=128)
     assert split_k({**cfg, "SPLIT_CTAS": 264}, 7168, 32) == 8       # 9 wanted: runs of 7 of 56 K tiles, 8 splits
     assert split_k({**cfg, "SPLIT_CTAS": 264}, 2048, 112) == 3
@@ -136,7 +136,7 @@ def test_mma_order_config_needs_the_mma_words():
 
 
 def test_tile_config_refuses_an_unknown_key():
-    from k2vec.engines.gpu_triton.kernels.w4a16 import tile_config
+    from k2vec.engines.gpu_triton.kernels.configs import tile_config
     # ONE_DOT: a session-13 tile option since removed; a typo of a known key fails the same way
     for key in ("ONE_DOT", "BLOCK_n"):
         with pytest.raises(ValueError, match=f"unknown key\\(s\\) {key}"):

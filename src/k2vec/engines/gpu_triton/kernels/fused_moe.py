@@ -26,6 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
+from k2vec.engines.gpu_triton.kernels.configs import (
+    MOE_CONFIGS,
+    MOE_CONFIGS_FP32,
+    launch_keys,
+    pick_config,
+    split_k,
+    tile_config,
+)
 from k2vec.engines.gpu_triton.kernels.int4_layout import _as_tensor, scales_tensor
 from k2vec.engines.gpu_triton.kernels.w4a16 import (
     _grid_wait,
@@ -36,11 +44,7 @@ from k2vec.engines.gpu_triton.kernels.w4a16 import (
     _split_sum,
     check_activation,
     interpreting,
-    launch_keys,
-    pick_config,
     split_buffers,
-    split_k,
-    tile_config,
     to_planes,
 )
 
@@ -203,35 +207,6 @@ def _moe_kernel(x_ptr, w_ptr, s_ptr, y_ptr, pair_ids_ptr, block_expert_ptr, rout
             _moe_epilogue(acc, up, y_ptr, pairs, row_mask, offs_n, n_mask, route_w_ptr, N, stride_ym,
                           GATED, WEIGHTED, OUT_PLANES)
             tl.store(cnt_ptr + tile, 0)
-
-
-# M upper bound -> tile configs of (gate/up, down). SORTED False: one (token, expert) pair per program, on CUDA
-# cores (BLOCK_M 1) or tensor cores with the pair in row 0 of 16 (BLOCK_M 16); SORTED (BLOCK_M >= 16): pairs
-# grouped by expert. MOE_CONFIGS (bfloat16/float16 activations): the winners of the H200 sweep of bench/w4a16.py
-# (bench/RESULTS.md, 2026-12-02, issue 27, session 12): up to M = 16 both launches as one-row GEMV tiles (X_WIDE,
-# PREFETCH, CODES_ASM, BIASED_CODES; one pair per program: top-8 of 384 experts gives about one pair per expert
-# there, and at M = 16 reading an expert once per token still beat the expert-sorted tensor-core tiles), gate and up
-# in separate programs (SPLIT_GU), both launched with PDL so that the down launch, in programs of 2 warps, loads its
-# first weight tile while gate/up ends (ROUTED); the down launch summing each token's rows itself (COMBINE) where the
-# sweep picked it; from M = 17 the expert-sorted tensor-core tiles, gate/up with PDL (session 13), the down launch
-# without it up to M = 32 and with it beyond.
-_PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
-_SORTED_TC = dict(_PAIR_TC, SORTED=True)
-_ROW_GEMV = dict(BLOCK_M=1, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True,
-                 CODES_ASM=True, BIASED_CODES=True, num_warps=4, num_stages=3)
-_ROW_GATE_UP = dict(_ROW_GEMV, BLOCK_N=32, BLOCK_K=512, SPLIT_GU=True, PDL=True)
-_ROW_DOWN = dict(_ROW_GEMV, BLOCK_N=32, num_warps=2, PDL=True)
-MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
-    (1, (dict(_ROW_GATE_UP, BLOCK_N=64), dict(_ROW_DOWN, COMBINE=True))),
-    (4, (_ROW_GATE_UP, _ROW_DOWN)),
-    (8, (dict(_ROW_GATE_UP, BLOCK_N=64), dict(_ROW_DOWN, COMBINE=True))),
-    (16, (_ROW_GATE_UP, dict(_ROW_DOWN, BLOCK_N=64))),
-    (32, (dict(_SORTED_TC, SPLIT_GU=True, PDL=True), _SORTED_TC)),
-    (1 << 62, (dict(_SORTED_TC, SPLIT_GU=True, PDL=True), dict(_SORTED_TC, PDL=True))),
-]
-# float32 activations: the 2026-11-30 sweep's one-pair CUDA-core path at every M
-_ONE_PAIR = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)
-MOE_CONFIGS_FP32: list[tuple[int, tuple[dict, dict]]] = [(1 << 62, (_ONE_PAIR, _ONE_PAIR))]
 
 
 def sort_pairs_by_expert(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
+from k2vec.engines.gpu_triton.kernels.configs import (
+    DENSE_CONFIGS,
+    DENSE_CONFIGS_FP32,
+    launch_keys,
+    pick_config,
+    split_k,
+    tile_config,
+)
 from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -618,104 +626,6 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
             total = _split_sum(ws_ptr, tile, out_mask, SPLIT_K, 1, 0, BLOCK_M, BLOCK_N)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.store(cnt_ptr + tile, 0)
-
-
-# Tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
-# DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
-# issue 27, sessions 12-14), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid
-# has about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a prefetched
-# next K tile, split to ~132 programs of several K tiles each, with the biased codes and launched with PDL (its first
-# weight tile loads while the kernel before it ends); at M = 2 a program per row, the second row's weight reads
-# mostly served by L2. M = 3-64: tensor cores on the weight's MMA-order words (MMA_ORDER, session 14), 64 output
-# columns and 4 warps per program: M = 3-16 in 16-row tiles, 4 stages, split to ~528 programs; M = 17-32 in
-# 32-row tiles split to ~528 with PDL (the first block's weights loaded before the wait); M = 33-64 in 64-row tiles
-# split to ~264.
-_GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
-             BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
-_MMA = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)
-DENSE_CONFIGS: list[tuple[int, dict]] = [
-    (2, _GEMV),
-    (16, dict(_MMA, SPLIT_CTAS=528, num_stages=4)),
-    (32, dict(_MMA, BLOCK_M=32, SPLIT_CTAS=528, PDL=True)),
-    (1 << 62, dict(_MMA, BLOCK_M=64)),
-]
-# float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
-DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
-    (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_PLANES=True, SCALE_GROUPS=True, num_warps=8, num_stages=3)),
-    (4, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS=True, num_warps=4, num_stages=3)),
-    (32, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)),
-    (1 << 62, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)),
-]
-
-
-def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
-    return next(cfg for bound, cfg in configs if m <= bound)
-
-
-# the keys a tile config may hold: the kernel's constexpr flags, Triton's launch options, the host-side split keys
-# (split_k) and fused_moe's own (SORTED, SPLIT_GU, COMBINE)
-CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_K", "X_PLANES", "X_WIDE", "SCALE_GROUPS", "PACKED", "PREFETCH",
-                         "CODES_ASM", "BIASED_CODES", "MMA_ORDER", "PDL", "num_warps", "num_stages", "maxnreg",
-                         "SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT", "SORTED", "SPLIT_GU", "COMBINE"})
-
-
-def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
-    """A launch config valid for `group_size`: BLOCK_K a multiple of G; tensor-core BLOCK_M at least 16.
-    Keeps the host-side keys SPLIT_K / SPLIT_CTAS / SPLIT_FIT (see split_k) and PACKED (False: float32
-    dequantization). MMA_ORDER reads the weight's `mma` words (int4_layout.mma_order_words). PDL (launch as a
-    programmatic dependent, see _grid_wait) is dropped in the interpreter and on a `device` older than sm_90."""
-    unknown = sorted(set(config) - CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"tile config {config}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(CONFIG_KEYS))}")
-    cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "PREFETCH": False,
-           "CODES_ASM": False, "BIASED_CODES": False, "MMA_ORDER": False, "PDL": False, **config}
-    if cfg["MMA_ORDER"]:    # tensor cores on the MMA-order words, x as it is, one 128-element block per step
-        if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg.get("BLOCK_K", 128) != 128:
-            raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH, got {config}")
-        cfg["BLOCK_K"], cfg["X_PLANES"] = 128, False
-    cfg["PEEL"] = bool(cfg["MMA_ORDER"] and cfg["PDL"])     # before the interpreter drops PDL: its peel runs there too
-    if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
-        cfg["X_PLANES"] = False
-    if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"] and cfg["BLOCK_M"] == 1):
-        raise ValueError(f"PREFETCH (the one-row CUDA-core GEMV) needs BLOCK_M 1, X_WIDE and SCALE_GROUPS, got {config}")
-    if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
-        raise ValueError(f"CODES_ASM is an option of the PREFETCH one-row path, got {config}")
-    if cfg["BIASED_CODES"] and not cfg["PREFETCH"]:
-        raise ValueError(f"BIASED_CODES is an option of the PREFETCH one-row path, got {config}")
-    cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group_size)
-    if cfg["BLOCK_M"] > 1:    # tl.dot needs 16 rows and a K of 16 words (128 elements)
-        cfg["BLOCK_M"] = max(cfg["BLOCK_M"], 16)
-        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 128)
-    if interpret:    # the interpreter ignores warps, stages and register caps, and runs no inline PTX
-        cfg.pop("num_warps", None), cfg.pop("num_stages", None), cfg.pop("maxnreg", None)
-        cfg["PACKED"] = False
-        cfg["CODES_ASM"] = False
-        cfg["PDL"] = False
-    elif cfg["PDL"] and device is not None and torch.cuda.get_device_capability(device)[0] < 9:
-        cfg["PDL"] = False      # griddepcontrol needs sm_90
-    return cfg
-
-
-def split_k(cfg: dict, k: int, tiles: int) -> int:
-    """Splits of K for a grid of `tiles` output tiles: SPLIT_K if given, else enough to reach SPLIT_CTAS programs
-    (SPLIT_FIT: as many as keep the grid within SPLIT_CTAS programs, so that a tile resident once per SM's worth of
-    slots runs in one wave), rounded down so that no split is left empty (the K tiles dealt out in runs of equal
-    length but the last); at most one split per BLOCK_K tile."""
-    k_tiles = triton.cdiv(k, cfg["BLOCK_K"])
-    if cfg.get("SPLIT_K"):
-        return max(1, min(cfg["SPLIT_K"], k_tiles))
-    ctas = cfg.get("SPLIT_CTAS", 0)
-    want = max(1, min(ctas // tiles if cfg.get("SPLIT_FIT") else triton.cdiv(ctas, tiles), k_tiles))
-    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, want))
-
-
-def launch_keys(cfg: dict, activation: torch.dtype, bf16_scales: bool) -> dict:
-    """The kernel's constexpr/launch keys of a tile config (host-side keys dropped); PACKED only where it applies."""
-    out = {key: value for key, value in cfg.items() if key not in ("SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT")}
-    out["PACKED"] = bool(cfg["PACKED"] and cfg["BLOCK_M"] > 1 and activation == torch.bfloat16 and bf16_scales)
-    if cfg["PDL"]:      # launched as a programmatic dependent of the kernel before it (see _grid_wait)
-        out["launch_pdl"] = True
-    return out
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
