@@ -40,7 +40,8 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """-n auto: a worker per usable core, at most 8 (each imports torch; the heaviest scope takes minutes alone)."""
-    return max(1, min(len(os.sched_getaffinity(0)), 8))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(usable, 8))
 
 
 def pytest_collection_modifyitems(config, items):
