@@ -21,7 +21,8 @@ SCOPES = [
     Scope("one file", "tests/test_workflow.py::test_a", "tests/test_workflow.py::test_b[x-1]", True),
     Scope("two files", "tests/test_workflow.py::test_a", "tests/test_resume.py::test_a", False),
     Scope("the default run's readers", "tests/test_judge.py::test_a", "tests/test_pipeline.py::test_b[numpy]", True),
-    Scope("native engine with the default run", "tests/test_native_engine.py::T::test_c", "tests/test_judge.py::d", True),
+    Scope("native engine with the default run", "tests/test_native_engine.py::T::test_c", "tests/test_judge.py::d",
+          True),
     Scope("a reader and another file", "tests/test_pipeline.py::test_a", "tests/test_report_html.py::test_a", False),
 ]
 

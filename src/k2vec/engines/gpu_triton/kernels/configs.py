@@ -36,9 +36,9 @@ DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
 ]
 
 
-# Fused MoE: M upper bound -> tile configs of (gate/up, down). SORTED False: one (token, expert) pair per program, on CUDA
-# cores (BLOCK_M 1) or tensor cores with the pair in row 0 of 16 (BLOCK_M 16); SORTED (BLOCK_M >= 16): pairs
-# grouped by expert. MOE_CONFIGS (bfloat16/float16 activations): the winners of the H200 sweep of bench/w4a16.py
+# Fused MoE: M upper bound -> tile configs of (gate/up, down). SORTED False: one (token, expert) pair per program,
+# on CUDA cores (BLOCK_M 1) or tensor cores with the pair in row 0 of 16 (BLOCK_M 16); SORTED (BLOCK_M >= 16):
+# pairs grouped by expert. MOE_CONFIGS (bfloat16/float16 activations): the winners of the H200 sweep of bench/w4a16.py
 # (bench/RESULTS.md, 2026-12-02, issue 27, session 12): up to M = 16 both launches as one-row GEMV tiles (X_WIDE,
 # PREFETCH, CODES_ASM, BIASED_CODES; one pair per program: top-8 of 384 experts gives about one pair per expert
 # there, and at M = 16 reading an expert once per token still beat the expert-sorted tensor-core tiles), gate and up
