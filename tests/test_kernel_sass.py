@@ -26,3 +26,20 @@ def test_mma_order_k_loop_has_no_shared_memory_trip(sass):
     assert mix.get("HGMMA", 0) > 0, d           # the loop found is the MMA loop
     assert mix.get("STS", 0) == 0 and mix.get("LDSM", 0) == 0, d
     assert mix.get("BAR", 0) <= 2, d            # the cp.async stage handoff only
+
+
+# the one-row GEMV (M = 1, dense and the fused MoE's launches) is issue-bound (bench/RESULTS.md, ncu): its K loop
+# should spend one fused multiply-add and one prmt per weight and little else. A per-word partial sum costs an FMUL
+# and group FADDs, x widened to float32 after it is spread over the rows an IMAD per use: 490 instructions per trip
+# where this tile takes 422 (Triton 3.7.1).
+GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
+            BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
+
+
+def test_one_row_k_loop_is_a_chain_of_fused_multiply_adds(sass):
+    d = sass.describe(sass.compile_config(GEMV, 7168, 4096, 1, 90))
+    mix = d["mix"]
+    weights = 32 * 1024 // (8 * 32)         # per lane and K tile: BLOCK_N x BLOCK_K over 8 warps of 32
+    assert weights <= mix.get("PRMT", 0) <= weights + 8, d      # the loop found is the GEMV's K loop
+    assert weights <= mix.get("FFMA", 0) <= weights + 8 and mix.get("FMUL", 0) <= 2, d
+    assert d["loop_instructions"] <= 3.4 * weights, d

@@ -44,6 +44,10 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, SPLIT_K=4),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, PDL=True, SPLIT_K=4)]   # the last split empty
 MMA_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True)
+# the one-row GEMV chains each run of 4 words (32 products) and adds the runs of a larger group: groups of 64 and
+# 128 (2 and 4 runs), K = 9 G over 4 splits, both code forms
+PREFETCH_ROW = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4)
+CPU_LARGE_GROUPS = [(g, dict(PREFETCH_ROW, BIASED_CODES=biased)) for g in (64, 128) for biased in (False, True)]
 # a flipped bundle nibble, on the default tiles and on the MMA-order words made from the flipped bytes
 CPU_FLIPS = [(m, 37, 288, 32, "float32", "float32", flip, None) for m in (1, 16) for flip in ("low", "high")] + \
             [(16, 37, 288, 32, "float32", "float32", flip, MMA_TILE) for flip in ("low", "high")]
@@ -57,11 +61,14 @@ def cpu_results():
     split_calls = [("check_dense", [m, 37, 576, 32, "bfloat16", act], {"config": cfg})
                    for cfg in CPU_SPLITS for m, act in ((1, "float32"), (3, "float16"))]
     calls += [("check_dense", list(case[:-2]), {"flip": case[-2], "config": case[-1]}) for case in CPU_FLIPS]
-    results = run_interpreted(calls + split_calls)
-    splits = results[len(calls):]
+    group_calls = [("check_dense", [1, 37, 9 * g, g, "bfloat16", "float32"], {"config": cfg})
+                   for g, cfg in CPU_LARGE_GROUPS]
+    results = run_interpreted(calls + split_calls + group_calls)
+    groups = results[len(calls) + len(split_calls):]
+    splits = results[len(calls):len(calls) + len(split_calls)]
     results = results[:len(calls)]
     return {"grid": results[:len(CPU_GRID)], "paths": results[len(CPU_GRID):-len(CPU_FLIPS)],
-            "flips": results[-len(CPU_FLIPS):], "splits": splits}
+            "flips": results[-len(CPU_FLIPS):], "splits": splits, "groups": groups}
 
 
 @pytest.mark.parametrize("index", range(len(CPU_GRID)), ids=[" ".join(map(str, c)) for c in CPU_GRID])
@@ -82,6 +89,14 @@ def test_interpreted_split_k_matches(cpu_results):
     assert len(cpu_results["splits"]) == 2 * len(CPU_SPLITS)
     for result in cpu_results["splits"]:
         assert result["ok"], result
+
+
+@pytest.mark.parametrize("index", range(len(CPU_LARGE_GROUPS)),
+                         ids=[f"G={g} biased={cfg['BIASED_CODES']}" for g, cfg in CPU_LARGE_GROUPS])
+def test_interpreted_one_row_path_sums_runs_of_a_larger_group(cpu_results, index):
+    result = cpu_results["groups"][index]
+    assert result["all_written"], result
+    assert result["rel_err"] <= result["tolerance"], result
 
 
 def test_split_k_counts_splits_within_k_tiles():

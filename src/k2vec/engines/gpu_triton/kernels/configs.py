@@ -39,13 +39,14 @@ DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
 # Fused MoE: M upper bound -> tile configs of (gate/up, down). SORTED False: one (token, expert) pair per program,
 # on CUDA cores (BLOCK_M 1) or tensor cores with the pair in row 0 of 16 (BLOCK_M 16); SORTED (BLOCK_M >= 16):
 # pairs grouped by expert. MOE_CONFIGS (bfloat16/float16 activations): the winners of the H200 sweep of bench/w4a16.py
-# (bench/RESULTS.md, 2026-12-02, issue 27, session 12): up to M = 16 both launches as one-row GEMV tiles (X_WIDE,
-# PREFETCH, CODES_ASM, BIASED_CODES; one pair per program: top-8 of 384 experts gives about one pair per expert
-# there, and at M = 16 reading an expert once per token still beat the expert-sorted tensor-core tiles), gate and up
-# in separate programs (SPLIT_GU), both launched with PDL so that the down launch, in programs of 2 warps, loads its
-# first weight tile while gate/up ends (ROUTED); the down launch summing each token's rows itself (COMBINE) where the
-# sweep picked it; from M = 17 the expert-sorted tensor-core tiles, gate/up with PDL (session 13), the down launch
-# without it up to M = 32 and with it beyond.
+# (bench/RESULTS.md, 2026-12-02, issue 27, session 12; M = 2-4's gate/up tile widened to 64 columns in session 17,
+# after the chained sums): up to M = 16 both launches as one-row GEMV tiles (X_WIDE, PREFETCH, CODES_ASM,
+# BIASED_CODES; one pair per program: top-8 of 384 experts gives about one pair per expert there, and at M = 16
+# reading an expert once per token still beat the expert-sorted tensor-core tiles), gate and up in separate programs
+# (SPLIT_GU), both launched with PDL so that the down launch, in programs of 2 warps, loads its first weight tile
+# while gate/up ends (ROUTED); the down launch summing each token's rows itself (COMBINE) where the sweep picked it;
+# from M = 17 the expert-sorted tensor-core tiles, gate/up with PDL (session 13), the down launch without it up to
+# M = 32 and with it beyond.
 _PAIR_TC = dict(BLOCK_M=16, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_PLANES=True, num_warps=4, num_stages=3)
 _SORTED_TC = dict(_PAIR_TC, SORTED=True)
 _ROW_GEMV = dict(BLOCK_M=1, SORTED=False, BLOCK_N=64, BLOCK_K=256, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True,
@@ -54,7 +55,7 @@ _ROW_GATE_UP = dict(_ROW_GEMV, BLOCK_N=32, BLOCK_K=512, SPLIT_GU=True, PDL=True)
 _ROW_DOWN = dict(_ROW_GEMV, BLOCK_N=32, num_warps=2, PDL=True)
 MOE_CONFIGS: list[tuple[int, tuple[dict, dict]]] = [
     (1, (dict(_ROW_GATE_UP, BLOCK_N=64), dict(_ROW_DOWN, COMBINE=True))),
-    (4, (_ROW_GATE_UP, _ROW_DOWN)),
+    (4, (dict(_ROW_GATE_UP, BLOCK_N=64), _ROW_DOWN)),
     (8, (dict(_ROW_GATE_UP, BLOCK_N=64), dict(_ROW_DOWN, COMBINE=True))),
     (16, (_ROW_GATE_UP, dict(_ROW_DOWN, BLOCK_N=64))),
     (32, (dict(_SORTED_TC, SPLIT_GU=True, PDL=True), _SORTED_TC)),
