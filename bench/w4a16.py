@@ -474,7 +474,7 @@ def prefetch_row(bn, bk, warps=4, split=0, **extra):
 def dense_candidates(m: int) -> list[dict]:
     """The committed config of each M, the same with PDL flipped (launched as a programmatic dependent of the
     kernel before it: the next call's launch, and for the one-row GEMV its first weight tile, overlap this call's
-    end), at M = 2 and 4 the M = 1 GEMV tiles, one row per program, and from M = 2 the tensor-core tiles on the
+    end), at M = 1-4 one-row GEMV tiles (from M = 2 one row per program), and from M = 2 the tensor-core tiles on the
     weight's MMA-order words (MMA_ORDER: tile shapes, splits, stages, warps, PDL). Session 13's defaults at M = 3-64
     (weight as the A operand, one dot per K tile on the bundle's order) lost to them in session 14 and were removed in
     session 15. Measured and dropped in issue 27's session 11 (bench/RESULTS.md): the GEMV over 2-8 rows with the
