@@ -1,7 +1,7 @@
 """The W4A16 kernels' machine code for a GPU this machine does not have: registers and the instruction mix of the
 K loop, per config, compiled by Triton for the target (default sm_90, the H200) without a GPU.
 
-    python bench/sass.py                       # the committed dense bf16 configs at M = 1, 2, 4, 16, 32, 64
+    python bench/sass.py [--shape K,N]         # the committed dense bf16 configs at M = 1, 2, 4, 16, 32, 64
     python bench/sass.py --config '{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "MMA_ORDER": true}'
     python bench/sass.py --moe                 # the fused MoE's gate/up and down launches at M = 1, 4, 8, 16
     python bench/sass.py --moe --m 1 --config GATE_UP_JSON --config DOWN_JSON
@@ -134,7 +134,7 @@ def main() -> None:
     k, n = map(int, args.shape.split(","))
     print(f"Triton {triton.__version__}, sm_{args.arch}, K={k} N={n}")
     jobs = [(args.m, cfg) for cfg in args.config] if args.config else \
-        [(m, configs.pick_config(configs.DENSE_CONFIGS, m)) for m in (1, 2, 4, 16, 32, 64)]
+        [(m, configs.pick_config(configs.dense_configs(k, n, torch.bfloat16), m)) for m in (1, 2, 4, 16, 32, 64)]
     for m, cfg in jobs:
         d = describe(compile_config(dict(cfg), k, n, m, args.arch))
         mix = " ".join(f"{op}:{count}" for op, count in d["mix"].items())

@@ -37,7 +37,13 @@ import triton.language as tl  # noqa: E402
 
 from k2vec.engines.gpu_triton.kernels import fused_moe, pack_for_gpu, w4a16_linear  # noqa: E402
 from k2vec.engines.gpu_triton.kernels import verify  # noqa: E402
-from k2vec.engines.gpu_triton.kernels.configs import DENSE_CONFIGS, MOE_CONFIGS, pick_config  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.configs import (  # noqa: E402
+    DENSE_CONFIGS,
+    DENSE_SHAPE_CONFIGS,
+    MOE_CONFIGS,
+    dense_configs,
+    pick_config,
+)
 from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts  # noqa: E402
 
 MS = (1, 2, 4, 8, 16, 32, 64)
@@ -76,10 +82,11 @@ def correctness_jobs(smoke: bool) -> list[tuple[str, list, dict]]:
                     jobs.append(("check_dense", [m, n, k, 32, "bfloat16", act], {"config": cfg}))
                 else:
                     jobs.append(("check_moe", [m, 8, 18 * 32, 5 * 32, 3, 6, 32, "bfloat16", act], {"config": cfg}))
-    if not smoke:   # the real K2 shapes, float32 and bf16 activations
+    if not smoke:   # the real K2 shapes (their own tables, DENSE_SHAPE_CONFIGS), float32 and bf16 activations
         for k, n in DENSE_SHAPES:
             for m in MS:
-                jobs.append(("check_dense", [m, n, k, 32, "bfloat16", "float32"], {}))
+                for act in ("float32", "bfloat16"):
+                    jobs.append(("check_dense", [m, n, k, 32, "bfloat16", act], {}))
         for m in (1, 2):
             jobs.append(("check_moe", [m, 16, HIDDEN, INTER, TOP_K, 16, 32, "bfloat16", "float32"], {}))
             jobs.append(("check_moe", [m, 16, HIDDEN, INTER, TOP_K, 16, 32, "bfloat16", "bfloat16"], {}))
@@ -140,12 +147,17 @@ def _worker_init(device: str) -> None:
         torch.cuda.set_device(torch.device(device))
 
 
-def install_configs(dense, moe) -> None:
-    """Replace the kernels' per-M config tables (in this process) with the given ones."""
+def install_configs(dense, moe, dense_shapes=None) -> None:
+    """Replace the kernels' per-M config tables (in this process) with the given ones; dense_shapes: {"KxN": per-M
+    table}, the per-shape tables (DENSE_SHAPE_CONFIGS) in place of the committed ones."""
     if dense:
         DENSE_CONFIGS[:] = [(bound, cfg) for bound, cfg in dense]
     if moe:
         MOE_CONFIGS[:] = [(bound, tuple(cfg)) for bound, cfg in moe]
+    if dense_shapes is not None:
+        DENSE_SHAPE_CONFIGS.clear()
+        DENSE_SHAPE_CONFIGS.update({tuple(map(int, key.split("x"))): [(bound, cfg) for bound, cfg in table]
+                                    for key, table in dense_shapes.items()})
 
 
 def _run_check(job) -> dict:
@@ -295,7 +307,7 @@ def time_dense(device, log, configs=None) -> list[dict]:
             row = dict(k=k, n=n, m=m, ours_us=ours, bf16_us=bf16, torch_int4_us=int4, read_us=read,
                        weight_bytes=nbytes, gbps=nbytes / ours / 1e3, read_frac=read / ours,
                        speedup_bf16=bf16 / ours, speedup_int4=(int4 / ours) if int4 else None,
-                       config=cfg or pick_config(DENSE_CONFIGS, m))
+                       config=cfg or pick_config(dense_configs(k, n, torch.bfloat16), m))
             rows.append(row)
             int4_text = "n/a" if int4 is None else f"{int4:.1f} us ({row['speedup_int4']:.2f}x)"
             log(f"dense K={k} N={n} M={m}: ours {ours:.1f} us ({row['gbps']:.0f} GB/s, {row['read_frac']:.0%} of "
@@ -421,13 +433,15 @@ def pdl_chain_check(device, log, layer) -> list[dict]:
         for m in MS:
             xs = [torch.randn(m, 7168, device=device, dtype=torch.bfloat16) for _ in range(8)]
             routes = [layer.routing(m) for _ in xs] if kind == "moe" else None
-            base = pick_config(DENSE_CONFIGS, m) if kind == "dense" else pick_config(MOE_CONFIGS, m)
-            if kind == "dense":
-                plain = dict(base, PDL=False)
+            if kind == "dense":     # each weight's own config (its shape's table)
+                base = (pick_config(dense_configs(7168, 2048, torch.bfloat16), m),
+                        pick_config(dense_configs(2048, 7168, torch.bfloat16), m))
+                plain = tuple(dict(c, PDL=False) for c in base)
 
                 def chain(cfg):
-                    return [w4a16_linear(w4a16_linear(x, wa, config=cfg), wb, config=cfg) for x in xs]
+                    return [w4a16_linear(w4a16_linear(x, wa, config=cfg[0]), wb, config=cfg[1]) for x in xs]
             else:
+                base = pick_config(MOE_CONFIGS, m)
                 plain = tuple(dict(c, PDL=False) for c in base)
 
                 def chain(cfg):
@@ -443,8 +457,7 @@ def pdl_chain_check(device, log, layer) -> list[dict]:
             torch.cuda.synchronize()
             same = sum(torch.equal(a, b) for a, b in zip(want, eager)) + sum(
                 torch.equal(a, b) for a, b in zip(want, captured))
-            rows.append(dict(kind=kind, m=m, pdl=bool(base.get("PDL") if kind == "dense" else base[0].get("PDL")),
-                             identical=same, of=2 * len(xs)))
+            rows.append(dict(kind=kind, m=m, pdl=any(c.get("PDL") for c in base), identical=same, of=2 * len(xs)))
     log("PDL chains bit-identical to the same configs without PDL: " + ", ".join(
         f"{r['kind']} M={r['m']}{'' if r['pdl'] else ' (no PDL)'} {r['identical']}/{r['of']}" for r in rows))
     return rows
@@ -459,6 +472,10 @@ def one_row(bn, bk, planes=True, groups=True, warps=4, split=0, wide=False):
 
 # the committed configs (the previous sweep's winners), timed beside the candidates as references
 OLD_DENSE = {m: dict(pick_config(DENSE_CONFIGS, m)) for m in MS}
+OLD_SHAPES = {shape: {m: dict(pick_config(table, m)) for m in MS} for shape, table in DENSE_SHAPE_CONFIGS.items()}
+# a shape's own winner goes into its table (DENSE_SHAPE_CONFIGS) where it beats the winner summed over the shapes by
+# this much on that shape
+SHAPE_GAIN = 0.05
 
 
 def mma_tile(bm, bn, warps, split, stages=3, **extra):
@@ -485,6 +502,7 @@ def dense_candidates(m: int) -> list[dict]:
     half and a quarter of the rows (two or four programs per column tile, each dequantizing the whole weight
     again), 528-1056 splits, 1.1-1.6x slower."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
+    cands += [OLD_SHAPES[shape][m] for shape in sorted(OLD_SHAPES)]      # each shape's committed config
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         cands += [mma_tile(bm, 64, 4, sp) for sp in (132, 264, 396, 528, 792)]
@@ -581,7 +599,8 @@ def warm_jobs(moe: bool = True):
 
 
 def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
-    """Best config per M: dense by the sum of its times over the three K2 shapes; MoE on the K2 layer, gate/up
+    """Best config per M: dense by the sum of its times over the three K2 shapes, and a shape's own table where its
+    own best beats that by SHAPE_GAIN at some M (the summed winner at the other M); MoE on the K2 layer, gate/up
     tiles first (with the reference down tile), then down tiles with the best gate/up tile (not moe: the committed
     MoE configs, untimed)."""
     rows = []
@@ -592,6 +611,7 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
         weights[(k, n)] = [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16",
                                         device) for _ in range(copies_for(nbytes))]
     dense_table = []
+    shape_best = {shape: [] for shape in DENSE_SHAPES}    # per M: (the shape's own best, the summed winner)
     for m in MS:
         scores = []
         for cfg in dense_candidates(m):
@@ -610,7 +630,17 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
         ref = next(t for s, t, c in scores if c is OLD_DENSE[m]) if any(c is OLD_DENSE[m] for *_, c in scores) else []
         log(f"sweep dense M={m}: best {cfg} " + " ".join(f"{t:.1f}" for t in times) + " us; reference "
             + " ".join(f"{t:.1f}" for t in ref))
-        dense_table.append([m if m < MS[-1] else 1 << 62, cfg])
+        bound = m if m < MS[-1] else 1 << 62
+        dense_table.append([bound, cfg])
+        for i, shape in enumerate(DENSE_SHAPES):
+            own = min(scores, key=lambda t: t[1][i])
+            committed = [t[i] for _, t, c in scores if shape in OLD_SHAPES and c == OLD_SHAPES[shape][m]]
+            log(f"sweep dense M={m} {shape[0]}->{shape[1]}: own best {own[2]} {own[1][i]:.1f} us, summed winner "
+                f"{times[i]:.1f} us" + (f", committed {committed[0]:.1f} us" if committed else ""))
+            shape_best[shape].append((bound, own[2] if own[1][i] < (1 - SHAPE_GAIN) * times[i] else cfg,
+                                      own[1][i] < (1 - SHAPE_GAIN) * times[i]))
+    dense_shape_table = {f"{k}x{n}": [[bound, cfg] for bound, cfg, _ in best] for (k, n), best in shape_best.items()
+                         if any(gain for *_, gain in best)}
     del weights
     moe_table = []
 
@@ -649,7 +679,7 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
         log(f"sweep moe M={m}: best {cfg} {us:.1f} us (reference {ref:.1f} us)" if ref else
             f"sweep moe M={m}: best {cfg} {us:.1f} us")
         moe_table.append([m if m < SWEEP_MOE_MS[-1] else 1 << 62, cfg])
-    return {"rows": rows, "dense_table": dense_table, "moe_table": moe_table}
+    return {"rows": rows, "dense_table": dense_table, "moe_table": moe_table, "dense_shape_table": dense_shape_table}
 
 
 # ---------------------------------------------------------------- report
@@ -746,10 +776,10 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     log(f"torch {torch.__version__} triton {triton.__version__} GPUs {gpus} "
         f"{torch.cuda.get_device_name(0) if gpus else 'none'}")
-    tables = [None, None]
+    tables = [None, None, None]     # dense, MoE, dense per shape (install_configs); None: the committed ones
     if args.configs:
         saved = json.loads(args.configs.read_text())
-        tables = [saved["dense_table"], saved["moe_table"]]
+        tables = [saved["dense_table"], saved["moe_table"], saved.get("dense_shape_table")]
         install_configs(*tables)
     if args.profile:
         profile(torch.device("cuda:0"), log)
@@ -773,10 +803,10 @@ def main() -> None:
             sweep = guarded(log, "sweep", run_sweep, device, log, layer, not args.dense_only)
             if sweep:
                 results["sweep"] = sweep
-                tables = [sweep["dense_table"], sweep["moe_table"]]
+                tables = [sweep["dense_table"], sweep["moe_table"], sweep["dense_shape_table"]]
                 install_configs(*tables)
-                (args.out / "configs.json").write_text(json.dumps({"dense_table": tables[0],
-                                                                    "moe_table": tables[1]}, indent=1))
+                (args.out / "configs.json").write_text(json.dumps(
+                    {"dense_table": tables[0], "moe_table": tables[1], "dense_shape_table": tables[2]}, indent=1))
                 log(f"sweep took {time.perf_counter() - t0:.0f} s")
     correctness_async = None
     jobs = [(*job, tables) for job in correctness_jobs(args.smoke)]
@@ -803,7 +833,8 @@ def main() -> None:
                 log(f"  {'UNEXPECTED' if bad else ''} {r}")
     pool.close()
     pool.join()
-    results["tables"] = {"dense": DENSE_CONFIGS, "moe": MOE_CONFIGS}
+    results["tables"] = {"dense": DENSE_CONFIGS, "moe": MOE_CONFIGS,
+                         "dense_shapes": {f"{k}x{n}": t for (k, n), t in DENSE_SHAPE_CONFIGS.items()}}
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     summary = markdown(results.get("dense"), results.get("moe"), results.get("copy_gbps"), results.get("correctness"))
     (args.out / "summary.md").write_text(summary + "\n")

@@ -150,6 +150,25 @@ def test_mma_order_config_needs_the_mma_words():
         w4a16_linear(torch.zeros(4, 128), weight, config=dict(MMA_TILE, BLOCK_K=256))
 
 
+def test_dense_configs_give_a_shape_its_own_table():
+    from k2vec.engines.gpu_triton.kernels.configs import (
+        DENSE_CONFIGS,
+        DENSE_CONFIGS_FP32,
+        DENSE_SHAPE_CONFIGS,
+        dense_configs,
+        tile_config,
+    )
+    assert dense_configs(7168, 2048, torch.bfloat16) is DENSE_SHAPE_CONFIGS[(7168, 2048)]
+    assert dense_configs(7168, 2048, torch.float16) is DENSE_SHAPE_CONFIGS[(7168, 2048)]
+    assert dense_configs(2048, 7168, torch.bfloat16) is DENSE_CONFIGS          # no table of its own
+    assert dense_configs(7168, 2048, torch.float32) is DENSE_CONFIGS_FP32
+    for table in (DENSE_CONFIGS, *DENSE_SHAPE_CONFIGS.values()):     # every M covered, every entry launchable
+        bounds = [bound for bound, _ in table]
+        assert bounds == sorted(bounds) and bounds[-1] >= 1 << 62, bounds
+        for _, cfg in table:
+            tile_config(cfg, 32, interpret=False)
+
+
 def test_tile_config_refuses_an_unknown_key():
     from k2vec.engines.gpu_triton.kernels.configs import tile_config
     # ONE_DOT: a session-13 tile option since removed; a typo of a known key fails the same way

@@ -10,7 +10,8 @@ import triton
 
 # Dense tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
 # DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
-# issue 27, sessions 12-14), each the fastest summed over the three K2 shapes. SPLIT_CTAS: split K until the grid
+# issue 27, sessions 12-14), each the fastest summed over the three K2 shapes (a shape with a table of its own in
+# DENSE_SHAPE_CONFIGS, below, uses that instead; dense_configs picks). SPLIT_CTAS: split K until the grid
 # has about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a prefetched
 # next K tile, split to ~132 programs of several K tiles each, with the biased codes and launched with PDL (its first
 # weight tile loads while the kernel before it ends); at M = 2 a program per row, the second row's weight reads
@@ -27,6 +28,19 @@ DENSE_CONFIGS: list[tuple[int, dict]] = [
     (32, dict(_MMA, BLOCK_M=32, SPLIT_CTAS=528, PDL=True)),
     (1 << 62, dict(_MMA, BLOCK_M=64)),
 ]
+# Shapes whose own winners in the sweep beat DENSE_CONFIGS by far (bench/RESULTS.md, session 17): (K, N) -> a
+# per-M table in its place. 7168 -> 2048 (K2's attention output and the dense layers' down projection): 64 columns
+# per program and about 264 programs at every M, so that K is split in runs of equal length (the default's 32-column
+# GEMV splits its 7 K tiles 3 + 3 + 1); M = 1 on the one-row GEMV, from M = 2 on tensor cores, with PDL.
+_MMA_264 = dict(_MMA, PDL=True)
+DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
+    (7168, 2048): [
+        (1, dict(_GEMV, BLOCK_N=64, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4)),
+        (16, _MMA_264),
+        (32, dict(_MMA_264, BLOCK_M=32)),
+        (1 << 62, dict(_MMA_264, BLOCK_M=64)),
+    ],
+}
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
 DENSE_CONFIGS_FP32: list[tuple[int, dict]] = [
     (1, dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_PLANES=True, SCALE_GROUPS=True, num_warps=8, num_stages=3)),
@@ -68,6 +82,14 @@ MOE_CONFIGS_FP32: list[tuple[int, tuple[dict, dict]]] = [(1 << 62, (_ONE_PAIR, _
 
 def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
     return next(cfg for bound, cfg in configs if m <= bound)
+
+
+def dense_configs(k: int, n: int, activation: torch.dtype) -> list[tuple[int, dict]]:
+    """The per-M table of a K -> N weight: float32 activations DENSE_CONFIGS_FP32, else the shape's own table
+    (DENSE_SHAPE_CONFIGS) or DENSE_CONFIGS."""
+    if activation == torch.float32:
+        return DENSE_CONFIGS_FP32
+    return DENSE_SHAPE_CONFIGS.get((k, n), DENSE_CONFIGS)
 
 
 # the keys a tile config may hold: the kernel's constexpr flags, Triton's launch options, the host-side split keys

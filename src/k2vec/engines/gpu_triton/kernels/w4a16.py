@@ -26,14 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k2vec.engines.gpu_triton.kernels.configs import (
-    DENSE_CONFIGS,
-    DENSE_CONFIGS_FP32,
-    launch_keys,
-    pick_config,
-    split_k,
-    tile_config,
-)
+from k2vec.engines.gpu_triton.kernels.configs import dense_configs, launch_keys, pick_config, split_k, tile_config
 from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -721,8 +714,8 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
                          f"got {out.dtype} {tuple(out.shape)}")
     if m == 0:
         return out
-    table = DENSE_CONFIGS_FP32 if x.dtype == torch.float32 else DENSE_CONFIGS
-    cfg = tile_config(config or pick_config(table, m), weight.group_size, interpreting(), x.device)
+    cfg = tile_config(config or pick_config(dense_configs(weight.k, weight.n, x.dtype), m), weight.group_size,
+                      interpreting(), x.device)
     bf16_scales = weight.scales.dtype == torch.bfloat16
     scales = weight.scales.view(torch.int16) if bf16_scales else weight.scales
     if cfg["MMA_ORDER"]:
