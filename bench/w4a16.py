@@ -611,7 +611,7 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
         weights[(k, n)] = [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16",
                                         device) for _ in range(copies_for(nbytes))]
     dense_table = []
-    shape_best = {shape: [] for shape in DENSE_SHAPES}    # per M: (the shape's own best, the summed winner)
+    shape_best = {shape: [] for shape in DENSE_SHAPES}    # per M: (bound, the shape's config, its own winner taken)
     for m in MS:
         scores = []
         for cfg in dense_candidates(m):
