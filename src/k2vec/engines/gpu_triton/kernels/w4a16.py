@@ -268,9 +268,10 @@ def _row_loads(w_rows, s_rows, x_rows, kt, kt_hi, K, k_words, G: tl.constexpr, W
     """One-row PREFETCH path: K tile kt's weight words [BLOCK_N, WORDS], natural-order x [1, WORDS, 8] and group
     scales [BLOCK_N, groups] (_row_tile's clamped tile; w_rows/s_rows of rows past N point at row 0, see
     _int4_tile, and the one row of x always exists), masked only at a K tail: 16-byte loads without predicates or
-    zeroed registers, 4% fewer instructions per trip than masked (bench/sass.py). Written out, not as _row_weight_loads + _row_x_loads: composed from them, the loop compiles to 238 registers
-    instead of 127 and 579 instructions per trip instead of 490 (bench/sass.py, Triton 3.7.1, before the chained
-    sums; the MoE gate/up tile then spills)."""
+    zeroed registers, 4% fewer instructions per trip than masked (bench/sass.py). Written out, not as
+    _row_weight_loads + _row_x_loads: composed from them, the loop compiles to 238 registers instead of 127 and 579
+    instructions per trip instead of 490 (bench/sass.py, Triton 3.7.1, before the chained sums; the MoE gate/up tile
+    then spills)."""
     GROUPS: tl.constexpr = WORDS // (G // 8)
     i, g = _row_tile(kt, kt_hi, WORDS, GROUPS)
     words = _k_load(w_rows[:, None] + i[None, :], (i < k_words)[None, :], EVEN_K)
@@ -489,11 +490,11 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     offs_w = tl.arange(0, WORDS)
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
     if PREFETCH:    # rows past N read row 0 (never stored), so the one-row path's loads need no row mask
-        w_rows = w_ptr + tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn
-        s_rows = s_ptr + tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_sn
+        n_rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
     else:
-        w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
-        s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn
+        n_rows = offs_n.to(tl.int64)
+    w_rows = w_ptr + n_rows * stride_wn
+    s_rows = s_ptr + n_rows * stride_sn
     if not (PREFETCH or MMA_ORDER):
         _grid_wait(PDL)
     if MMA_ORDER:
