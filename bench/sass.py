@@ -39,19 +39,29 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "y_ptr": "*bf16
 ALIGNED = (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12)     # pointers and sizes the launches see as multiples of 16
 
 
+def bf16_launch_keys(cfg: dict) -> tuple[dict, dict]:
+    """A tile config's constexpr keys for bfloat16 x and scales, and its Triton options (warps, stages)."""
+    keys = configs.launch_keys(cfg, torch.bfloat16, bf16_scales=True)
+    keys.pop("launch_pdl", None)
+    return keys, {"num_warps": keys.pop("num_warps", 4), "num_stages": keys.pop("num_stages", 3)}
+
+
+def cubin(kernel, signature: dict, aligned: tuple, keys: dict, options: dict, arch: int) -> bytes:
+    """`kernel` compiled for sm_`arch`, its arguments at the `aligned` positions known multiples of 16."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(fn=kernel, signature=dict(signature, **{key: "constexpr" for key in keys}), constexprs=keys,
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
+
+
 def compile_config(config: dict, k: int, n: int, m: int, arch: int) -> bytes:
     """The cubin of _w4a16_kernel for bfloat16 x and bfloat16 scales, as w4a16_linear would launch `config`."""
     cfg = configs.tile_config(config, 32, interpret=False)
-    keys = configs.launch_keys(cfg, torch.bfloat16, bf16_scales=True)
-    keys.pop("launch_pdl", None)
-    options = {"num_warps": keys.pop("num_warps", 4), "num_stages": keys.pop("num_stages", 3)}
+    keys, options = bf16_launch_keys(cfg)
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
     keys.update(G=32, SPLIT_K=configs.split_k(cfg, k, tiles), BF16_SCALES=True, IEEE=False,
                 EVEN_K=k % cfg["BLOCK_K"] == 0)
-    signature = dict(SIGNATURE, **{key: "constexpr" for key in keys})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in ALIGNED}
-    src = ASTSource(fn=w4a16._w4a16_kernel, signature=signature, constexprs=keys, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
+    return cubin(w4a16._w4a16_kernel, SIGNATURE, ALIGNED, keys, options, arch)
 
 
 MOE_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "y_ptr": "*bf16", "pair_ids_ptr": "*i64",
@@ -68,23 +78,17 @@ def compile_moe(config: dict, down: bool, m: int, top_k: int, arch: int) -> byte
     for key in ("MMA_ORDER", "PEEL"):
         cfg.pop(key)
     sorted_ = cfg.pop("SORTED", cfg["BLOCK_M"] > 1)
-    combine = bool(down and cfg.pop("COMBINE", False))
-    split_gu = bool(not down and cfg.pop("SPLIT_GU", False))
-    cfg.pop("COMBINE", None), cfg.pop("SPLIT_GU", None)
+    combine = bool(cfg.pop("COMBINE", False) and down)
+    split_gu = bool(cfg.pop("SPLIT_GU", False) and not down)
     n, k = (7168, 2048) if down else (2048, 7168)
     pairs = m * top_k
-    keys = configs.launch_keys(cfg, torch.bfloat16, bf16_scales=True)
-    keys.pop("launch_pdl", None)
-    options = {"num_warps": keys.pop("num_warps", 4), "num_stages": keys.pop("num_stages", 3)}
+    keys, options = bf16_launch_keys(cfg)
     halves = 2 if split_gu else 1
     splits = 1 if combine else configs.split_k(cfg, k, halves * triton.cdiv(n, cfg["BLOCK_N"]) * pairs)
     keys.update(X_ROW_DIV=1 if down else top_k, GATED=not down, WEIGHTED=down, SORTED=sorted_, G=32, SPLIT_K=splits,
                 TOP_K=top_k if combine else 1, COMBINE=combine, EVEN_K=k % cfg["BLOCK_K"] == 0, OUT_PLANES=False,
                 BF16_SCALES=True, IEEE=False, SPLIT_GU=split_gu, ROUTED=bool(down and cfg["PDL"]))
-    signature = dict(MOE_SIGNATURE, **{key: "constexpr" for key in keys})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in MOE_ALIGNED}
-    src = ASTSource(fn=_moe_kernel, signature=signature, constexprs=keys, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
+    return cubin(_moe_kernel, MOE_SIGNATURE, MOE_ALIGNED, keys, options, arch)
 
 
 def loop_mix(sass: str) -> tuple[int, collections.Counter]:
