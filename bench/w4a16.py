@@ -637,8 +637,8 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
             committed = [t[i] for _, t, c in scores if shape in OLD_SHAPES and c == OLD_SHAPES[shape][m]]
             log(f"sweep dense M={m} {shape[0]}->{shape[1]}: own best {own[2]} {own[1][i]:.1f} us, summed winner "
                 f"{times[i]:.1f} us" + (f", committed {committed[0]:.1f} us" if committed else ""))
-            shape_best[shape].append((bound, own[2] if own[1][i] < (1 - SHAPE_GAIN) * times[i] else cfg,
-                                      own[1][i] < (1 - SHAPE_GAIN) * times[i]))
+            gained = own[1][i] < (1 - SHAPE_GAIN) * times[i]
+            shape_best[shape].append((bound, own[2] if gained else cfg, gained))
     dense_shape_table = {f"{k}x{n}": [[bound, cfg] for bound, cfg, _ in best] for (k, n), best in shape_best.items()
                          if any(gain for *_, gain in best)}
     del weights
