@@ -71,6 +71,11 @@ include: "workflow/rules/slurm.smk"  # last: partitions for every rule declared 
 
 onsuccess:
     workflow_setup.print_summary(rules.report.output.summary, STARTED)
+    workflow_setup.cancel_timers()
+
+
+onerror:
+    workflow_setup.cancel_timers()
 
 
 # What the parse made (Snakemake's modules, this workflow's rules and config) lives as long as this process:

@@ -326,3 +326,19 @@ def test_jobs_import_the_snakefiles_checkout_not_the_installed_one(tmp_path):
     build_log = (clone_b / "results/logs/engines/probe/build.log").read_text()
     assert f"engine imports {clone_b / 'src/k2vec/__init__.py'}" in build_log, build_log
     assert str(clone_a) not in stage_log + build_log
+
+
+def test_timers_left_waiting_at_the_end_of_a_run_are_cancelled():
+    """Snakemake's scheduler leaves a non-daemon 1 s `threading.Timer` behind after a run that ran jobs; Python
+    waits for it at exit. `cancel_timers` (the Snakefile's onsuccess and onerror) ends it without firing it."""
+    import threading
+
+    from k2vec.pipeline.setup import cancel_timers
+
+    fired = threading.Event()
+    timer = threading.Timer(60, fired.set)
+    timer.start()
+    assert cancel_timers() >= 1
+    timer.join(5)
+    assert not timer.is_alive() and not fired.is_set()
+    assert cancel_timers() == 0

@@ -16,6 +16,7 @@ import atexit
 import fcntl
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,6 +115,17 @@ def claim_working_directory(workdir: str | os.PathLike = ".", results: str = "re
     if (workdir / results).is_dir():
         report.temporaries = remove_dead_temporaries(workdir / results)
     return report
+
+
+def cancel_timers() -> int:
+    """Cancel the `threading.Timer`s still waiting in this process; returns how many. Snakemake's scheduler starts
+    one (its job rate limit's re-evaluation, 1 s) on every pass that finds nothing to start, as non-daemon threads:
+    Python waits for the last one before it exits, up to a second after every run that ran a job. Called where the
+    run has ended (the Snakefile's onsuccess and onerror), when no scheduler pass is left to wake."""
+    timers = [thread for thread in threading.enumerate() if isinstance(thread, threading.Timer)]
+    for timer in timers:
+        timer.cancel()
+    return len(timers)
 
 
 def release() -> None:
