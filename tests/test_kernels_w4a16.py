@@ -160,7 +160,8 @@ def test_dense_configs_give_a_shape_its_own_table():
     )
     assert dense_configs(7168, 2048, torch.bfloat16) is DENSE_SHAPE_CONFIGS[(7168, 2048)]
     assert dense_configs(7168, 2048, torch.float16) is DENSE_SHAPE_CONFIGS[(7168, 2048)]
-    assert dense_configs(2048, 7168, torch.bfloat16) is DENSE_CONFIGS          # no table of its own
+    assert dense_configs(2048, 7168, torch.bfloat16) is DENSE_SHAPE_CONFIGS[(2048, 7168)]
+    assert dense_configs(7168, 4096, torch.bfloat16) is DENSE_CONFIGS          # no table of its own
     assert dense_configs(7168, 2048, torch.float32) is DENSE_CONFIGS_FP32
     for table in (DENSE_CONFIGS, *DENSE_SHAPE_CONFIGS.values()):     # every M covered, every entry launchable
         bounds = [bound for bound, _ in table]
