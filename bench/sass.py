@@ -92,15 +92,18 @@ def compile_moe(config: dict, down: bool, m: int, top_k: int, arch: int) -> byte
 
 
 def loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """Instruction count and opcode mix of the longest backward-branch loop of a disassembly."""
+    """Instruction count and opcode mix of the longest backward-branch loop of a disassembly; register copies
+    (`MOV`, `IMAD.MOV`: moves the loop's carried values need when its end cannot rename them) also as "moves"."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
     spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
     start, end = max(spans, key=lambda s: s[1] - s[0])
-    ops = [re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T] )?", "", line).split()[0].split(".")[0]
-           for line in lines[start:end + 1] if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]
-    return len(ops), collections.Counter(ops)
+    full = [re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T] )?", "", line).split()[0]
+            for line in lines[start:end + 1] if re.match(r"^\s+/\*[0-9a-f]+\*/", line)]
+    mix = collections.Counter(op.split(".")[0] for op in full)
+    mix["moves"] = sum(op in ("MOV", "IMAD.MOV") or op.startswith(("MOV.", "IMAD.MOV.")) for op in full)
+    return len(full), mix
 
 
 def describe(cubin: bytes) -> dict:
