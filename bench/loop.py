@@ -14,7 +14,9 @@ Prints a Markdown table: wall seconds, the jobs Snakemake ran, the engine runs r
 runs' own decode time (`timing.decode_s`) and of their runner wall time (`wall_s`), so the share outside decoding
 shows, and the CPU seconds of the whole `snakemake` call, its processes and every one they started (on a machine
 whose cores are all busy, an engine edit cannot finish before a report edit plus its engine's CPU time spread over
-the cores). Works on any checkout of the project, old ones included (single-run engines).
+the cores); and, from Snakemake's output timed line by line, when the first job started (parse and DAG before it),
+when the last one finished, and how long the process took to exit after its last line. Works on any checkout of the
+project, old ones included (single-run engines).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 EDITS = {
@@ -51,43 +54,71 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def snakemake(workdir: Path, args: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
-    """(wall s, CPU s, the finished process) of one `snakemake` call."""
+@dataclass
+class Call:
+    """One finished `snakemake` call: wall and CPU seconds, exit status, and its output lines (stdout and stderr
+    together) each with the seconds since the call started."""
+    wall_s: float
+    cpu_s: float
+    returncode: int
+    lines: list[tuple[float, str]]
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def snakemake(workdir: Path, args: list[str]) -> Call:
+    """One `snakemake` call, its output lines timed as they arrive."""
     cpu, start = children_cpu_s(), time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True)
-    return time.perf_counter() - start, children_cpu_s() - cpu, res
+    proc = subprocess.Popen([sys.executable, "-m", "snakemake", *args], cwd=workdir, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines = [(time.perf_counter() - start, line.rstrip("\n")) for line in proc.stdout]
+    returncode = proc.wait()
+    return Call(time.perf_counter() - start, children_cpu_s() - cpu, returncode, lines)
 
 
-def jobs_run(stdout: str, stderr: str) -> int:
-    m = re.search(r"(\d+) of (\d+) steps \(100%\) done", stdout + stderr)
+def phases(call: Call) -> dict:
+    """Where a call's wall time went, from its timed output: the first job's start (Snakemake parsed the workflow
+    and built the DAG before it), the last job's end, and the time from the last line to the process's exit
+    (Snakemake's teardown). None where the call ran no job."""
+    starts = [t for t, line in call.lines if re.match(r"(local)?rule \w+:$", line)]
+    ends = [t for t, line in call.lines if line.startswith("Finished jobid")]
+    return {"first_job_s": starts[0] if starts else None, "jobs_done_s": ends[-1] if ends else None,
+            "exit_s": call.wall_s - call.lines[-1][0] if call.lines else call.wall_s}
+
+
+def jobs_run(text: str) -> int:
+    m = re.search(r"(\d+) of (\d+) steps \(100%\) done", text)
     return int(m.group(2)) if m else 0
 
 
 def measure(workdir: Path, edit: str, cores: int, overlay: str | None, probe: int, restore: bool = True) -> dict:
     args = ["--cores", str(cores)] + (["--configfile", overlay] if overlay else [])
     if edit == "none":
-        wall, cpu, res = snakemake(workdir, ["-n", *args])
-        if res.returncode != 0:
-            raise SystemExit(res.stderr[-3000:])
-        return {"edit": edit, "wall_s": wall, "cpu_s": cpu, "jobs": 0, "runs": 0, "decode_s": 0.0, "run_wall_s": 0.0}
+        call = snakemake(workdir, ["-n", *args])
+        if call.returncode != 0:
+            raise SystemExit(call.text[-3000:])
+        return {"edit": edit, "wall_s": call.wall_s, "cpu_s": call.cpu_s, "jobs": 0, "runs": 0, "decode_s": 0.0,
+                "run_wall_s": 0.0, **phases(call)}
     path = workdir / EDITS[edit]
     original = path.read_text()
     since = time.time()
     try:
         path.write_text(original + f"\n\ndef _loop_probe_{probe}():\n    return {probe}\n")
-        wall, cpu, res = snakemake(workdir, args)
+        call = snakemake(workdir, args)
     finally:
         path.write_text(original)
-    if res.returncode != 0:
-        raise SystemExit(res.stderr[-3000:])
+    if call.returncode != 0:
+        raise SystemExit(call.text[-3000:])
     runs = rewritten_runs(workdir, since)
     if restore:
-        _, _, res2 = snakemake(workdir, args)   # back to the unedited code's results (not timed)
-        if res2.returncode != 0:
-            raise SystemExit(res2.stderr[-3000:])
-    return {"edit": edit, "wall_s": wall, "cpu_s": cpu, "jobs": jobs_run(res.stdout, res.stderr), "runs": len(runs),
+        back = snakemake(workdir, args)   # back to the unedited code's results (not timed)
+        if back.returncode != 0:
+            raise SystemExit(back.text[-3000:])
+    return {"edit": edit, "wall_s": call.wall_s, "cpu_s": call.cpu_s, "jobs": jobs_run(call.text), "runs": len(runs),
             "decode_s": sum((r.get("timing") or {}).get("decode_s", 0.0) for r in runs),
-            "run_wall_s": sum(r.get("wall_s") or 0.0 for r in runs)}
+            "run_wall_s": sum(r.get("wall_s") or 0.0 for r in runs), **phases(call)}
 
 
 def main() -> None:
@@ -105,11 +136,13 @@ def main() -> None:
             rows.append(measure(args.workdir.resolve(), edit, args.cores, args.configfile, probe=time.time_ns(),
                                 restore=not args.no_restore))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print("| edit | wall s | CPU s | jobs | engine runs | their decode s | their runner wall s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| edit | wall s | CPU s | jobs | engine runs | their decode s | their runner wall s | first job at s | "
+          "last job done at s | exit after output s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        at = [f"{r[key]:.2f}" if r[key] is not None else "-" for key in ("first_job_s", "jobs_done_s", "exit_s")]
         print(f"| {r['edit']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['jobs']} | {r['runs']} | {r['decode_s']:.1f} | "
-              f"{r['run_wall_s']:.1f} |")
+              f"{r['run_wall_s']:.1f} | {' | '.join(at)} |")
 
 
 if __name__ == "__main__":

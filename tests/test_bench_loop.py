@@ -1,0 +1,30 @@
+"""bench/loop.py's phases: where a `snakemake` call's wall time went, read from its output timed line by line."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+LOOP = Path(__file__).resolve().parents[1] / "bench" / "loop.py"
+
+
+@pytest.fixture(scope="module")
+def loop():
+    spec = importlib.util.spec_from_file_location("bench_loop", LOOP)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module     # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_phases_of_a_run_and_of_a_dry_run(loop):
+    run = loop.Call(wall_s=9.0, cpu_s=12.0, returncode=0, lines=[
+        (0.7, "Building DAG of jobs..."), (0.9, "localrule engine_batch_numpy:"), (0.9, "    jobid: 31"),
+        (1.0, "rule report:"), (2.9, "Finished jobid: 31 (Rule: engine_batch_numpy)"),
+        (7.5, "Finished jobid: 76 (Rule: report)"), (7.6, "6 of 6 steps (100%) done"),
+        (7.9, "Elapsed time: 0:00:07.3")])
+    assert loop.phases(run) == {"first_job_s": 0.9, "jobs_done_s": 7.5, "exit_s": pytest.approx(1.1)}
+    assert loop.jobs_run(run.text) == 6
+    dry = loop.Call(wall_s=1.0, cpu_s=1.1, returncode=0, lines=[(0.9, "Nothing to be done.")])
+    assert loop.phases(dry) == {"first_job_s": None, "jobs_done_s": None, "exit_s": pytest.approx(0.1)}
