@@ -500,7 +500,8 @@ def dense_candidates(m: int) -> list[dict]:
     0-100% slower; tensor-core K tiles of 512 and other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M. Session 15: M = 1
     GEMV tiles 16 x 1024 of 4 warps and 64 x 512 of 8 warps, 1.0-2.2x slower. Session 16: at M = 32 and 64 tiles of
     half and a quarter of the rows (two or four programs per column tile, each dequantizing the whole weight
-    again), 528-1056 splits, 1.1-1.6x slower."""
+    again), 528-1056 splits, 1.1-1.6x slower. Session 18: M = 1 GEMV tiles 32 x 512 of 8 warps split to ~132 and
+    ~264 (K = 7168's 14 tiles in two even runs, where the 32 x 1024 tile splits its 7 as 4 + 3), no shape's best."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     cands += [OLD_SHAPES[shape][m] for shape in sorted(OLD_SHAPES)]      # each shape's committed config
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
