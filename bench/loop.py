@@ -78,6 +78,13 @@ def snakemake(workdir: Path, args: list[str]) -> Call:
     return Call(time.perf_counter() - start, children_cpu_s() - cpu, returncode, lines)
 
 
+def checked(call: Call) -> Call:
+    """The call, if Snakemake succeeded; else exit with the end of its output."""
+    if call.returncode != 0:
+        raise SystemExit(call.text[-3000:])
+    return call
+
+
 def phases(call: Call) -> dict:
     """Where a call's wall time went, from its timed output: the first job's start (Snakemake parsed the workflow
     and built the DAG before it), the last job's end, and the time from the last line to the process's exit
@@ -96,9 +103,7 @@ def jobs_run(text: str) -> int:
 def measure(workdir: Path, edit: str, cores: int, overlay: str | None, probe: int, restore: bool = True) -> dict:
     args = ["--cores", str(cores)] + (["--configfile", overlay] if overlay else [])
     if edit == "none":
-        call = snakemake(workdir, ["-n", *args])
-        if call.returncode != 0:
-            raise SystemExit(call.text[-3000:])
+        call = checked(snakemake(workdir, ["-n", *args]))
         return {"edit": edit, "wall_s": call.wall_s, "cpu_s": call.cpu_s, "jobs": 0, "runs": 0, "decode_s": 0.0,
                 "run_wall_s": 0.0, **phases(call)}
     path = workdir / EDITS[edit]
@@ -109,13 +114,10 @@ def measure(workdir: Path, edit: str, cores: int, overlay: str | None, probe: in
         call = snakemake(workdir, args)
     finally:
         path.write_text(original)
-    if call.returncode != 0:
-        raise SystemExit(call.text[-3000:])
+    checked(call)
     runs = rewritten_runs(workdir, since)
     if restore:
-        back = snakemake(workdir, args)   # back to the unedited code's results (not timed)
-        if back.returncode != 0:
-            raise SystemExit(back.text[-3000:])
+        checked(snakemake(workdir, args))   # back to the unedited code's results (not timed)
     return {"edit": edit, "wall_s": call.wall_s, "cpu_s": call.cpu_s, "jobs": jobs_run(call.text), "runs": len(runs),
             "decode_s": sum((r.get("timing") or {}).get("decode_s", 0.0) for r in runs),
             "run_wall_s": sum(r.get("wall_s") or 0.0 for r in runs), **phases(call)}

@@ -53,6 +53,18 @@ def pytest_collection_modifyitems(config, items):
                                 f"PIPELINE_FILES so that a parallel run builds it once")
 
 
+def bench_module(name: str):
+    """bench/<name>.py imported as a module (bench/ is not a package), registered in sys.modules while the test
+    session lasts (a dataclass looks its module up there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def default_config() -> dict:
     return yaml.safe_load((REPO / "config.yaml").read_text())
 

@@ -1,21 +1,12 @@
 """bench/loop.py's phases: where a `snakemake` call's wall time went, read from its output timed line by line."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-LOOP = Path(__file__).resolve().parents[1] / "bench" / "loop.py"
+from conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def loop():
-    spec = importlib.util.spec_from_file_location("bench_loop", LOOP)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module     # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    return bench_module("loop")
 
 
 def test_phases_of_a_run_and_of_a_dry_run(loop):

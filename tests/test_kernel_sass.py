@@ -3,20 +3,14 @@ its K loop takes the dequantised weight to the MMA in registers, with no shared-
 barrier but the cp.async stage handoff. Written with the scale index as one division, the same tile split its scale
 loads and sent each dequantised tile through shared memory (16 STS, 16 LDSM and 9 barriers per 256 elements in the
 ONE_DOT + INTERLEAVE tile it replaced), which this check fails on."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SASS = Path(__file__).resolve().parents[1] / "bench" / "sass.py"
+from conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def sass():
-    spec = importlib.util.spec_from_file_location("bench_sass", SASS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("sass")
 
 
 def test_mma_order_k_loop_has_no_shared_memory_trip(sass):
