@@ -479,7 +479,7 @@ SHAPE_GAIN = 0.05
 
 
 def mma_tile(bm, bn, warps, split, stages=3, **extra):
-    """A tensor-core tile on the weight's MMA-order words (w4a16._mma_order_tile), K blocks of 128."""
+    """A tensor-core tile on the weight's MMA-order words (mma._mma_order_tile), K blocks of 128."""
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, MMA_ORDER=True, num_warps=warps, num_stages=stages,
                 SPLIT_CTAS=split, **extra)
 

@@ -35,18 +35,15 @@ from k2vec.engines.gpu_triton.kernels.configs import (
     tile_config,
 )
 from k2vec.engines.gpu_triton.kernels.int4_layout import _as_tensor, scales_tensor
-from k2vec.engines.gpu_triton.kernels.w4a16 import (
+from k2vec.engines.gpu_triton.kernels.sync import (
     _grid_wait,
-    _int4_tile,
     _k_range,
     _split_arrive,
     _split_is_last,
     _split_sum,
-    check_activation,
-    interpreting,
     split_buffers,
-    to_planes,
 )
+from k2vec.engines.gpu_triton.kernels.w4a16 import _int4_tile, check_activation, interpreting, to_planes
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def mma_order_words(packed: torch.Tensor, k: int) -> torch.Tensor:
 
     Word 4c + j of a block holds, in its bits 4e .. 4e + 3 (e = e0 + 2 e1 + 4 e2), the code of block element
     32j + 16 e1 + 8 e0 + 2c + e2: the elements that thread c of a tensor-core MMA quad holds for two 16-wide K steps
-    of one row, each word within one group of 32, nibbles e and e + 4 K-adjacent (w4a16._mma_order_tile).
+    of one row, each word within one group of 32, nibbles e and e + 4 K-adjacent (mma._mma_order_tile).
     """
     n = packed.shape[0]
     blocks = -(-k // MMA_BLOCK)
