@@ -733,15 +733,16 @@ def guarded(log, what, fn, *args):
 
 
 def profile(device, log) -> None:
-    """Dense K=7168->N=4096 at M = 1, 4, 16, 32 and 64, then the fused MoE on the K2 layer at M = 1 and 16, for ncu."""
-    k, n = 7168, 4096
+    """The dense K2 shapes at M = 1, 2, 4, 16, 32 and 64 (shape by shape), then the fused MoE on the K2 layer at M = 1
+    and 16, each call twice, for ncu."""
     gen = verify.generator(device, "profile")
-    w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
     layer = K2Layer(device, with_bf16=False)
     calls = []
-    for m in (1, 4, 16, 32, 64):
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        calls.append(lambda x=x: w4a16_linear(x, w))
+    for k, n in DENSE_SHAPES:
+        w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+        for m in (1, 2, 4, 16, 32, 64):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            calls.append(lambda x=x, w=w: w4a16_linear(x, w))
     for m in (1, 16):
         ids, wts = layer.routing(m)
         xm = torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16)
