@@ -14,6 +14,7 @@ One call does everything (device time is scarce):
   * --sweep: tile configs per M bucket (compiled ahead by the pool, timed on GPU 0).
 
     python3 bench/w4a16.py --out DIR [--sweep] [--skip-correctness]
+    python3 bench/w4a16.py --out DIR --trips    # the dense tiles against K trips per program (split, stages)
     TRITON_INTERPRET=1 python bench/w4a16.py --out DIR --smoke     # CPU plumbing check on tiny shapes
 """
 from __future__ import annotations
@@ -754,6 +755,42 @@ def profile(device, log) -> None:
     log("profile calls done")
 
 
+def trip_scan(device, log) -> None:
+    """Each dense K2 shape's committed tensor-core tile at M = 4, 16 and 64 with K split in 1, 2, 4 (and 8 where K =
+    7168) runs and 4, 6, 8 and 12 pipeline stages, and the same grid over one K block of 128 (one trip per program):
+    a call's time against the trips each program makes, so its fixed part and its cost per trip show."""
+    for k, n in DENSE_SHAPES:
+        gen = verify.generator(device, "trips", k, n)
+        one = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+        nbytes = one.packed.numel() + one.scales.numel() * 2
+        r = copies_for(nbytes)
+        weights = [one] + [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16",
+                                        device) for _ in range(r - 1)]
+        short = [pack_for_gpu(*verify.random_int4(n, 128, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+                 for _ in range(4)]
+        log(f"K={k} N={n}: plain read {plain_read_us(nbytes, device):.1f} us")
+        for m in (4, 16, 64):
+            base = {key: v for key, v in pick_config(dense_configs(k, n, torch.bfloat16), m).items()
+                    if key != "SPLIT_CTAS"}
+            xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(r)]
+            outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(r)]
+            cells = []
+            for split in (1, 2, 4, 8) if k > 2048 else (1, 2, 4):
+                for stages in (4, 6, 8, 12):
+                    cfg = dict(base, SPLIT_K=split, num_stages=stages)
+                    try:
+                        us = graph_time_us([lambda x=x, w=w, o=o: w4a16_linear(x, w, out=o, config=cfg)
+                                            for x, w, o in zip(xs, weights, outs)])
+                        cells.append(f"{k // 128 // split} trips, {stages} stages {us:.1f}")
+                    except triton.runtime.errors.OutOfResources:
+                        cells.append(f"{k // 128 // split} trips, {stages} stages: no fit")
+            xs1 = [x[:, :128].contiguous() for x in xs[:4]]
+            one_trip = graph_time_us([lambda x=x, w=w: w4a16_linear(x, w, config=dict(base, SPLIT_K=1))
+                                      for x, w in zip(xs1, short)])
+            log(f"  M={m} {base['BLOCK_M']}x{base['BLOCK_N']}: " + " | ".join(cells) + f" | K=128 {one_trip:.1f}")
+        del weights
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -762,13 +799,14 @@ def main() -> None:
                         "its committed configs)")
     parser.add_argument("--configs", type=Path, help="configs.json of an earlier sweep to use")
     parser.add_argument("--profile", action="store_true", help="only the calls to profile (run under ncu)")
+    parser.add_argument("--trips", action="store_true", help="only the dense tiles' time against K trips per program")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--workers", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny correctness only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    log_file = open(args.out / ("profile.log" if args.profile else "bench.log"), "w")
+    log_file = open(args.out / ("profile.log" if args.profile else "trips.log" if args.trips else "bench.log"), "w")
 
     def log(text: str) -> None:
         print(text, flush=True)
@@ -785,6 +823,9 @@ def main() -> None:
         install_configs(*tables)
     if args.profile:
         profile(torch.device("cuda:0"), log)
+        return
+    if args.trips:
+        trip_scan(torch.device("cuda:0"), log)
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"
     pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))
