@@ -502,7 +502,9 @@ def dense_candidates(m: int) -> list[dict]:
     GEMV tiles 16 x 1024 of 4 warps and 64 x 512 of 8 warps, 1.0-2.2x slower. Session 16: at M = 32 and 64 tiles of
     half and a quarter of the rows (two or four programs per column tile, each dequantizing the whole weight
     again), 528-1056 splits, 1.1-1.6x slower. Session 18: M = 1 GEMV tiles 32 x 512 of 8 warps split to ~132 and
-    ~264 (K = 7168's 14 tiles in two even runs, where the 32 x 1024 tile splits its 7 as 4 + 3), no shape's best."""
+    ~264 (K = 7168's 14 tiles in two even runs, where the 32 x 1024 tile splits its 7 as 4 + 3), no shape's best.
+    Session 19: MMA_ORDER tiles of 1 and 2 warps (16, 32 and 64 columns: Triton's mma.sync path instead of wgmma),
+    1.3-2.1x slower at M = 2-16; the committed tiles with 6-12 pipeline stages (`--trips`), no faster at any split."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     cands += [OLD_SHAPES[shape][m] for shape in sorted(OLD_SHAPES)]      # each shape's committed config
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
