@@ -5,10 +5,10 @@ float32.
 One kernel (_w4a16_kernel), its tile path picked by the launch config (configs.py; docs/w4a16-kernels.md):
 * PREFETCH (BLOCK_M 1): the one-row GEMV on CUDA cores, the next K tile prefetched (gemv.py).
 * MMA_ORDER (BLOCK_M >= 16): tensor cores on the MMA-order words (mma.py).
-* Otherwise (float32 x, the interpreter) the element planes, in this module: since a word's 8 elements share one
-  scale (dequant.py), the product splits into 8 planes, y = sum_e x[:, e::8] @ W_e^T; BLOCK_M 1 multiplies and adds
-  on CUDA cores with the scale applied to each word's (or group's) partial sum, BLOCK_M >= 16 runs `tl.dot` per plane
-  on the weight dequantised in registers (float32 dots with input_precision "ieee").
+* Otherwise (float32 x; the fused MoE's tensor-core tiles) the element planes, in this module: since a word's 8
+  elements share one scale (dequant.py), the product splits into 8 planes, y = sum_e x[:, e::8] @ W_e^T; BLOCK_M 1
+  multiplies and adds on CUDA cores with the scale applied to each word's (or group's) partial sum, BLOCK_M >= 16
+  runs `tl.dot` per plane on the weight dequantised in registers (float32 dots with input_precision "ieee").
 Split-K and PDL: sync.py.
 """
 from __future__ import annotations
