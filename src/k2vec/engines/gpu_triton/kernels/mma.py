@@ -69,7 +69,9 @@ def _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G
     MMA order of int4_layout.mma_order_words (word 4c + j of a block holds the elements its MMA thread needs), one
     block per step (_mma_step). PEEL (set with PDL by tile_config, and kept in the interpreter, which drops PDL): the
     first block's words and scales (constant data) load before the PDL wait, so that their DRAM latency overlaps the
-    end of the kernel before; x and everything after come after the wait."""
+    end of the kernel before; x and everything after come after the wait. Without PEEL, ptxas runs the wgmmas one at
+    a time (its advisory C7515: the zero accumulator of the loop's zero-trip path); peeling every tile's first block
+    lifts that and measured no faster (bench/RESULTS.md, session 19)."""
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if not PEEL:
         _grid_wait(PDL)
