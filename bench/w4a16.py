@@ -284,15 +284,21 @@ def torch_int4_calls(x_list, w_list, group: int):
 
 # ---------------------------------------------------------------- timings
 
+def dense_weights(device, k: int, n: int, name: str) -> tuple[list, int]:
+    """Random K -> N weights in K2's format (G 32, bfloat16 scales), as many copies as a graph of calls needs to read
+    cold (copies_for), and the bytes each holds."""
+    gen = verify.generator(device, name, k, n)
+    one = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    nbytes = one.packed.numel() + one.scales.numel() * 2
+    return [one] + [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+                    for _ in range(copies_for(nbytes) - 1)], nbytes
+
+
 def time_dense(device, log, configs=None) -> list[dict]:
     rows = []
     for k, n in DENSE_SHAPES:
-        gen = verify.generator(device, "bench dense", k, n)
-        one = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
-        nbytes = one.packed.numel() + one.scales.numel() * 2
-        r = copies_for(nbytes)
-        weights = [one] + [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16",
-                                        device) for _ in range(r - 1)]
+        weights, nbytes = dense_weights(device, k, n, "bench dense")
+        r = len(weights)
         read = plain_read_us(nbytes, device)
         w_bf16 = [w.dequantize().to(torch.bfloat16) for w in weights[:copies_for(n * k * 2)]]
         for m in MS:
@@ -762,14 +768,9 @@ def trip_scan(device, log) -> None:
     7168) runs and 4, 6, 8 and 12 pipeline stages, and the same grid over one K block of 128 (one trip per program):
     a call's time against the trips each program makes, so its fixed part and its cost per trip show."""
     for k, n in DENSE_SHAPES:
-        gen = verify.generator(device, "trips", k, n)
-        one = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
-        nbytes = one.packed.numel() + one.scales.numel() * 2
-        r = copies_for(nbytes)
-        weights = [one] + [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16",
-                                        device) for _ in range(r - 1)]
-        short = [pack_for_gpu(*verify.random_int4(n, 128, 32, "bfloat16", gen, device), 32, "bfloat16", device)
-                 for _ in range(4)]
+        weights, nbytes = dense_weights(device, k, n, "trips")
+        r = len(weights)
+        short, _ = dense_weights(device, 128, n, "trips")
         log(f"K={k} N={n}: plain read {plain_read_us(nbytes, device):.1f} us")
         for m in (4, 16, 64):
             base = {key: v for key, v in pick_config(dense_configs(k, n, torch.bfloat16), m).items()
