@@ -510,7 +510,9 @@ def dense_candidates(m: int) -> list[dict]:
     again), 528-1056 splits, 1.1-1.6x slower. Session 18: M = 1 GEMV tiles 32 x 512 of 8 warps split to ~132 and
     ~264 (K = 7168's 14 tiles in two even runs, where the 32 x 1024 tile splits its 7 as 4 + 3), no shape's best.
     Session 19: MMA_ORDER tiles of 1 and 2 warps (16, 32 and 64 columns: Triton's mma.sync path instead of wgmma),
-    1.3-2.1x slower at M = 2-16; the committed tiles with 6-12 pipeline stages (`--trips`), no faster at any split."""
+    1.3-2.1x slower at M = 2-16; the committed tiles with 6-12 pipeline stages (`--trips`), no faster at any split;
+    at M = 1 on 2048->7168 GEMV tiles 16 x 1024 of 4 and 8 warps, 16 x 2048 and 32 x 2048 and 64 x 2048 of 8, 16 x 512
+    of 4, 1.0-1.4x the committed 32 x 1024 of 8 (16 x 1024 of 2 warps, 6% faster, was adopted and is a candidate)."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     cands += [OLD_SHAPES[shape][m] for shape in sorted(OLD_SHAPES)]      # each shape's committed config
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
@@ -525,7 +527,7 @@ def dense_candidates(m: int) -> list[dict]:
     if m <= 4:     # one-row GEMV tiles (at M = 2 and 4 run once per row: the second row's weight reads mostly from L2)
         cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
                   for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264),
-                                        (64, 1024, 8, 132), (64, 512, 4, 264))]
+                                        (64, 1024, 8, 132), (64, 512, 4, 264), (16, 1024, 2, 132))]
     unique = {}
     for cfg in cands:   # the first of equal configs (the committed one is found by identity); a flag set to False
         # is the flag left out

@@ -32,9 +32,10 @@ DENSE_CONFIGS: list[tuple[int, dict]] = [
 # a per-M table in its place. 7168 -> 2048 (K2's attention output and the dense layers' down projection): 64 columns
 # per program and about 264 programs at every M, so that K is split in runs of equal length (the default's 32-column
 # GEMV splits its 7 K tiles 3 + 3 + 1); M = 1 on the one-row GEMV, from M = 2 on tensor cores, with PDL.
-# 2048 -> 7168 (the dense layers' gate and up projections) at M = 2: 448 programs (224 column tiles, one per row)
-# already fill the machine unsplit; each reads its 2048 elements as four prefetched tiles of 512 in 4 warps rather
-# than two of 1024 in 8 (6.5 µs against 7.4).
+# 2048 -> 7168 (the dense layers' gate and up projections): at M = 1 16 columns per program in 2 warps (448 programs,
+# unsplit, each K = 2048 as two prefetched tiles of 1024) rather than the default's 32 in 8 (session 19); at M = 2 448
+# programs (224 column tiles, one per row) already fill the machine unsplit, each reading its 2048 elements as four
+# prefetched tiles of 512 in 4 warps rather than two of 1024 in 8 (session 18; both in bench/RESULTS.md).
 _MMA_264 = dict(_MMA, PDL=True)
 DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
     (7168, 2048): [
@@ -44,7 +45,7 @@ DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
         (1 << 62, dict(_MMA_264, BLOCK_M=64)),
     ],
     (2048, 7168): [
-        (1, _GEMV),
+        (1, dict(_GEMV, BLOCK_N=16, num_warps=2)),
         (2, dict(_GEMV, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4)),
         *DENSE_CONFIGS[1:],
     ],
