@@ -784,7 +784,7 @@ def trip_scan(device, log) -> None:
                 for stages in (4, 6, 8, 12):
                     cfg = dict(base, SPLIT_K=split, num_stages=stages)
                     try:
-                        us = graph_time_us([lambda x=x, w=w, o=o: w4a16_linear(x, w, out=o, config=cfg)
+                        us = graph_time_us([lambda x=x, w=w, o=o, c=cfg: w4a16_linear(x, w, out=o, config=c)
                                             for x, w, o in zip(xs, weights, outs)])
                         cells.append(f"{k // 128 // split} trips, {stages} stages {us:.1f}")
                     except triton.runtime.errors.OutOfResources:
