@@ -48,17 +48,24 @@ class Tree:
 
     def visibility(self) -> np.ndarray:
         """(n+1)x(n+1) bool: vis[i, j] is True iff j is i or an ancestor of i (the root included)."""
-        n1 = self.n + 1
-        vis = np.zeros((n1, n1), dtype=bool)
-        rows = np.arange(n1)
-        up = self.parents.astype(np.intp)
-        up[0] = 0  # the root is its own parent, so the climb stops there
-        anc = rows.copy()
-        # Climb one level per step, marking each ancestor: depth <= max depth, so max depth + 1 steps suffice.
-        for _ in range(int(self.node_depths.max(initial=0)) + 1):
-            vis[rows, anc] = True
-            anc = up[anc]
-        return vis
+        return ancestor_visibility(self.parents, self.node_depths)
+
+
+def ancestor_visibility(parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """The ancestor-only mask of a tree given as `parents` (int [n+1], parents[0] = -1, node 0 the root) and
+    the depths of its nodes (int, the root's 0 included or not: only the largest is used, as the number of
+    climbing steps). (n+1)x(n+1) bool: vis[i, j] is True iff j is i or an ancestor of i."""
+    n1 = len(parents)
+    vis = np.zeros((n1, n1), dtype=bool)
+    rows = np.arange(n1)
+    up = np.asarray(parents).astype(np.intp)
+    up[0] = 0  # the root is its own parent, so the climb stops there
+    anc = rows.copy()
+    # Climb one level per step, marking each ancestor: depth <= max depth, so max depth + 1 steps suffice.
+    for _ in range(int(np.max(depths, initial=0)) + 1):
+        vis[rows, anc] = True
+        anc = up[anc]
+    return vis
 
 
 def top_k_logprobs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
