@@ -170,6 +170,36 @@ def test_tree_verification_then_keep_path(model):
     close(model.forward([30], positions=[n + 2], cache=cache).logits[0], logits_no_cache(model, ctx + [a, d, 30])[-1])
 
 
+def test_gathered_is_a_new_cache_of_the_selected_rows(model):
+    """cache.gathered: the rows keep would leave, in a new cache with room for more; the source untouched."""
+    def rows_of(c):
+        return [a[:, : c.length] for a in c.k_nope + c.v] + [a[: c.length] for a in c.k_pe] + [c.positions]
+
+    ctx = SEQ[:7]
+    n = len(ctx)
+    cache = model.new_cache()
+    model.forward(ctx, cache=cache)
+    model.forward([20, 21, 22], positions=[n, n, n + 1], cache=cache,
+                  mask=np.concatenate([np.ones((3, n), bool), np.array([[1, 0, 0], [0, 1, 0], [0, 1, 1]], bool)], axis=1))
+    path = list(range(n)) + [n + 1, n + 2]  # the context, then 21 -> 22
+    before = [a.copy() for a in rows_of(cache)]
+    new = cache.gathered(path, spare=5)
+    assert new is not cache and new.length == n + 2 and new.capacity == n + 2 + 5
+    for a, b in zip(rows_of(cache), before):  # the source is as it was
+        np.testing.assert_array_equal(a, b)
+    kept = cache.copy()
+    kept.keep(path)
+    for a, b in zip(rows_of(new), rows_of(kept)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(new.positions, np.arange(n + 2))
+    close(model.forward([30, 31], cache=new).logits[-1], logits_no_cache(model, ctx + [21, 22, 30, 31])[-1])
+    assert new.capacity == n + 2 + 5  # the next block fitted in the spare room: no reallocation
+    with pytest.raises(ReferenceModelError, match="gathered"):
+        cache.gathered([0, 0])
+    with pytest.raises(ReferenceModelError, match="gathered"):
+        cache.gathered([cache.length])
+
+
 def test_default_mask_is_causal_and_masks_are_checked(model):
     cache = model.new_cache()
     model.forward(SEQ[:4], cache=cache)

@@ -309,14 +309,18 @@ class KVCache:
         self._positions[self.length : self.length + t] = positions
         self.length += t
 
+    def _rows(self, indices, what: str) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.length):
+            raise ReferenceModelError(f"cache.{what}: index out of range [0, {self.length})")
+        if np.unique(idx).size != idx.size:
+            raise ReferenceModelError(f"cache.{what}: indices must be unique")
+        return idx
+
     def keep(self, indices) -> None:
         """Keep only rows `indices` (unique, any order; the new row i is old row indices[i]).
         A tree verifier uses this to drop rejected branches after a masked forward."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.length):
-            raise ReferenceModelError(f"cache.keep: index out of range [0, {self.length})")
-        if np.unique(idx).size != idx.size:
-            raise ReferenceModelError("cache.keep: indices must be unique")
+        idx = self._rows(indices, "keep")
         m = idx.size
         for i in range(self.dims.layers):  # fancy indexing copies first, so overlapping moves are safe
             self.k_nope[i][:, :m] = self.k_nope[i][:, idx]
@@ -324,6 +328,21 @@ class KVCache:
             self.k_pe[i][:m] = self.k_pe[i][idx]
         self._positions[:m] = self._positions[idx]
         self.length = m
+
+    def gathered(self, indices, spare: int = 0) -> "KVCache":
+        """A new cache holding rows `indices` of this one (unique, any order; its row i is row indices[i]),
+        with room for `spare` more rows before it grows. Where several continuations branch off one cache
+        (a verified tree whose paths several sequences accept), each gets its own without copying the
+        source first; `spare` sizes it for its next block."""
+        idx = self._rows(indices, "gathered")
+        m = idx.size
+        new = KVCache(self.dims, self.dtype, capacity=max(m + int(spare), 1))
+        for i in range(self.dims.layers):
+            new.k_nope[i][:, :m] = self.k_nope[i][:, idx]
+            new.v[i][:, :m] = self.v[i][:, idx]
+            new.k_pe[i][:m] = self.k_pe[i][idx]
+        new._positions[:m], new.length = self._positions[idx], m
+        return new
 
     def copy(self) -> "KVCache":
         """An independent cache with the same rows (e.g. to try one branch, then another)."""
