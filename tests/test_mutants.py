@@ -82,7 +82,8 @@ def trace(results):
 def state():
     """Everything a mutant may swap, to check that the context puts it all back."""
     return ({n: getattr(ref, n) for n in ("rms_norm", "apply_rope", "route", "group_scores", "silu")},
-            {n: getattr(speculative, n) for n in ("tree_positions", "accept_walk", "compacted_kv_rows")},
+            {n: getattr(speculative, n) for n in ("tree_positions", "accept_walk", "compacted_kv_rows",
+                                                  "ancestor_visibility")},
             KVCache.view, Tree.visibility)
 
 

@@ -10,9 +10,11 @@ transformer math is the reference model's (k2vec.reference), as the engine contr
     python -m k2vec.engines.numpy_engine --bundle B.kdtr --batch LISTING.json   (every run of the bundle)
 
 In a batch, the DDTree runs are verified together (`decode_ddtree`): every (budget, drafter accuracy,
-prompt) advances in one lockstep pass, so a round reads the weights once for all of them; their results
-are written in the listing's order once that pass ends. A DDTree result holds only tokens and tree
-indices, which the pass leaves as a single run computes them (tests/test_pipeline.py checks, byte for byte).
+prompt) advances in one lockstep pass, so a round reads the weights once for all of them, and those in the
+same state (one prompt, the same tokens emitted so far) share one cache and verify the union of their trees
+once (`ddtree_generate`); their results are written in the listing's order once that pass ends. A DDTree
+result holds only tokens and tree indices, which the pass leaves as a single run computes them
+(tests/test_pipeline.py checks, byte for byte).
 
 --precision emulates an engine of that precision (k2vec.model.precision: its values rounded to the format
 at the op boundaries of ENGINE_SCHEDULE, a schedule the noise model does not use); the default computes
@@ -167,9 +169,10 @@ def decode(loaded: Loaded, mode: str, budget: int, precision: str | None = None,
 def decode_ddtree(loaded: Loaded, budgets: list[int], precision: str | None = None,
                   first: bool = True) -> dict[int, dict]:
     """budget -> the result object of the DDTree run at that budget, all of them decoded in one lockstep
-    `ddtree_generate` over every (budget, drafter accuracy, prompt); `first`: the process's first run (the first
-    budget's result reports the load). Each run's decode_s is its share of the pass, by the tree nodes it
-    verified."""
+    `ddtree_generate` over every (budget, drafter accuracy, prompt), where jobs in the same state verify one
+    union tree; `first`: the process's first run (the first budget's result reports the load). Each run's
+    decode_s is its share of the pass, by the nodes of its own trees (a node shared by several runs' trees is
+    verified once but counted in each)."""
     bundle, meta, prompts = loaded.bundle, loaded.meta, loaded.prompts
     accuracies = meta["golden"]["ddtree"]["accuracies"]
     budgets = list(dict.fromkeys(budgets))

@@ -8,7 +8,7 @@ report's mutation score (k2vec.mutation.score) says which of them the vectors ca
 How a fault is injected: `injected(name)` is a context manager yielding `install(model)`, which the numpy
 engine calls on its freshly built `ReferenceModel`. `install` swaps exactly one thing (an attribute of the
 model or of its bundle weights, a function of k2vec.reference.model or k2vec.reference.speculative, a method
-of KVCache or Tree) and the context restores all of it on exit. Nothing is patched outside an engine process
+of KVCache) and the context restores all of it on exit. Nothing is patched outside an engine process
 started with `--mutant` (or a test's `with injected(...)`), and the unmutated engine never imports this module.
 
 `exercised(model, quantization, precision, kind, budget)` says whether a run executes the mutated code at all
@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from k2vec.ddtree.tree import Tree
 from k2vec.errors import K2VecError
 from k2vec.model.conventions import CONVENTIONS
 from k2vec.model.int4 import round_to_bf16
@@ -444,7 +443,9 @@ def _final_norm_weight_missing(p, model):
 # ----------------------------------------------------------------------------------------- DDTree
 
 def _tree_mask_causal(p, model):
-    p.set(Tree, "visibility", lambda self: np.tri(self.n + 1, dtype=bool))  # lower-triangular over node index
+    # Lower-triangular over node index. The verifier's mask is that of the union of the trees of the jobs in one
+    # state (k2vec.reference.speculative), built by this function, not Tree.visibility.
+    p.set(speculative, "ancestor_visibility", lambda parents, depths: np.tri(len(parents), dtype=bool))
 
 
 def _tree_positions_index(p, model):
