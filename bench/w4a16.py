@@ -512,7 +512,12 @@ def dense_candidates(m: int) -> list[dict]:
     Session 19: MMA_ORDER tiles of 1 and 2 warps (16, 32 and 64 columns: Triton's mma.sync path instead of wgmma),
     1.3-2.1x slower at M = 2-16; the committed tiles with 6-12 pipeline stages (`--trips`), no faster at any split;
     at M = 1 on 2048->7168 GEMV tiles 16 x 1024 of 4 and 8 warps, 16 x 2048 and 32 x 2048 and 64 x 2048 of 8, 16 x 512
-    of 4, 1.0-1.4x the committed 32 x 1024 of 8 (16 x 1024 of 2 warps, 6% faster, was adopted and is a candidate)."""
+    of 4, 1.0-1.4x the committed 32 x 1024 of 8 (16 x 1024 of 2 warps, 6% faster, was adopted and is a candidate).
+    Session 20: the GEMV over 2, 4 and 8 rows per program again, on today's one-row loop (3-D tiles, each word's codes
+    decoded once for all rows): at M = 2 16 x 512 tiles of 2-4 warps 0-8% faster than the committed tiles (2048->7168
+    6.0 us against 6.5), at M = 4 and 8 slower than the tensor-core tiles; its 3-D form cost the committed one-row
+    tiles 2-15% (2048->7168 at M = 1 4.7 us against 4.1, the MoE at M = 1 2%), so it was not kept; M = 1 GEMV tiles
+    16 x 512 of 2 warps split to ~264 and ~528 and 16 x 1024 of 2 split to ~528, no shape's best."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     cands += [OLD_SHAPES[shape][m] for shape in sorted(OLD_SHAPES)]      # each shape's committed config
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
