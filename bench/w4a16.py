@@ -519,7 +519,10 @@ def dense_candidates(m: int) -> list[dict]:
     tiles 2-15% (2048->7168 at M = 1 4.7 us against 4.1, the MoE at M = 1 2%), so it was not kept; M = 1 GEMV tiles
     16 x 512 of 2 warps split to ~264 and ~528 and 16 x 1024 of 2 split to ~528, and in a second sweep 16 x 2048 of
     4, 8 x 1024 and 8 x 512 and 16 x 512 of 1 warp: no shape's best (7168->4096's own best, 16 x 2048 of 4, 8.0 us
-    like the committed tile)."""
+    like the committed tile). The MMA_ORDER tiles with the next block's words, scales and x loaded into registers
+    before this block's arithmetic (plain loads, one stage, instead of the cp.async pipeline; 199 instructions per
+    trip against 223, 96 registers), at SPLIT_CTAS 264 and 528 with and without PDL: best only on 2048->7168 at
+    M = 4 and 8, 8.9 and 9.0 us against 9.3 and 9.4, elsewhere slower; not kept."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     cands += [OLD_SHAPES[shape][m] for shape in sorted(OLD_SHAPES)]      # each shape's committed config
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
