@@ -346,13 +346,7 @@ class KVCache:
 
     def copy(self) -> "KVCache":
         """An independent cache with the same rows (e.g. to try one branch, then another)."""
-        new, n = KVCache(self.dims, self.dtype, capacity=max(self.length, 1)), self.length
-        for i in range(self.dims.layers):
-            new.k_nope[i][:, :n] = self.k_nope[i][:, :n]
-            new.v[i][:, :n] = self.v[i][:, :n]
-            new.k_pe[i][:n] = self.k_pe[i][:n]
-        new._positions[:n], new.length = self._positions[:n], n
-        return new
+        return self.gathered(np.arange(self.length))
 
 
 # ---------------------------------------------------------------------------------------------
