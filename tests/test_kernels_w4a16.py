@@ -128,14 +128,28 @@ def test_mma_order_words_place_each_code_where_its_mma_thread_reads_it():
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(n, k).tolist()
     words = mma_order_words(packed, k)
-    assert words.dtype == torch.int32 and words.shape == (n, 32)
+    assert words.dtype == torch.int32 and words.shape == (2, n, 16) and words.is_contiguous()   # block-major
     for r in range(n):
         for b in range(2):
             for c, j, e in itertools.product(range(4), range(4), range(8)):
                 e0, e1, e2 = e & 1, (e >> 1) & 1, e >> 2
                 col = 128 * b + 32 * j + 16 * e1 + 8 * e0 + 2 * c + e2
-                nibble = (int(words[r, 16 * b + 4 * c + j]) >> (4 * e)) & 15
+                nibble = (int(words[b, r, 4 * c + j]) >> (4 * e)) & 15
                 assert nibble == (codes[r][col] if col < k else 8), (r, b, c, j, e)
+
+
+@pytest.mark.parametrize("group_size, k", [(32, 160), (64, 192), (128, 256)], ids=["g32-partial", "g64-partial", "g128"])
+def test_mma_order_scales_are_block_major_with_a_partial_blocks_groups_zero(group_size, k):
+    from k2vec.engines.gpu_triton.kernels.int4_layout import mma_order_scales
+    n, per_block = 3, 128 // group_size
+    scales = torch.arange(1, 1 + n * (k // group_size), dtype=torch.float32).reshape(n, k // group_size)
+    out = mma_order_scales(scales.to(torch.bfloat16), k, group_size)
+    blocks = -(-k // 128)
+    assert out.dtype == torch.bfloat16 and out.shape == (blocks, n, per_block) and out.is_contiguous()
+    for b, r, g in itertools.product(range(blocks), range(n), range(per_block)):
+        group = b * per_block + g
+        want = float(scales[r, group]) if group < k // group_size else 0.0
+        assert float(out[b, r, g]) == want, (b, r, g)
 
 
 def test_mma_order_config_needs_the_mma_words():
@@ -161,7 +175,8 @@ def test_dense_configs_give_a_shape_its_own_table():
     assert dense_configs(7168, 2048, torch.bfloat16) is DENSE_SHAPE_CONFIGS[(7168, 2048)]
     assert dense_configs(7168, 2048, torch.float16) is DENSE_SHAPE_CONFIGS[(7168, 2048)]
     assert dense_configs(2048, 7168, torch.bfloat16) is DENSE_SHAPE_CONFIGS[(2048, 7168)]
-    assert dense_configs(7168, 4096, torch.bfloat16) is DENSE_CONFIGS          # no table of its own
+    assert dense_configs(7168, 4096, torch.bfloat16) is DENSE_SHAPE_CONFIGS[(7168, 4096)]
+    assert dense_configs(1536, 7168, torch.bfloat16) is DENSE_CONFIGS          # no table of its own
     assert dense_configs(7168, 2048, torch.float32) is DENSE_CONFIGS_FP32
     for table in (DENSE_CONFIGS, *DENSE_SHAPE_CONFIGS.values()):     # every M covered, every entry launchable
         bounds = [bound for bound, _ in table]

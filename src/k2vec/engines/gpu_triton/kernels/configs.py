@@ -10,32 +10,38 @@ import triton
 
 # Dense tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
 # DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
-# issue 27, sessions 12-14), each the fastest summed over the three K2 shapes (a shape with a table of its own in
-# DENSE_SHAPE_CONFIGS, below, uses that instead; dense_configs picks). SPLIT_CTAS: split K until the grid
-# has about this many programs (see split_k). M = 1 and 2: the one-row GEMV with natural-order x and a prefetched
-# next K tile, split to ~132 programs of several K tiles each, with the biased codes and launched with PDL (its first
-# weight tile loads while the kernel before it ends); at M = 2 a program per row, the second row's weight reads
-# mostly served by L2. M = 3-64: tensor cores on the weight's MMA-order words (MMA_ORDER, session 14), 64 output
-# columns and 4 warps per program: M = 3-16 in 16-row tiles, 4 stages, split to ~528 programs; M = 17-32 in
-# 32-row tiles split to ~528 with PDL (the first block's weights loaded before the wait); M = 33-64 in 64-row tiles
-# split to ~264.
+# issue 27, sessions 12-14 and 21), each the fastest summed over the three K2 shapes; it serves other shapes, and a K2
+# shape uses its table in DENSE_SHAPE_CONFIGS (below; dense_configs picks). SPLIT_CTAS: split K until the grid
+# has about this many programs (see split_k). M = 1: the one-row GEMV with natural-order x and a prefetched next K
+# tile, split to ~132 programs of several K tiles each, with the biased codes and launched with PDL (its first weight
+# tile loads while the kernel before it ends). M = 2-64: tensor cores on the weight's MMA-order words (MMA_ORDER,
+# session 14; their copy K-block-major since session 21, which moved M = 2 from the GEMV to them), 64 output columns
+# and 4 warps per program: M = 2 in 16-row tiles split to ~528 with PDL (the first block's weights loaded before the
+# wait); M = 3-4 in 128-column tiles split to ~264; M = 5-16 in 16-row tiles, 4 stages, split to ~528; M = 17-32 in
+# 32-row tiles split to ~528 with PDL; M = 33-64 in 64-row tiles split to ~264.
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
 _MMA = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)
+_MMA_528 = dict(_MMA, SPLIT_CTAS=528, PDL=True)
+_MMA_WIDE = dict(_MMA, BLOCK_N=128)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
-    (2, _GEMV),
+    (1, _GEMV),
+    (2, _MMA_528),
+    (4, _MMA_WIDE),
     (16, dict(_MMA, SPLIT_CTAS=528, num_stages=4)),
-    (32, dict(_MMA, BLOCK_M=32, SPLIT_CTAS=528, PDL=True)),
+    (32, dict(_MMA_528, BLOCK_M=32)),
     (1 << 62, dict(_MMA, BLOCK_M=64)),
 ]
-# Shapes whose own winners in the sweep beat DENSE_CONFIGS by far (bench/RESULTS.md, sessions 17 and 18): (K, N) ->
-# a per-M table in its place. 7168 -> 2048 (K2's attention output and the dense layers' down projection): 64 columns
-# per program and about 264 programs at every M, so that K is split in runs of equal length (the default's 32-column
-# GEMV splits its 7 K tiles 3 + 3 + 1); M = 1 on the one-row GEMV, from M = 2 on tensor cores, with PDL.
-# 2048 -> 7168 (the dense layers' gate and up projections): at M = 1 16 columns per program in 2 warps (448 programs,
-# unsplit, each K = 2048 as two prefetched tiles of 1024) rather than the default's 32 in 8 (session 19); at M = 2 448
-# programs (224 column tiles, one per row) already fill the machine unsplit, each reading its 2048 elements as four
-# prefetched tiles of 512 in 4 warps rather than two of 1024 in 8 (session 18; both in bench/RESULTS.md).
+# The K2 shapes' own tables, where their winners in the sweep beat DENSE_CONFIGS by 3% or more (bench/RESULTS.md,
+# sessions 17, 18 and 21): (K, N) -> a per-M table in its place. 7168 -> 2048 (K2's attention output and the dense
+# layers' down projection): 64 columns per program and about 264 programs at every M, so that K is split in runs of
+# equal length (the default's 32-column GEMV splits its 7 K tiles 3 + 3 + 1); M = 1 on the one-row GEMV, from M = 2 on
+# tensor cores, with PDL. 2048 -> 7168 (the dense layers' gate and up projections): at M = 1 16 columns per program
+# in 2 warps (448 programs, unsplit, each K = 2048 as two prefetched tiles of 1024) rather than the default's 32 in 8
+# (session 19); at M = 2 448 programs (224 column tiles, one per row) already fill the machine unsplit, each reading
+# its 2048 elements as four prefetched tiles of 512 in 4 warps rather than two of 1024 in 8 (session 18); M = 3-16
+# as the default's M = 2, M = 33-64 split to ~132 without PDL (session 21). 7168 -> 4096: M = 2-4 in 128-column
+# tiles (session 21).
 _MMA_264 = dict(_MMA, PDL=True)
 DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
     (7168, 2048): [
@@ -47,7 +53,14 @@ DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
     (2048, 7168): [
         (1, dict(_GEMV, BLOCK_N=16, num_warps=2)),
         (2, dict(_GEMV, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4)),
-        *DENSE_CONFIGS[1:],
+        (16, _MMA_528),
+        DENSE_CONFIGS[4],
+        (1 << 62, dict(_MMA, BLOCK_M=64, SPLIT_CTAS=132)),
+    ],
+    (7168, 4096): [
+        (1, _GEMV),
+        (4, _MMA_WIDE),
+        *DENSE_CONFIGS[3:],
     ],
 }
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K

@@ -3,8 +3,8 @@
 The kernels read the packed bytes exactly as `docs/int4-format.md` stores them (uint8 [N, K/2], element 2j
 in the low nibble, 2j+1 in the high nibble, q + 8) and the scales row-major [N, K/G]. bfloat16 scales
 (uint16 bits in the bundle) become a torch.bfloat16 tensor by a free reinterpretation of the same bits;
-float32 scales stay float32. One load-time copy besides: the codes of dense weights in the MMA order
-(mma_order_words), which the tensor-core tiles of several rows read.
+float32 scales stay float32. One load-time copy besides: the codes and scales of dense weights in the MMA order,
+K-block-major (mma_order_copy), which the tensor-core tiles of several rows read.
 """
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
+class MmaOrder:
+    """A dense weight's load-time copy for the MMA_ORDER tiles, K-block-major: block kb of every row together, so
+    that a tile's K step reads one contiguous stretch (64 rows x 64 bytes of codes: 4 KB) rather than 64 bytes
+    from each of 64 rows a row's length apart (bench/RESULTS.md, issue 27, session 21: 8-20% faster at M = 2-64)."""
+    words: torch.Tensor    # int32 [ceil(k / 128), n, 16]: mma_order_words
+    scales: torch.Tensor   # the scale dtype, [ceil(k / 128), n, 128 // group_size]: mma_order_scales
+
+
+@dataclass(frozen=True)
 class PackedInt4:
     """One W4A16 weight W [n, k]: W[r, c] = (nibble(packed[r, c // 2]) - 8) * scales[r, c // group_size]."""
     packed: torch.Tensor   # uint8 [n, k // 2]
@@ -24,7 +33,7 @@ class PackedInt4:
     n: int
     k: int
     group_size: int
-    mma: torch.Tensor | None = None     # int32 [n, ceil(k / 128) * 16]: the same codes in the MMA order
+    mma: MmaOrder | None = None         # the same codes and scales in the MMA order, K-block-major
 
     def dequantize(self) -> torch.Tensor:
         """float32 [n, k]; exact (q * scale is one float32 product). For references and tests, not the hot path."""
@@ -39,8 +48,9 @@ MMA_BLOCK = 128     # K elements per block of the MMA order
 
 
 def mma_order_words(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """The codes of uint8 [n, k/2] in the MMA order: int32 words [n, kb * 16], kb = ceil(k / 128) blocks of 128
-    elements (a partial last block padded with code 8, q = 0, whose scales the kernel reads as 0).
+    """The codes of uint8 [n, k/2] in the MMA order: int32 words [kb, n, 16], kb = ceil(k / 128) blocks of 128
+    elements, block-major (word w of block b of row r at [b, r, w]; a partial last block padded with code 8, q = 0,
+    whose scales mma_order_scales makes 0).
 
     Word 4c + j of a block holds, in its bits 4e .. 4e + 3 (e = e0 + 2 e1 + 4 e2), the code of block element
     32j + 16 e1 + 8 e0 + 2c + e2: the elements that thread c of a tensor-core MMA quad holds for two 16-wide K steps
@@ -55,7 +65,20 @@ def mma_order_words(packed: torch.Tensor, k: int) -> torch.Tensor:
     codes = codes.reshape(n, blocks, 4, 2, 2, 4, 2).permute(0, 1, 5, 2, 6, 3, 4).reshape(n, blocks * 16, 8)
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
     words = (codes.to(torch.int64) << shifts).sum(dim=-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return words.view(n, blocks, 16).transpose(0, 1).contiguous()
+
+
+def mma_order_scales(scales: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
+    """Scales [n, k / G] block-major as mma_order_words: [kb, n, 128 / G], a partial last block's missing groups 0."""
+    n, per_block = scales.shape[0], MMA_BLOCK // group_size
+    blocks = -(-k // MMA_BLOCK)
+    padded = torch.nn.functional.pad(scales, (0, blocks * per_block - scales.shape[1]))
+    return padded.view(n, blocks, per_block).transpose(0, 1).contiguous()
+
+
+def mma_order_copy(packed: torch.Tensor, scales: torch.Tensor, k: int, group_size: int) -> MmaOrder:
+    return MmaOrder(mma_order_words(packed, k), mma_order_scales(scales, k, group_size))
 
 
 def _as_tensor(array) -> torch.Tensor:
@@ -85,8 +108,8 @@ def scales_tensor(sc, scale_dtype: str, name: str = "scales") -> torch.Tensor:
 
 def pack_for_gpu(qw, sc, group_size: int, scale_dtype: str, device, name: str = "weight",
                  mma_order: bool = True) -> PackedInt4:
-    """Place one bundle weight on `device`, verifying the shapes the kernels rely on; mma_order: with the codes'
-    MMA-order copy (mma_order_words, as many bytes again) for the dense tensor-core tiles."""
+    """Place one bundle weight on `device`, verifying the shapes the kernels rely on; mma_order: with the MMA-order
+    copy of codes and scales (as many bytes again) for the dense tensor-core tiles."""
     if group_size not in (32, 64, 128):
         raise ValueError(f"{name}: group_size must be 32, 64 or 128, got {group_size}")
     packed = _as_tensor(qw)
@@ -100,5 +123,6 @@ def pack_for_gpu(qw, sc, group_size: int, scale_dtype: str, device, name: str = 
         raise ValueError(f"{name}.sc: expected shape {(n, k // group_size)} for .qw {tuple(packed.shape)} "
                          f"and group_size {group_size}, got {tuple(scales.shape)}")
     packed = packed.to(device).contiguous()
-    return PackedInt4(packed, scales.to(device).contiguous(), n, k, group_size,
-                      mma_order_words(packed, k) if mma_order else None)
+    scales = scales.to(device).contiguous()
+    return PackedInt4(packed, scales, n, k, group_size,
+                      mma_order_copy(packed, scales, k, group_size) if mma_order else None)

@@ -1,6 +1,6 @@
-"""The `MMA_ORDER` tensor-core tiles (the dense bf16/fp16 default at M = 3-64): the weight's codes from the
-load-time copy in the MMA's register order (int4_layout.mma_order_words), dequantised straight into the wgmma's A
-operand, x as it is (docs/w4a16-kernels.md, "MMA_ORDER")."""
+"""The `MMA_ORDER` tensor-core tiles (the dense bf16/fp16 default at M = 2-64): the weight's codes from the
+load-time copy in the MMA's register order, K-block-major (int4_layout.MmaOrder), dequantised straight into the
+wgmma's A operand, x as it is (docs/w4a16-kernels.md, "MMA_ORDER")."""
 
 from __future__ import annotations
 
@@ -20,20 +20,20 @@ def _dot(acc, a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _mma_weights(w_rows, s_rows, n_mask, kt, K, G: tl.constexpr, BF16_SCALES: tl.constexpr, PACKED: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+def _mma_weights(w_rows, s_rows, n_mask, kt, kb_words, kb_scales, G: tl.constexpr, BF16_SCALES: tl.constexpr,
+                 PACKED: tl.constexpr):
     """MMA-order words [BLOCK_N, 16] of 128-element K block kt and their scales, one per word: bf16 bits (PACKED) or
-    float32. Word 4c + j covers elements 32j .. 32j + 31 of the block; the index is written so that the compiler
-    sees 4 / 2 / 1 consecutive groups per thread (G = 32 / 64 / 128) and vectorises the scale loads. A padded
-    block's words scale to 0."""
+    float32. The copy is K-block-major (int4_layout.MmaOrder): block kt starts kb_words words (kb_scales scales)
+    after block kt - 1, and w_rows / s_rows point at each row's place in block 0. Word 4c + j covers elements
+    32j .. 32j + 31 of the block; the index is written so that the compiler sees 4 / 2 / 1 consecutive groups per
+    thread (G = 32 / 64 / 128) and vectorises the scale loads. A padded block's scales are 0 in the copy."""
     offs_w = tl.arange(0, 16)
-    words = tl.load(w_rows[:, None] + (kt * 16 + offs_w)[None, :], mask=n_mask[:, None], other=0)
-    g = kt * (128 // G) + (offs_w % 4) // (G // 32)
-    s_mask = n_mask[:, None] & ((g < K // G) | EVEN_K)[None, :]
+    words = tl.load(w_rows[:, None] + (kt * kb_words + offs_w)[None, :], mask=n_mask[:, None], other=0)
+    g = kt * kb_scales + (offs_w % 4) // (G // 32)
     if PACKED:
-        s = tl.load(s_rows[:, None] + g[None, :], mask=s_mask, other=0)
+        s = tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None], other=0)
     else:
-        s = _load_scales(s_rows[:, None] + g[None, :], s_mask, BF16_SCALES)
+        s = _load_scales(s_rows[:, None] + g[None, :], n_mask[:, None], BF16_SCALES)
     return words, s
 
 
@@ -62,9 +62,9 @@ def _mma_step(acc_t, words, s, x_t, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, P
 
 
 @triton.jit
-def _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, PACKED: tl.constexpr,
-                    EVEN_K: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
+def _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, kb_words, kb_scales, G: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr,
+                    PACKED: tl.constexpr, EVEN_K: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
     """MMA_ORDER: float32 acc^T [BLOCK_N, BLOCK_M] over 128-element K blocks kt_lo..kt_hi-1, the weight's words in the
     MMA order of int4_layout.mma_order_words (word 4c + j of a block holds the elements its MMA thread needs), one
     block per step (_mma_step). PEEL (set with PDL by tile_config, and kept in the interpreter, which drops PDL): the
@@ -78,12 +78,12 @@ def _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G
     else:
         # an explicit SPLIT_K may leave the last splits empty: their peeled step reads the last block and is dropped
         kt0 = tl.minimum(kt_lo, kt_hi - 1)
-        words, s = _mma_weights(w_rows, s_rows, n_mask, kt0, K, G, BF16_SCALES, PACKED, EVEN_K)
+        words, s = _mma_weights(w_rows, s_rows, n_mask, kt0, kb_words, kb_scales, G, BF16_SCALES, PACKED)
         _grid_wait(PDL)
         step = _mma_step(acc_t, words, s, _mma_x(x_rows, row_mask, kt0, K, EVEN_K), BLOCK_N, IEEE, PACKED)
         acc_t = tl.where(kt_lo < kt_hi, step, acc_t)
         kt_lo += 1
     for kt in range(kt_lo, kt_hi):
-        words, s = _mma_weights(w_rows, s_rows, n_mask, kt, K, G, BF16_SCALES, PACKED, EVEN_K)
+        words, s = _mma_weights(w_rows, s_rows, n_mask, kt, kb_words, kb_scales, G, BF16_SCALES, PACKED)
         acc_t = _mma_step(acc_t, words, s, _mma_x(x_rows, row_mask, kt, K, EVEN_K), BLOCK_N, IEEE, PACKED)
     return tl.trans(acc_t)

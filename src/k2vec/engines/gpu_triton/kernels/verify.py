@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts, fused_moe, pack_experts
-from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4, mma_order_words, pack_for_gpu
+from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4, mma_order_copy, pack_for_gpu
 from k2vec.engines.gpu_triton.kernels.w4a16 import w4a16_linear
 from k2vec.seeds import seed_for
 
@@ -66,7 +66,7 @@ def check_dense(m: int, n: int, k: int, group_size: int, scale_dtype: str, act: 
     ref = x.double() @ weight.dequantize().double().T
     if flip:    # a corrupt bundle byte: the load-time MMA-order copy is made from the corrupt bytes
         flip_nibble(weight.packed, gen, flip == "high")
-        weight = replace(weight, mma=mma_order_words(weight.packed, k))
+        weight = replace(weight, mma=mma_order_copy(weight.packed, weight.scales, k, group_size))
     out = torch.full((m, n), float("nan"), dtype=x.dtype, device=device)
     w4a16_linear(x, weight, out=out, config=config)
     return CheckResult(name, rel_err(out, ref), TOLERANCE[x.dtype], bool(torch.isfinite(out).all()))

@@ -74,7 +74,8 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
     PEEL, the MMA-order tiles load their first weight tile before it).
 
     w_ptr: the packed bytes read as int32 words (row stride stride_wn words); word i of a row holds
-    elements 8i .. 8i+7, element 8i+e in bits 4e..4e+3, all in group (8i) // G.
+    elements 8i .. 8i+7, element 8i+e in bits 4e..4e+3, all in group (8i) // G. MMA_ORDER: w_ptr / s_ptr are the
+    K-block-major copy (int4_layout.MmaOrder) and stride_wn / stride_sn the strides of its K blocks.
     """
     WORDS: tl.constexpr = BLOCK_K // 8
     WORDS_PER_GROUP: tl.constexpr = G // 8
@@ -85,13 +86,17 @@ def _int4_tile(x_ptr, rows, row_mask, stride_xm, w_ptr, stride_wn, s_ptr, stride
         n_rows = tl.where(n_mask, offs_n, 0).to(tl.int64)
     else:
         n_rows = offs_n.to(tl.int64)
-    w_rows = w_ptr + n_rows * stride_wn
-    s_rows = s_ptr + n_rows * stride_sn
+    if MMA_ORDER:   # the K-block-major copy: a row's place in block 0; stride_wn / stride_sn step a block
+        w_rows = w_ptr + n_rows * 16
+        s_rows = s_ptr + n_rows * (128 // G)
+    else:
+        w_rows = w_ptr + n_rows * stride_wn
+        s_rows = s_ptr + n_rows * stride_sn
     if not (PREFETCH or MMA_ORDER):
         _grid_wait(PDL)
     if MMA_ORDER:
-        return _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, G, BLOCK_M, BLOCK_N,
-                               BF16_SCALES, IEEE, PACKED, EVEN_K, PEEL, PDL)
+        return _mma_order_tile(x_rows, row_mask, w_rows, s_rows, n_mask, K, kt_lo, kt_hi, stride_wn, stride_sn, G,
+                               BLOCK_M, BLOCK_N, BF16_SCALES, IEEE, PACKED, EVEN_K, PEEL, PDL)
     elif PREFETCH:
         return _gemv_tile(x_rows, w_rows, s_rows, K, kt_lo, kt_hi, k_words, G, BLOCK_N, WORDS, BF16_SCALES, EVEN_K,
                           CODES_ASM, BIASED_CODES, PDL)
@@ -246,14 +251,15 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     cfg = tile_config(config or pick_config(dense_configs(weight.k, weight.n, x.dtype), m), weight.group_size,
                       interpreting(), x.device)
     bf16_scales = weight.scales.dtype == torch.bfloat16
-    scales = weight.scales.view(torch.int16) if bf16_scales else weight.scales
     if cfg["MMA_ORDER"]:
         if weight.mma is None:
             raise ValueError(f"w4a16_linear: config {cfg} reads the weight's MMA-order words, which this weight "
                              f"[{weight.n}, {weight.k}] was packed without (pack_for_gpu(..., mma_order=True))")
-        words = weight.mma
+        words, scales = weight.mma.words, weight.mma.scales     # strides below: of a K block
     else:
-        words = weight.packed.view(torch.int32)
+        words, scales = weight.packed.view(torch.int32), weight.scales
+    if bf16_scales:
+        scales = scales.view(torch.int16)
     if cfg["X_PLANES"]:
         x = to_planes(x)
     n_tiles, m_tiles = triton.cdiv(weight.n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
