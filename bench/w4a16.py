@@ -522,7 +522,9 @@ def dense_candidates(m: int) -> list[dict]:
     like the committed tile). The MMA_ORDER tiles with the next block's words, scales and x loaded into registers
     before this block's arithmetic (plain loads, one stage, instead of the cp.async pipeline; 199 instructions per
     trip against 223, 96 registers), at SPLIT_CTAS 264 and 528 with and without PDL: best only on 2048->7168 at
-    M = 4 and 8, 8.9 and 9.0 us against 9.3 and 9.4, elsewhere slower; not kept."""
+    M = 4 and 8, 8.9 and 9.0 us against 9.3 and 9.4, elsewhere slower; not kept. Session 21: the MMA-order copy made
+    K-block-major (5-20% faster at M = 2-64, adopted) and re-swept with these candidates; a copy contiguous per 64-row
+    tile over all its K blocks instead, within 1% of it, not kept."""
     cands = [OLD_DENSE[m], dict(OLD_DENSE[m], PDL=not OLD_DENSE[m].get("PDL"))]
     cands += [OLD_SHAPES[shape][m] for shape in sorted(OLD_SHAPES)]      # each shape's committed config
     if m >= 2:     # tensor cores on the MMA-order words: other tiles, splits, stages, warps and PDL
