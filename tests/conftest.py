@@ -9,6 +9,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+# The pipeline runs the float64 reference on one BLAS thread (the golden rule's threads, the numpy engine's command in
+# config.yaml); a test that decodes in its own process and compares with the pipeline's results needs the same:
+# OpenBLAS's threaded GEMM rounds some shapes differently on some CPUs (seen on an AMD EPYC, in the numpy engine's
+# greedy logits). Set before anything imports numpy.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 # Test files that read the session's `pipeline` fixture (the default run, ~2 minutes): under pytest-xdist (-n, as
