@@ -75,7 +75,7 @@ def compile_moe(config: dict, down: bool, m: int, top_k: int, arch: int) -> byte
     """The cubin of _moe_kernel for K2's experts (hidden 7168, intermediate 2048) at M tokens of top_k unsorted
     pairs, bfloat16 x and scales: the gate/up launch, or (down) the down launch as fused_moe makes them."""
     cfg = configs.tile_config(config, 32, interpret=False)
-    for key in ("MMA_ORDER", "PEEL"):
+    for key in ("MMA_ORDER", "PEEL", "SPLIT_REDUCE"):
         cfg.pop(key)
     sorted_ = cfg.pop("SORTED", cfg["BLOCK_M"] > 1)
     combine = bool(cfg.pop("COMBINE", False) and down)

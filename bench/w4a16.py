@@ -536,6 +536,9 @@ def dense_candidates(m: int) -> list[dict]:
         cands += [mma_tile(bm, 64, 4, 528, PDL=True), mma_tile(bm, 64, 4, 264, PDL=True),
                   mma_tile(bm, 128, 8, 264), mma_tile(bm, 128, 8, 528), mma_tile(bm, 128, 4, 264),
                   mma_tile(bm, 32, 4, 528) if bm <= 16 else mma_tile(bm, 64, 8, 264)]
+        # the split-K partials summed by a second launch (SPLIT_REDUCE) rather than by the last program
+        cands += [mma_tile(bm, 64, 4, sp, SPLIT_REDUCE=True, **pdl) for sp in (264, 528)
+                  for pdl in ({}, {"PDL": True})]
     if m <= 4:     # one-row GEMV tiles (at M = 2 and 4 run once per row: the second row's weight reads mostly from L2)
         cands += [prefetch_row(bn, bk, warps=w, split=sp, CODES_ASM=True, BIASED_CODES=True, PDL=True)
                   for bn, bk, w, sp in ((32, 1024, 8, 132), (32, 1024, 8, 264), (32, 512, 4, 264), (64, 1024, 8, 264),

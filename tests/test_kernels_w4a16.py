@@ -42,7 +42,11 @@ CPU_SPLITS = [dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_PLANES=True, SCALE_GROUP
               # the MMA-order words in a 32-row tile, and split (5 blocks over 4 splits)
               dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True),
               dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, SPLIT_K=4),
-              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, PDL=True, SPLIT_K=4)]   # the last split empty
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, PDL=True, SPLIT_K=4),   # the last split empty
+              # the partials summed by a second launch (SPLIT_REDUCE), on the MMA tiles and the one-row GEMV
+              dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True, SPLIT_K=4, SPLIT_REDUCE=True),
+              dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, SPLIT_K=4,
+                   SPLIT_REDUCE=True)]
 MMA_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, MMA_ORDER=True)
 # the one-row GEMV chains each run of 4 words (32 products) and adds the runs of a larger group: groups of 64 and
 # 128 (2 and 4 runs), K = 9 G over 4 splits, both code forms
@@ -97,6 +101,16 @@ def test_interpreted_one_row_path_sums_runs_of_a_larger_group(cpu_results, index
     result = cpu_results["groups"][index]
     assert result["all_written"], result
     assert result["rel_err"] <= result["tolerance"], result
+
+
+def test_split_reduce_gives_the_last_programs_sums_bit_for_bit():
+    # two row tiles (M = 20 in 16-row tiles), a partial N tile, 7 K blocks over 3 splits (runs of 3, 3, 1); the
+    # one-row GEMV's splits too
+    results = run_interpreted([
+        ("check_split_sums", [20, 70, 896], {"config": dict(MMA_TILE, SPLIT_K=3)}),
+        ("check_split_sums", [1, 70, 896], {"config": dict(PREFETCH_ROW, SPLIT_K=3)})])
+    for result in results:
+        assert result["ok"], result
 
 
 def test_split_k_counts_splits_within_k_tiles():

@@ -18,49 +18,57 @@ import triton
 # session 14; their copy K-block-major since session 21, which moved M = 2 from the GEMV to them), 64 output columns
 # and 4 warps per program: M = 2 in 16-row tiles split to ~528 with PDL (the first block's weights loaded before the
 # wait); M = 3-4 in 128-column tiles split to ~264; M = 5-16 in 16-row tiles, 4 stages, split to ~528; M = 17-32 in
-# 32-row tiles split to ~528 with PDL; M = 33-64 in 64-row tiles split to ~264.
+# 32-row tiles split to ~528 with PDL; M = 33-64 in 64-row tiles split to ~264. The split-K partials summed by a second
+# launch (SPLIT_REDUCE) won the sums at M = 9-64 by 4-6% (session 21) but stay out of this table, which the small
+# models' shapes use (a K of a few blocks, 1-2 splits), where a second launch may cost more than a sum saves: in the
+# one call that had it here, the default config's GPU decode took 8-11% longer.
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
 _MMA = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)
 _MMA_528 = dict(_MMA, SPLIT_CTAS=528, PDL=True)
 _MMA_WIDE = dict(_MMA, BLOCK_N=128)
+_MMA_4_STAGES = dict(_MMA, SPLIT_CTAS=528, num_stages=4)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
     (1, _GEMV),
     (2, _MMA_528),
     (4, _MMA_WIDE),
-    (16, dict(_MMA, SPLIT_CTAS=528, num_stages=4)),
+    (16, _MMA_4_STAGES),
     (32, dict(_MMA_528, BLOCK_M=32)),
     (1 << 62, dict(_MMA, BLOCK_M=64)),
 ]
 # The K2 shapes' own tables, where their winners in the sweep beat DENSE_CONFIGS by 3% or more (bench/RESULTS.md,
 # sessions 17, 18 and 21): (K, N) -> a per-M table in its place. 7168 -> 2048 (K2's attention output and the dense
-# layers' down projection): 64 columns per program and about 264 programs at every M, so that K is split in runs of
+# layers' down projection): 64 columns per program and about 264 programs at M <= 16, so that K is split in runs of
 # equal length (the default's 32-column GEMV splits its 7 K tiles 3 + 3 + 1); M = 1 on the one-row GEMV, from M = 2 on
-# tensor cores, with PDL. 2048 -> 7168 (the dense layers' gate and up projections): at M = 1 16 columns per program
-# in 2 warps (448 programs, unsplit, each K = 2048 as two prefetched tiles of 1024) rather than the default's 32 in 8
-# (session 19); at M = 2 448 programs (224 column tiles, one per row) already fill the machine unsplit, each reading
-# its 2048 elements as four prefetched tiles of 512 in 4 warps rather than two of 1024 in 8 (session 18); M = 3-16
-# as the default's M = 2, M = 33-64 split to ~132 without PDL (session 21). 7168 -> 4096: M = 2-4 in 128-column
-# tiles (session 21).
+# tensor cores, with PDL; from M = 17 the partials summed by a second launch (M = 17-32 split to ~528). 2048 -> 7168
+# (the dense layers' gate and up projections): at M = 1 16 columns per program in 2 warps (448 programs, unsplit, each
+# K = 2048 as two prefetched tiles of 1024) rather than the default's 32 in 8 (session 19); at M = 2 448 programs (224
+# column tiles, one per row) already fill the machine unsplit, each reading its 2048 elements as four prefetched
+# tiles of 512 in 4 warps rather than two of 1024 in 8 (session 18); M = 3-32 split to ~528 with PDL, the last
+# program summing (K = 2048 splits in 4 at most: the second launch costs more than it saves), M = 33-64 split to ~132
+# without PDL (session 21). 7168 -> 4096: M = 2-4 in 128-column tiles, M = 33-64 summed by a second launch
+# (session 21).
 _MMA_264 = dict(_MMA, PDL=True)
 DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
     (7168, 2048): [
         (1, dict(_GEMV, BLOCK_N=64, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4)),
         (16, _MMA_264),
-        (32, dict(_MMA_264, BLOCK_M=32)),
-        (1 << 62, dict(_MMA_264, BLOCK_M=64)),
+        (32, dict(_MMA_528, BLOCK_M=32, SPLIT_REDUCE=True)),
+        (1 << 62, dict(_MMA_264, BLOCK_M=64, SPLIT_REDUCE=True)),
     ],
     (2048, 7168): [
         (1, dict(_GEMV, BLOCK_N=16, num_warps=2)),
         (2, dict(_GEMV, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4)),
         (16, _MMA_528),
-        DENSE_CONFIGS[4],
+        (32, dict(_MMA_528, BLOCK_M=32)),
         (1 << 62, dict(_MMA, BLOCK_M=64, SPLIT_CTAS=132)),
     ],
     (7168, 4096): [
         (1, _GEMV),
         (4, _MMA_WIDE),
-        *DENSE_CONFIGS[3:],
+        (16, _MMA_4_STAGES),
+        (32, dict(_MMA_528, BLOCK_M=32)),
+        (1 << 62, dict(_MMA, BLOCK_M=64, SPLIT_REDUCE=True)),
     ],
 }
 # float32 activations (the golden-matching engine): the 2026-11-30 sweep's configs, no split-K
@@ -118,7 +126,8 @@ def dense_configs(k: int, n: int, activation: torch.dtype) -> list[tuple[int, di
 # (split_k) and fused_moe's own (SORTED, SPLIT_GU, COMBINE)
 CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_K", "X_PLANES", "X_WIDE", "SCALE_GROUPS", "PACKED", "PREFETCH",
                          "CODES_ASM", "BIASED_CODES", "MMA_ORDER", "PDL", "num_warps", "num_stages", "maxnreg",
-                         "SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT", "SORTED", "SPLIT_GU", "COMBINE"})
+                         "SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT", "SPLIT_REDUCE", "SORTED", "SPLIT_GU",
+                         "COMBINE"})
 
 
 def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
@@ -130,7 +139,8 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
     if unknown:
         raise ValueError(f"tile config {config}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(CONFIG_KEYS))}")
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "PREFETCH": False,
-           "CODES_ASM": False, "BIASED_CODES": False, "MMA_ORDER": False, "PDL": False, **config}
+           "CODES_ASM": False, "BIASED_CODES": False, "MMA_ORDER": False, "PDL": False, "SPLIT_REDUCE": False,
+           **config}
     if cfg["MMA_ORDER"]:    # tensor cores on the MMA-order words, x as it is, one 128-element block per step
         if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg.get("BLOCK_K", 128) != 128:
             raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH, got {config}")

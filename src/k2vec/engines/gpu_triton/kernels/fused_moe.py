@@ -283,6 +283,8 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     cfg2 = tile_config(cfg2, experts.group_size, interpret, x.device)
     if cfg13.pop("MMA_ORDER") | cfg2.pop("MMA_ORDER") | cfg13.pop("PEEL") | cfg2.pop("PEEL"):
         raise ValueError("fused_moe: MMA_ORDER is a dense tile (the experts keep only the bundle's byte order)")
+    if cfg13.pop("SPLIT_REDUCE") | cfg2.pop("SPLIT_REDUCE"):
+        raise ValueError("fused_moe: SPLIT_REDUCE is a dense tile's option (the MoE sums its splits itself)")
     sorted_ = cfg13.pop("SORTED", cfg13["BLOCK_M"] > 1)
     if cfg2.pop("SORTED", cfg2["BLOCK_M"] > 1) != sorted_ or (sorted_ and cfg13["BLOCK_M"] != cfg2["BLOCK_M"]):
         raise ValueError("fused_moe: gate/up and down configs must share SORTED and, sorted, BLOCK_M (one layout)")

@@ -4,7 +4,9 @@ Split-K (SPLIT_K > 1): a third grid axis splits K so that small-M grids fill the
 float32 partial tile to a workspace and bumps an integer counter of its output tile; the program that arrives last
 sums the SPLIT_K partials in split order (the same order whichever program is last: deterministic), writes the output
 and zeroes the counter for the next launch (CUDA-graph safe). The counters are shared by every launch on the device,
-so split-K launches must not run concurrently.
+so split-K launches must not run concurrently. SPLIT_REDUCE instead: the programs only write their partials, and a
+second launch (_split_reduce_kernel, many programs each summing a few rows of a tile in split order: the same sums)
+writes the output, so that no program waits on an arrival and no one program reads a whole tile's partials.
 """
 
 from __future__ import annotations
@@ -64,6 +66,28 @@ def _split_sum(ws_ptr, tile, mask, SPLIT_K: tl.constexpr, PARTS: tl.constexpr, p
         base = ws_ptr + (tile.to(tl.int64) * SPLIT_K * PARTS + k * PARTS + part) * (BLOCK_M * BLOCK_N)
         total += tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cg")
     return total
+
+
+@triton.jit
+def _split_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, n_tiles, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, CHUNK_M: tl.constexpr, PDL: tl.constexpr):
+    """SPLIT_REDUCE: rows chunk * CHUNK_M .. of output tile `tile` (pid_m * n_tiles + pid_n, as the GEMM numbers its
+    tiles) as the sum of the SPLIT_K float32 partials the GEMM's programs wrote, in split order: _split_sum's sum."""
+    tile = tl.program_id(0)
+    chunk = tl.program_id(1)
+    _grid_wait(PDL)     # launched as the GEMM's dependent: its partials are written and visible after this
+    r = chunk * CHUNK_M + tl.arange(0, CHUNK_M)
+    c = tl.arange(0, BLOCK_N)
+    rows = (tile // n_tiles) * BLOCK_M + r
+    cols = (tile % n_tiles) * BLOCK_N + c
+    mask = ((r < BLOCK_M) & (rows < M))[:, None] & (cols < N)[None, :]
+    offs = r[:, None] * BLOCK_N + c[None, :]
+    total = tl.zeros([CHUNK_M, BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(SPLIT_K):
+        base = ws_ptr + (tile.to(tl.int64) * SPLIT_K + k) * (BLOCK_M * BLOCK_N)
+        total += tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
+             mask=mask)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

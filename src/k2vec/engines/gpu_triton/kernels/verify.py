@@ -72,6 +72,20 @@ def check_dense(m: int, n: int, k: int, group_size: int, scale_dtype: str, act: 
     return CheckResult(name, rel_err(out, ref), TOLERANCE[x.dtype], bool(torch.isfinite(out).all()))
 
 
+def check_split_sums(m: int, n: int, k: int, device, config: dict) -> CheckResult:
+    """A split-K config with its partials summed by the last program of each tile and by a second launch
+    (SPLIT_REDUCE): the same sums in the same order, so rel_err is 0 when the outputs are bitwise equal, else 1.
+    float32 activations, so that the output keeps the sums' last bits (a bfloat16 output rounds most orders alike)."""
+    name = f"split sums m{m} n{n} k{k}"
+    gen = generator(device, name)
+    weight = pack_for_gpu(*random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    x = torch.randn(m, k, generator=gen, device=device)
+    last = w4a16_linear(x, weight, config=dict(config, SPLIT_REDUCE=False))
+    second = torch.full((m, n), float("nan"), dtype=x.dtype, device=device)
+    w4a16_linear(x, weight, out=second, config=dict(config, SPLIT_REDUCE=True))
+    return CheckResult(name, 0.0 if torch.equal(last, second) else 1.0, 0.0, bool(torch.isfinite(second).all()))
+
+
 def random_experts(num_experts: int, hidden: int, inter: int, group_size: int, scale_dtype: str,
                    gen: torch.Generator, device) -> PackedExperts:
     def weights(n, k):

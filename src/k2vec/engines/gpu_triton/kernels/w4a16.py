@@ -22,8 +22,8 @@ from k2vec.engines.gpu_triton.kernels.dequant import _bf16_planes, _code, _load_
 from k2vec.engines.gpu_triton.kernels.gemv import _gemv_tile, _split8
 from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
 from k2vec.engines.gpu_triton.kernels.mma import _dot, _mma_order_tile
-from k2vec.engines.gpu_triton.kernels.sync import (_grid_wait, _k_range, _split_arrive, _split_is_last, _split_sum,
-                                                   split_buffers)
+from k2vec.engines.gpu_triton.kernels.sync import (_grid_wait, _k_range, _split_arrive, _split_is_last, _split_reduce_kernel,
+                                                   _split_sum, split_buffers)
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -192,7 +192,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
                   SPLIT_K: tl.constexpr, BF16_SCALES: tl.constexpr, IEEE: tl.constexpr, X_PLANES: tl.constexpr,
                   SCALE_GROUPS: tl.constexpr, PACKED: tl.constexpr, EVEN_K: tl.constexpr, X_WIDE: tl.constexpr,
                   PREFETCH: tl.constexpr, CODES_ASM: tl.constexpr, BIASED_CODES: tl.constexpr,
-                  MMA_ORDER: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
+                  MMA_ORDER: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr, SPLIT_REDUCE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -211,7 +211,9 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     else:
         tile = pid_m * tl.num_programs(0) + pid_n
         _split_arrive(acc, ws_ptr, tile, pid_k, out_mask, SPLIT_K, 1, 0, BLOCK_M, BLOCK_N)
-        if _split_is_last(cnt_ptr, tile, SPLIT_K):
+        if SPLIT_REDUCE:    # summed by _split_reduce_kernel, launched next
+            pass
+        elif _split_is_last(cnt_ptr, tile, SPLIT_K):
             total = _split_sum(ws_ptr, tile, out_mask, SPLIT_K, 1, 0, BLOCK_M, BLOCK_N)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.store(cnt_ptr + tile, 0)
@@ -271,4 +273,10 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
         x.stride(0), words.stride(0), scales.stride(0), out.stride(0), G=weight.group_size, SPLIT_K=splits,
         EVEN_K=weight.k % cfg["BLOCK_K"] == 0,
         BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, **launch_keys(cfg, x.dtype, bf16_scales))
+    if splits > 1 and cfg["SPLIT_REDUCE"]:
+        chunk = min(cfg["BLOCK_M"], 4)
+        pdl = not interpreting() and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+        _split_reduce_kernel[(n_tiles * m_tiles, triton.cdiv(min(m, cfg["BLOCK_M"]), chunk))](
+            ws, out, m, weight.n, out.stride(0), n_tiles, SPLIT_K=splits, BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], CHUNK_M=chunk, PDL=pdl, num_warps=2, launch_pdl=pdl)
     return out
