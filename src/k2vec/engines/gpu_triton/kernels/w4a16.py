@@ -211,12 +211,11 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
     else:
         tile = pid_m * tl.num_programs(0) + pid_n
         _split_arrive(acc, ws_ptr, tile, pid_k, out_mask, SPLIT_K, 1, 0, BLOCK_M, BLOCK_N)
-        if SPLIT_REDUCE:    # summed by _split_reduce_kernel, launched next
-            pass
-        elif _split_is_last(cnt_ptr, tile, SPLIT_K):
-            total = _split_sum(ws_ptr, tile, out_mask, SPLIT_K, 1, 0, BLOCK_M, BLOCK_N)
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(cnt_ptr + tile, 0)
+        if not SPLIT_REDUCE:    # (SPLIT_REDUCE: _split_reduce_kernel, launched next, sums them)
+            if _split_is_last(cnt_ptr, tile, SPLIT_K):
+                total = _split_sum(ws_ptr, tile, out_mask, SPLIT_K, 1, 0, BLOCK_M, BLOCK_N)
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(cnt_ptr + tile, 0)
 
 
 def to_planes(x: torch.Tensor) -> torch.Tensor:
