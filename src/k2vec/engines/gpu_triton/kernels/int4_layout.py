@@ -20,7 +20,7 @@ SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class MmaOrder:
     """A dense weight's load-time copy for the MMA_ORDER tiles, K-block-major: block kb of every row together, so
     that a tile's K step reads one contiguous stretch (64 rows x 64 bytes of codes: 4 KB) rather than 64 bytes
-    from each of 64 rows a row's length apart (bench/RESULTS.md, issue 27, session 21: 8-20% faster at M = 2-64)."""
+    from each of 64 rows a row's length apart (bench/RESULTS.md, issue 27, session 21: 5-20% faster at M = 2-64)."""
     words: torch.Tensor    # int32 [ceil(k / 128), n, 16]: mma_order_words
     scales: torch.Tensor   # the scale dtype, [ceil(k / 128), n, 128 // group_size]: mma_order_scales
 
