@@ -61,7 +61,15 @@ def _split_sum(ws_ptr, tile, mask, SPLIT_K: tl.constexpr, PARTS: tl.constexpr, p
     a compile-time constant so the loop unrolls and the SPLIT_K loads are in flight together (a runtime loop
     waited on each in turn)."""
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return _split_sum_at(ws_ptr, tile, offs, mask, SPLIT_K, PARTS, part, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _split_sum_at(ws_ptr, tile, offs, mask, SPLIT_K: tl.constexpr, PARTS: tl.constexpr, part: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_split_sum at the tile elements `offs` (row-major within the BLOCK_M x BLOCK_N tile): the whole tile, or the
+    rows a program of _split_reduce_kernel sums."""
+    total = tl.zeros(offs.shape, dtype=tl.float32)
     for k in tl.static_range(SPLIT_K):
         base = ws_ptr + (tile.to(tl.int64) * SPLIT_K * PARTS + k * PARTS + part) * (BLOCK_M * BLOCK_N)
         total += tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cg")
@@ -72,7 +80,7 @@ def _split_sum(ws_ptr, tile, mask, SPLIT_K: tl.constexpr, PARTS: tl.constexpr, p
 def _split_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, n_tiles, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, CHUNK_M: tl.constexpr, PDL: tl.constexpr):
     """SPLIT_REDUCE: rows chunk * CHUNK_M .. of output tile `tile` (pid_m * n_tiles + pid_n, as the GEMM numbers its
-    tiles) as the sum of the SPLIT_K float32 partials the GEMM's programs wrote, in split order: _split_sum's sum."""
+    tiles) as the sum of the SPLIT_K float32 partials the GEMM's programs wrote, in split order: _split_sum's sum (_split_sum_at)."""
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
     _grid_wait(PDL)     # launched as the GEMM's dependent: its partials are written and visible after this
@@ -81,11 +89,7 @@ def _split_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, n_tiles, SPLIT_K: tl.co
     rows = (tile // n_tiles) * BLOCK_M + r
     cols = (tile % n_tiles) * BLOCK_N + c
     mask = ((r < BLOCK_M) & (rows < M))[:, None] & (cols < N)[None, :]
-    offs = r[:, None] * BLOCK_N + c[None, :]
-    total = tl.zeros([CHUNK_M, BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(SPLIT_K):
-        base = ws_ptr + (tile.to(tl.int64) * SPLIT_K + k) * (BLOCK_M * BLOCK_N)
-        total += tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    total = _split_sum_at(ws_ptr, tile, r[:, None] * BLOCK_N + c[None, :], mask, SPLIT_K, 1, 0, BLOCK_M, BLOCK_N)
     tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
              mask=mask)
 
