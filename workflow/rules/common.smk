@@ -5,9 +5,9 @@ import functools
 import json
 
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
 # k2vec imports come from this checkout's src/, which the Snakefile puts first on sys.path and PYTHONPATH.
+from k2vec.config.check_cache import validate_config
 from k2vec.config.resources import check_config
 from k2vec.config.imports import source_files
 from k2vec.pipeline.code_digest import DigestCache, module_sources, script_modules
@@ -34,16 +34,17 @@ from k2vec.config.engines import (
 from k2vec.config.expand import check_finite, expand_config, resolve_model, schema_error
 from k2vec.model.precision import FORMATS
 
-CONFIG_SCHEMA = "../schemas/config.schema.yaml"
+CONFIG_SCHEMA = os.path.join(workflow.basedir, "workflow", "schemas", "config.schema.yaml")
 try:
-    validate(config, schema=CONFIG_SCHEMA)
+    # snakemake.utils.validate's check (the schema's defaults filled in), remembered across starts
+    validate_config(config, CONFIG_SCHEMA, CONFIG_CHECKS)
     check_finite(config)  # .nan and .inf pass the schema's bounds
     ENGINES = resolve_engines(config, workflow.basedir, defined_engines(CONFIG_FILES))
     UNSANDBOXED = check_sandboxes(ENGINES, sandbox_problem)
 except (WorkflowError, ConfigError) as err:
     # Name the offending key first, whichever check found it.
     if not isinstance(err, ConfigError):
-        err = schema_error(config, workflow.source_path(CONFIG_SCHEMA)) or err
+        err = schema_error(config, CONFIG_SCHEMA) or err
     raise WorkflowError(f"Invalid configuration: {err}") from None
 
 if UNSANDBOXED and workflow.is_main_process:

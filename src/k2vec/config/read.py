@@ -155,20 +155,14 @@ def _check_expansion(path: Path, root: yaml.Node, aliases: list[tuple[yaml.Mark,
         f"alias is a copy of its anchor's subtree; nested aliases multiply (\"billion laughs\")")
 
 
-def check_config_files(paths) -> None:
-    """check_config_file on each existing path (a missing one is Snakemake's to report)."""
-    for p in paths:
-        if Path(p).exists():
-            check_config_file(p)
-
-
 def defined_engines(paths) -> set[str]:
     """The engine names that the existing config files among `paths` define with settings (not null):
-    the names an overlay's `engines: {name: null}` may disable."""
+    the names an overlay's `engines: {name: null}` may disable. Read with libyaml where PyYAML has it: the
+    files passed the strict read (check_config_file) before."""
     names: set[str] = set()
     for p in paths:
         if Path(p).exists():
-            doc = yaml.safe_load(Path(p).read_text(encoding="utf-8"))
+            doc = yaml.load(Path(p).read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
             engines = doc.get("engines") if isinstance(doc, dict) else None
             if isinstance(engines, dict):  # anything else is the schema's to refuse
                 names.update(n for n, e in engines.items() if isinstance(e, dict))
