@@ -76,7 +76,8 @@ def test_another_config_or_schema_is_checked_again(tmp_path, change):
 
 
 @pytest.mark.parametrize("content", ["not json", json.dumps({"format": "other", "files": [], "checked": {}}),
-                                     json.dumps({"format": check_cache.FORMAT, "files": 3, "checked": {}})])
+                                     json.dumps({"format": check_cache.FORMAT, "code": check_cache._code(), "files": 3,
+                                                 "checked": {}})])
 def test_an_unreadable_cache_is_ignored(tmp_path, content):
     path = tmp_path / "c.json"
     path.write_text(content)
@@ -108,3 +109,19 @@ def test_a_config_file_is_read_strictly_again_once_its_bytes_change(tmp_path):
     cfg.write_text("a: 1\na: 2\n")
     with pytest.raises(ConfigFileError, match="duplicate key 'a'"):
         check_config_files([cfg], ConfigCheckCache(path))
+
+
+def test_what_older_checks_passed_is_not_reused(tmp_path, monkeypatch):
+    """A rule of the strict read or of the schema check that changed (another version of their code) may refuse
+    what the old one passed."""
+    path = tmp_path / "c.json"
+    cache = ConfigCheckCache(path)
+    cfg = tmp_path / "user.yaml"
+    cfg.write_text("a: 1\n")
+    check_config_files([cfg], cache)
+    validate_config(default_config(), SCHEMA, cache)
+    cache.save()
+    assert ConfigCheckCache(path).files and ConfigCheckCache(path).checked
+    monkeypatch.setattr(check_cache, "_code", lambda: "another version")
+    again = ConfigCheckCache(path)
+    assert again.files == set() and again.checked == {}

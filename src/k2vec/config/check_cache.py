@@ -5,7 +5,9 @@ Snakemake's `validate` reads the 15 KB schema with a pure-Python YAML reader and
 start: with the strict read, about 0.15 s of a 1.5 s dry run on a 2-core machine (bench/RESULTS.md). Here the
 schema is read with libyaml, and a config checked before takes its checked form (the schema's defaults filled
 in, as `validate` fills them) from `.snakemake/k2vec/config-check.json` without importing jsonschema. A config
-that does not survive a JSON round trip unchanged (a key that is not a string) is checked every time.
+that does not survive a JSON round trip unchanged (a key that is not a string) is checked every time. The cache
+holds only while the checks' own code is as it was (this module and k2vec.config.read, by their bytes); the
+jsonschema release is not part of it (Draft 2020-12's keywords this schema uses do not change between releases).
 """
 
 from __future__ import annotations
@@ -15,10 +17,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from k2vec.config import read
 from k2vec.config.read import MAX_CONFIG_BYTES, check_config_file
 from k2vec.errors import ConfigError
 
 FORMAT = "k2vec-config-check-1"
+
+
+def _code() -> str:
+    """sha256 of the checks' code: what they passed before says nothing once a rule changed."""
+    return hashlib.sha256(Path(read.__file__).read_bytes() + b"\0" + Path(__file__).read_bytes()).hexdigest()
 
 
 class ConfigCheckCache:
@@ -35,8 +43,8 @@ class ConfigCheckCache:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return
-        if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("files"), list) \
-                and isinstance(data.get("checked"), dict):
+        if isinstance(data, dict) and data.get("format") == FORMAT and data.get("code") == _code() \
+                and isinstance(data.get("files"), list) and isinstance(data.get("checked"), dict):
             self.files = {f for f in data["files"] if isinstance(f, str)}
             self.checked = data["checked"]
 
@@ -48,7 +56,7 @@ class ConfigCheckCache:
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.path, json.dumps({"format": FORMAT, "files": sorted(self.files),
+            write_text_atomic(self.path, json.dumps({"format": FORMAT, "code": _code(), "files": sorted(self.files),
                                                      "checked": self.checked}))
             self.dirty = False
         except OSError:
