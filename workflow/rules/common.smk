@@ -31,7 +31,7 @@ from k2vec.config.engines import (
     left_out_on_models,
     resolve_engines,
 )
-from k2vec.config.expand import check_finite, expand_config, resolve_model, schema_error
+from k2vec.config.expand import check_finite, expand_config, resolve_model
 from k2vec.model.precision import FORMATS
 
 CONFIG_SCHEMA = os.path.join(workflow.basedir, "workflow", "schemas", "config.schema.yaml")
@@ -41,10 +41,7 @@ try:
     check_finite(config)  # .nan and .inf pass the schema's bounds
     ENGINES = resolve_engines(config, workflow.basedir, defined_engines(CONFIG_FILES))
     UNSANDBOXED = check_sandboxes(ENGINES, sandbox_problem)
-except (WorkflowError, ConfigError) as err:
-    # Name the offending key first, whichever check found it.
-    if not isinstance(err, ConfigError):
-        err = schema_error(config, CONFIG_SCHEMA) or err
+except ConfigError as err:  # every check names the offending key first
     raise WorkflowError(f"Invalid configuration: {err}") from None
 
 if UNSANDBOXED and workflow.is_main_process:
