@@ -163,9 +163,14 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
         cfg["PACKED"] = False
         cfg["CODES_ASM"] = False
         cfg["PDL"] = False
-    elif cfg["PDL"] and device is not None and torch.cuda.get_device_capability(device)[0] < 9:
-        cfg["PDL"] = False      # griddepcontrol needs sm_90
+    elif cfg["PDL"] and device is not None and not has_pdl(device):
+        cfg["PDL"] = False
     return cfg
+
+
+def has_pdl(device) -> bool:
+    """Programmatic dependent launch on this CUDA device: griddepcontrol needs sm_90."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def split_k(cfg: dict, k: int, tiles: int) -> int:

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k2vec.engines.gpu_triton.kernels.configs import dense_configs, launch_keys, pick_config, split_k, tile_config
+from k2vec.engines.gpu_triton.kernels.configs import (dense_configs, has_pdl, launch_keys, pick_config, split_k,
+                                                    tile_config)
 from k2vec.engines.gpu_triton.kernels.dequant import _bf16_planes, _code, _load_scales, _per_word
 from k2vec.engines.gpu_triton.kernels.gemv import _gemv_tile, _split8
 from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
@@ -274,7 +275,7 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
         BF16_SCALES=bf16_scales, IEEE=x.dtype == torch.float32, **launch_keys(cfg, x.dtype, bf16_scales))
     if splits > 1 and cfg["SPLIT_REDUCE"]:
         chunk = min(cfg["BLOCK_M"], 4)
-        pdl = not interpreting() and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+        pdl = not interpreting() and x.is_cuda and has_pdl(x.device)
         _split_reduce_kernel[(n_tiles * m_tiles, triton.cdiv(min(m, cfg["BLOCK_M"]), chunk))](
             ws, out, m, weight.n, out.stride(0), n_tiles, SPLIT_K=splits, BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], CHUNK_M=chunk, PDL=pdl, num_warps=2, launch_pdl=pdl)
