@@ -1,4 +1,4 @@
-"""The report's result cache (k2vec/report/result_cache.py): a second report parses only the results whose bytes
+"""The report's result cache (k2vec/engines/contract/result_cache.py): a second report parses only the results whose bytes
 changed, writes the same outputs as a report without a cache, and keeps only its own entries; a report whose plots
 are all cached does not load matplotlib."""
 import json
@@ -12,7 +12,8 @@ import pytest
 from test_report_plot_cache import goldens, runs  # noqa: F401  (fixtures)
 
 from conftest import REPO
-from k2vec.report import build_report, result_cache
+from k2vec.engines.contract import result_cache
+from k2vec.report import build_report
 
 OUTPUTS = ("divergence.csv", "divergence.html", "summary.txt", "score.csv")
 

@@ -2,12 +2,15 @@
 every run of a bundle, yet a run that hangs, crashes or writes nonsense fails alone, each run keeps its own
 time limit, and what the runner writes per run is what a single-run engine's run gets."""
 import json
+import marshal
 import sys
 import textwrap
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
+from k2vec.engines.contract import result_cache
 from k2vec.engines.runner import run_engine, run_engine_batch
 from test_runner import EXPECT, good_result, tiny_bundle
 
@@ -61,7 +64,7 @@ CASES = [
 ]
 
 
-def batch_run(tmp_path, plan, delay=0.05, timeout_s=1.5, modes=MODES):
+def batch_run(tmp_path, plan, delay=0.05, timeout_s=1.5, modes=MODES, **extra):
     tmp_path.mkdir(exist_ok=True)
     script = tmp_path / "engine.py"
     good = {"greedy": good_result("greedy"), "ddtree": good_result("ddtree")}
@@ -74,7 +77,7 @@ def batch_run(tmp_path, plan, delay=0.05, timeout_s=1.5, modes=MODES):
                               runs=list(zip(modes, map(str, outs))), expect=EXPECT, gpus=0, devices=[],
                               lock_dir=str(tmp_path / "locks"), timeout_s=timeout_s,
                               stderr_path=str(tmp_path / "stderr.log"), max_result_mb=1.0,
-                              scratch_dir=str(tmp_path / "scratch"))
+                              scratch_dir=str(tmp_path / "scratch"), **extra)
     for out, final in zip(outs, finals):
         assert json.loads(out.read_text()) == final
     return dict(zip(modes, finals)), starts.read_text().splitlines()
@@ -132,3 +135,28 @@ def test_a_batch_run_records_what_a_single_run_records(tmp_path):
     assert a.keys() == b.keys()
     assert {k: v for k, v in a.items() if k not in volatile} == {k: v for k, v in b.items() if k not in volatile}
     assert "{batch}" not in a["command"] and "batch.json" in a["command"]
+
+
+@pytest.mark.parametrize("plan", [{}, {"ddtree-b4": "crash", "ddtree-b16": "garbage"}], ids=["all ok", "some failed"])
+def test_the_report_parses_no_result_the_runner_wrote(tmp_path, monkeypatch, plan):
+    """With the report's parse cache, each result the runner writes, ok or failed, is parsed into it as written:
+    the report's load then parses none of them, and gets exactly what parsing the file gives."""
+    cache = tmp_path / "cache"
+    finals, _ = batch_run(tmp_path, plan, parse_cache=str(cache))
+    assert len(list(cache.glob("*.marshal"))) == len(MODES)
+    parsed = []
+    monkeypatch.setattr(result_cache, "json", SimpleNamespace(loads=lambda data: parsed.append(data)))
+    report_side = result_cache.ResultCache(cache)
+    for mode in MODES:
+        path = tmp_path / "results" / f"{mode}.json"
+        assert marshal.dumps(report_side.load(path)) == marshal.dumps(json.loads(path.read_bytes()))
+    assert parsed == []
+    assert {f["status"] for f in finals.values()} == ({"ok"} if not plan else {"ok", "failed"})
+
+
+def test_an_unwritable_parse_cache_costs_no_result(tmp_path):
+    """The parse cache is the report's shortcut: where it cannot be written, every result is still written."""
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache directory would be")
+    finals, _ = batch_run(tmp_path, {}, parse_cache=str(blocked))
+    assert all(f["status"] == "ok" for f in finals.values())

@@ -15,6 +15,7 @@ from k2vec.errors import ConfigError
 from k2vec.engines.gpus import device_pool
 from k2vec.engines.isolation import sandbox_problem
 from k2vec.digests import integrity_key_path, sha256_file
+from k2vec.engines.contract.result_cache import report_cache_dir
 from k2vec.config.engines import (
     check_sandboxes,
     convention_variants,

@@ -55,8 +55,9 @@ rule report:
         # made by the first engine run (k2vec.engines.runner); not an input: nothing reruns on it
         integrity_key=str(integrity_key_path("results")),
         # what a later report reuses: plots, by what they show and the code that draws them
-        # (k2vec/report/plot_cache.py), and the parses of the results, by their bytes (k2vec/report/result_cache.py)
-        cache="results/report-cache",
+        # (k2vec/report/plot_cache.py), and the parses of the results, by their bytes, most of them put there
+        # by the runner as it wrote the result (k2vec/engines/contract/result_cache.py)
+        cache=str(report_cache_dir("results")),
     script:
         "../scripts/report.py"
 

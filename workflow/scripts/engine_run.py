@@ -2,6 +2,7 @@
 in one process (rules engine_batch_<engine>); always writes a result per run (ok or failed)."""
 import sys
 
+from k2vec.engines.contract.result_cache import report_cache_dir
 from k2vec.engines.gpus import device_pool
 from k2vec.engines.runner import run_engine_batch
 from k2vec.pipeline.stage import stage_logging
@@ -27,6 +28,7 @@ with stage_logging(snakemake.log.runner, "engine_run") as log:
         sandbox=engine["sandbox"],
         sandbox_required=engine.get("sandbox_required", True),
         results_dir="results",
+        parse_cache=str(report_cache_dir("results")),   # the report parses none of this job's results
         stderr_path=snakemake.log.engine,
         python=sys.executable,
     )

@@ -37,6 +37,7 @@ from k2vec.engines.contract.errors import InvalidResult
 from k2vec.engines.contract.expectations import Expectations, expectations_from_bundle
 from k2vec.engines.contract.files import read_result, write_result
 from k2vec.engines.contract.modes import BATCH_FORMAT, parse_mode
+from k2vec.engines.contract.result_cache import ResultCache
 from k2vec.engines.gpus import GpuError, identify, lease
 from k2vec.engines.isolation import (Reaper, fresh_scratch, make_read_only, make_undumpable, remove_tree,
                                      sandbox_command, sandbox_problem)
@@ -211,7 +212,7 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
                      max_result_mb: float, scratch_dir: str, sandbox: bool = False, sandbox_required: bool = True,
                      results_dir: str | None = None, expect: Expectations | None = None,
                      extra_env: dict[str, str] | None = None, python: str = sys.executable,
-                     jobs_per_device: int = 1) -> list[dict[str, Any]]:
+                     jobs_per_device: int = 1, parse_cache: str | None = None) -> list[dict[str, Any]]:
     """Run the engine on `runs` ((mode, output) pairs, all of one bundle) and write each final result (ok or
     failed) atomically to its output; returns them in order.
 
@@ -226,7 +227,9 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
     engine starts; each result then gets a keyed record beside it. `max_result_mb`: larger result files
     are refused before they are read. `expect`: what a valid result holds; None (the pipeline) reads it
     from the bundle after verifying the bundle's checksums. `jobs_per_device`: how many jobs may share a GPU
-    (config gpus.jobs_per_device)."""
+    (config gpus.jobs_per_device). `parse_cache`: the report's cache of result parses
+    (engines/contract/result_cache.py), given each result's parse as it is written: the report, which runs
+    after every engine job, then parses none of them itself."""
     batch = is_batch_command(command)
     if sandbox and results_dir is None:
         raise ValueError("sandbox needs results_dir: the directory hidden from the engine")
@@ -295,12 +298,14 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
                 r.final = _failed(r.record, str(err), stderr_file, None)
     cap_log(stderr_file)
     all_ok = all(r.final["status"] == "ok" for r in jobs)
+    parses = ResultCache(parse_cache) if parse_cache is not None else None
     for r in jobs:
         if r.final["status"] != "ok":   # kept for inspection: what the engine wrote is there
             r.final["scratch_kept"] = str(scratch)
             r.text = json.dumps(r.final, sort_keys=True)
         try:
             write_result(r.output, r.text + "\n", key)
+            _leave_parse(parses, r.text + "\n")
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
@@ -315,6 +320,17 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
     elif scratch.exists():
         in_use.unlink(missing_ok=True)   # kept for inspection until this job's next attempt
     return [r.final for r in jobs]
+
+
+def _leave_parse(parses: ResultCache | None, text: str) -> None:
+    """Put the parse of a result just written into the report's cache; a cache that cannot be written only
+    leaves the parse to the report."""
+    if parses is None:
+        return
+    try:
+        parses.parse(text.encode("utf-8"))
+    except OSError:
+        pass
 
 
 def _attempt(attempt: list[_Run], *, batch: bool, engine: str, command: str, bundle: str, bundle_path: Path,

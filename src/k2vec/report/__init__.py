@@ -74,7 +74,7 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     """Compute every metric, render the plots and the HTML, and write all outputs into `out_dir`.
     cache: a directory where the report keeps what a later report reuses: its plots, by what they show and the code
     that draws them (report/plot_cache.py), so that a report whose plots did not change draws none, and the parses
-    of the results it read, by their bytes (report/result_cache.py); None draws and parses everything.
+    of the results it read, by their bytes (engines/contract/result_cache.py); None draws and parses everything.
     integrity_key: the results directory's integrity key file, with which results' keyed records are
     checked (report/integrity.py); None checks their sha256 records and flags no verdict tamper-proof.
     budgets: per declared precision (classify.DEFAULT_BUDGETS, report.budgets in config.yaml); noise:
@@ -86,7 +86,7 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     engine of its command family} (k2vec.config.engines.float32_counterparts), named in its clean lines."""
     from k2vec.report.html import render_html, summary_text
     from k2vec.report.plot_cache import PlotCache
-    from k2vec.report.result_cache import ResultCache
+    from k2vec.engines.contract.result_cache import ResultCache
 
     results = ResultCache(cache)
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,

@@ -45,7 +45,7 @@ from k2vec.report.integrity import CHANGED, RunChecks
 from k2vec.report.logits import STEP_COLUMNS
 from k2vec.report.noise import NoiseModel, Rule, noise_cells, noise_table, noise_verdicts, router_credit
 from k2vec.report.resolution import resolution_table
-from k2vec.report.result_cache import ResultCache
+from k2vec.engines.contract.result_cache import ResultCache
 from k2vec.report.routing import score_evidence
 from k2vec.report.score import SCORE_COLUMNS, score_stats
 from k2vec.report.words import plural
@@ -259,7 +259,7 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
     engine results' keyed records are checked; None: their sha256 records, every row not tamper-proof.
     `mutation_resolution`: the mutation run's per-bundle resolvability (report/resolution.py
     MUTATION_RESOLUTION_FILE), read where it exists: the mutants below each noise model's resolution.
-    `result_cache`: where the results' parses are kept for later reports (report/result_cache.py); None parses
+    `result_cache`: where the results' parses are kept for later reports (engines/contract/result_cache.py); None parses
     each."""
 
     try:

@@ -5,7 +5,7 @@ edit of the report's tables, HTML or verdict rules, or a rerun that changed noth
 same pixels again. A plot's key is the sha256 of its name, the meaning of the code that draws it
 (k2vec.pipeline.code_digest: PLOT_CODE, the plots module and the package modules it imports), the versions of
 matplotlib, numpy and pandas, and the pickled arguments; its PNG is kept as `<key>.<sha256 of the PNG>.png`
-(report/entry_store.py; a damaged file is drawn again). The runs' clock columns are taken out of
+(k2vec/entry_store.py; a damaged file is drawn again). The runs' clock columns are taken out of
 what a plot is given (CLOCK_COLUMNS). The cache keeps the entries of the last report only. The bytes written are those a fresh drawing gives (tests/test_report_plot_cache.py).
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from k2vec.pipeline.code_digest import PACKAGE_DIR, code_digest
-from k2vec.report.entry_store import EntryStore
+from k2vec.entry_store import EntryStore
 
 # The code that draws the plots: the plots module and the package modules it imports, not the packages'
 # __init__ modules (importing k2vec.report.plots runs k2vec/report/__init__.py, hence the metrics, which no plot
