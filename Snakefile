@@ -20,6 +20,7 @@ from k2vec.pipeline import checksum_once, lazy_pandas
 
 checksum_once.install()  # a finished job's inputs hashed once for its metadata, not once per output
 lazy_pandas.install()  # params compared without importing pandas (which no param is)
+lazy_pandas.install_script_params()  # nor imported for the params of a script job's preamble
 
 # A plain rerun after a kill: drop the Snakemake lock and the temporaries that dead runs left here
 # (a live run's are kept, so a second concurrent run is still refused). Snakemake checks its lock

@@ -55,3 +55,43 @@ assert got[0] == repr(values[0])
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_script_jobs_params_are_stored_as_snakemake_stores_them_without_importing_pandas():
+    """The installed Snakemake's script object: plain params stored byte for byte (pickled) as its own step stores
+    them, without importing pandas; a numpy array, and once pandas is imported a DataFrame, are converted by its
+    own step (a fresh process, since this one may have imported pandas already)."""
+    code = """
+import pickle, sys, types
+from k2vec.pipeline import lazy_pandas
+assert lazy_pandas._script_target() is not None and lazy_pandas.install_script_params()
+assert lazy_pandas.install_script_params()   # a second install wraps nothing twice
+import snakemake.iocontainers as io
+store = io.Snakemake._safely_store_params
+assert getattr(store, lazy_pandas._WRAPPED) and not getattr(store.__wrapped__, lazy_pandas._WRAPPED, False)
+
+def params(*values, names=("code", "runs")):
+    p = io.Params(list(values))
+    for i, name in enumerate(names[:len(values)]):
+        p._set_name(name, i)
+    return p
+
+def stored(method, p):
+    job = types.SimpleNamespace()
+    method(job, p)
+    return pickle.dumps(vars(job))
+
+plain = params("code-meaning-2:ab12", [{"engine": "numpy", "mode": "greedy"}], 600, 1e-3, None)
+fast = stored(store, plain)
+assert "pandas" not in sys.modules, "pandas imported"
+import numpy as np
+array = params("x", np.arange(3))
+assert pickle.loads(stored(store, array))["_params_types"] == {1: "np.ndarray"}
+assert "pandas" in sys.modules   # Snakemake's own step ran for the array, and it imports pandas
+import pandas as pd
+assert fast == stored(store.__wrapped__, plain)
+frame = params("x", pd.DataFrame({"a": [1]}))
+assert pickle.loads(stored(store, frame))["_params_types"] == {1: "pd.DataFrame"}
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
