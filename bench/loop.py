@@ -15,7 +15,10 @@ runs' own decode time (`timing.decode_s`) and of their runner wall time (`wall_s
 shows, and the CPU seconds of the whole `snakemake` call, its processes and every one they started (on a machine
 whose cores are all busy, an engine edit cannot finish before a report edit plus its engine's CPU time spread over
 the cores); and, from Snakemake's output timed line by line, when the first job started (parse and DAG before it),
-when the last one finished, and how long the process took to exit after its last line. Works on any checkout of the
+when the last one finished, how long the report job took (from Snakemake's line announcing it to its "Finished"),
+and how long the process took to exit after its last line. "floor s" is the first job's start, plus the rewritten
+runs' decode spread evenly over the cores, plus the report job: what the call cannot go under whatever each job's
+own start-up costs, since the report starts after the last run. Works on any checkout of the
 project, old ones included (single-run engines).
 """
 
@@ -92,7 +95,20 @@ def phases(call: Call) -> dict:
     starts = [t for t, line in call.lines if re.match(r"(local)?rule \w+:$", line)]
     ends = [t for t, line in call.lines if line.startswith("Finished jobid")]
     return {"first_job_s": starts[0] if starts else None, "jobs_done_s": ends[-1] if ends else None,
+            "report_s": job_span(call, "report"),
             "exit_s": call.wall_s - call.lines[-1][0] if call.lines else call.wall_s}
+
+
+def job_span(call: Call, rule: str) -> float | None:
+    """Seconds from Snakemake's line announcing the job of `rule` to its "Finished jobid" line; None where it did not
+    run."""
+    for i, (t, line) in enumerate(call.lines):
+        if re.match(rf"(local)?rule {rule}:$", line):
+            jobid = next((m.group(1) for _, later in call.lines[i + 1:i + 12]
+                          if (m := re.match(r"\s+jobid: (\d+)$", later))), None)
+            done = [u for u, later in call.lines[i:] if later.startswith(f"Finished jobid: {jobid} ")]
+            return done[0] - t if jobid is not None and done else None
+    return None
 
 
 def jobs_run(text: str) -> int:
@@ -139,12 +155,15 @@ def main() -> None:
                                 restore=not args.no_restore))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print("| edit | wall s | CPU s | jobs | engine runs | their decode s | their runner wall s | first job at s | "
-          "last job done at s | exit after output s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "last job done at s | report job s | exit after output s | floor s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        at = [f"{r[key]:.2f}" if r[key] is not None else "-" for key in ("first_job_s", "jobs_done_s", "exit_s")]
+        at = [f"{r[key]:.2f}" if r[key] is not None else "-"
+              for key in ("first_job_s", "jobs_done_s", "report_s", "exit_s")]
+        floor = (f"{r['first_job_s'] + r['decode_s'] / args.cores + (r['report_s'] or 0.0):.1f}"
+                 if r["first_job_s"] is not None else "-")
         print(f"| {r['edit']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['jobs']} | {r['runs']} | {r['decode_s']:.1f} | "
-              f"{r['run_wall_s']:.1f} | {' | '.join(at)} |")
+              f"{r['run_wall_s']:.1f} | {' | '.join(at)} | {floor} |")
 
 
 if __name__ == "__main__":
