@@ -3,8 +3,8 @@ put by the runners and the report) and the report's plots (report/plot_cache.py)
 
 An entry is the file `<key>.<sha256 of its bytes>.<suffix>`: it is returned only where its bytes still give that
 digest (a damaged one counts as absent and is written again), it is written under its final name whole or not
-at all (so several processes may put entries at once), and `prune` removes every entry of the suffix that this process did not get or put, so the directory
-holds the last report's entries only.
+at all (so several processes may put entries at once), and `prune` removes every entry of the suffix that this
+process did not get or put, so the directory holds the last report's entries only.
 """
 
 from __future__ import annotations
