@@ -303,9 +303,10 @@ def run_engine_batch(*, engine: str, command: str, bundle: str, runs: Sequence[t
         if r.final["status"] != "ok":   # kept for inspection: what the engine wrote is there
             r.final["scratch_kept"] = str(scratch)
             r.text = json.dumps(r.final, sort_keys=True)
+        text = r.text + "\n"
         try:
-            write_result(r.output, r.text + "\n", key)
-            _leave_parse(parses, r.text + "\n")
+            write_result(r.output, text, key)
+            _leave_parse(parses, text)
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
