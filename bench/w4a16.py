@@ -15,17 +15,20 @@ One call does everything (device time is scarce):
 
     python3 bench/w4a16.py --out DIR [--sweep] [--skip-correctness]
     python3 bench/w4a16.py --out DIR --trips    # the dense tiles against K trips per program (split, stages)
+    python3 bench/w4a16.py --out DIR --cuda-sweep   # the CUDA kernel's tiles on the K2 shapes (configs.py's CUDA)
     TRITON_INTERPRET=1 python bench/w4a16.py --out DIR --smoke     # CPU plumbing check on tiny shapes
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import statistics
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,6 +49,9 @@ from k2vec.engines.gpu_triton.kernels.configs import (  # noqa: E402
     pick_config,
 )
 from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts  # noqa: E402
+from k2vec.engines.gpu_triton.kernels import w4a16_cuda  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.w4a16 import cuda_tile  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile  # noqa: E402
 
 MS = (1, 2, 4, 8, 16, 32, 64)
 GROUPS = (32, 64, 128)
@@ -83,6 +89,17 @@ def correctness_jobs(smoke: bool) -> list[tuple[str, list, dict]]:
                     jobs.append(("check_dense", [m, n, k, 32, "bfloat16", act], {"config": cfg}))
                 else:
                     jobs.append(("check_moe", [m, 8, 18 * 32, 5 * 32, 3, 6, 32, "bfloat16", act], {"config": cfg}))
+    if not smoke:   # the CUDA kernel: the generic rule ("fit") on N % 16 = 0, K % 64 = 0 (9 and 8 steps of 64), its
+        # own tiles (clusters of 2 and 4, x rows in 1-8 m8 tiles) and nibble flips, bf16 activations
+        for m in MS:
+            for n, k in ((1008, 576), (1024, 512)):
+                jobs.append(("check_dense", [m, n, k, 32, "bfloat16", "bfloat16"], {}))
+            for tile in cuda_check_tiles():
+                jobs.append(("check_dense", [m, 1024, 1024, 32, "bfloat16", "bfloat16"],
+                             {"config": dict(mma_tile(16, 64, 4, 0), CUDA=tile)}))
+        for m in (2, 16):
+            for flip in ("low", "high"):
+                jobs.append(("check_flip_seen", [m, 1008, 576, flip], {}))
     if not smoke:   # the real K2 shapes (their own tables, DENSE_SHAPE_CONFIGS), float32 and bf16 activations
         for k, n in DENSE_SHAPES:
             for m in MS:
@@ -92,6 +109,10 @@ def correctness_jobs(smoke: bool) -> list[tuple[str, list, dict]]:
             jobs.append(("check_moe", [m, 16, HIDDEN, INTER, TOP_K, 16, 32, "bfloat16", "float32"], {}))
             jobs.append(("check_moe", [m, 16, HIDDEN, INTER, TOP_K, 16, 32, "bfloat16", "bfloat16"], {}))
     return jobs
+
+
+def cuda_check_tiles() -> list:
+    return [CudaTile(2, 2, 2, 4, ch=1), CudaTile(4, 1, 4, 2, ch=2), CudaTile(1, 4, 1, 8, ch=4)]
 
 
 def split_configs() -> list:
@@ -288,9 +309,10 @@ def dense_weights(device, k: int, n: int, name: str) -> tuple[list, int]:
     """Random K -> N weights in K2's format (G 32, bfloat16 scales), as many copies as a graph of calls needs to read
     cold (copies_for), and the bytes each holds."""
     gen = verify.generator(device, name, k, n)
-    one = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    one = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device, cuda_order=True)
     nbytes = one.packed.numel() + one.scales.numel() * 2
-    return [one] + [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    return [one] + [pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device,
+                                 cuda_order=True)
                     for _ in range(copies_for(nbytes) - 1)], nbytes
 
 
@@ -311,10 +333,11 @@ def time_dense(device, log, configs=None) -> list[dict]:
                                   for x, w in zip(xs, w_bf16)])
             int4_calls = torch_int4_calls(xs, weights, 32)
             int4 = graph_time_us(int4_calls) if int4_calls else None
+            entry = cfg or pick_config(dense_configs(k, n, torch.bfloat16), m)
             row = dict(k=k, n=n, m=m, ours_us=ours, bf16_us=bf16, torch_int4_us=int4, read_us=read,
                        weight_bytes=nbytes, gbps=nbytes / ours / 1e3, read_frac=read / ours,
                        speedup_bf16=bf16 / ours, speedup_int4=(int4 / ours) if int4 else None,
-                       config=cfg or pick_config(dense_configs(k, n, torch.bfloat16), m))
+                       kernel="CUDA" if cuda_tile(entry, weights[0], xs[0]) else "Triton", config=entry)
             rows.append(row)
             int4_text = "n/a" if int4 is None else f"{int4:.1f} us ({row['speedup_int4']:.2f}x)"
             log(f"dense K={k} N={n} M={m}: ours {ours:.1f} us ({row['gbps']:.0f} GB/s, {row['read_frac']:.0%} of "
@@ -711,6 +734,64 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
 
 # ---------------------------------------------------------------- report
 
+def cuda_candidates(n: int, k: int, m: int) -> list:
+    """CUDA tiles for the sweep: 4-16 warps per block, 100-264 blocks, every cluster size that splits K evenly."""
+    out = []
+    for nwn, nwk, cl, pf, ch in itertools.product((1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (8, 16), (1, 2, 4)):
+        tile = CudaTile(nwn, nwk, cl, pf, ch)
+        steps = tile.steps(k)
+        if (tile.fits(n, k, m) and 100 <= n // (16 * nwn) * cl <= 264 and 4 <= nwn * nwk <= 16
+                and (pf == 8 or pf <= steps) and (ch == 1 or ch <= steps)):
+            out.append(tile)
+    return out
+
+
+def cuda_sweep(device, log) -> list[dict]:
+    """Every CUDA tile on the three K2 shapes at every M (NVRTC compiles in threads first), timed as time_dense
+    times, checked against float64; logs the best per M and per M bucket (summed over the bucket's M)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    source = w4a16_cuda.SOURCE.read_text()
+    variants = {tuple(t.defines(k, m).items()) for k, n in DENSE_SHAPES for m in MS for t in cuda_candidates(n, k, m)}
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:     # NVRTC releases the GIL
+        cubins = dict(zip(variants, pool.map(lambda d: w4a16_cuda.nvrtc_cubin(
+            "".join(f"#define {a} {b}\n" for a, b in d) + source, f"sm_{major}{minor}"), variants)))
+    for defines, cubin in cubins.items():
+        w4a16_cuda.load(defines, device.index, cubin)
+    log(f"cuda sweep: {len(cubins)} variants compiled in {time.perf_counter() - t0:.0f} s")
+    rows = []
+    for k, n in DENSE_SHAPES:
+        weights, _ = dense_weights(device, k, n, "bench dense")
+        w64 = weights[0].dequantize().double()
+        for m in MS:
+            xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in weights]
+            outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in weights]
+            ref = xs[0].double() @ w64.T
+            for tile in cuda_candidates(n, k, m):
+                out = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
+                w4a16_cuda.w4a16_cuda_linear(xs[0], weights[0].cuda, n, k, out, tile)
+                us = graph_time_us([lambda x=x, w=w, o=o, t=tile: w4a16_cuda.w4a16_cuda_linear(x, w.cuda, n, k, o, t)
+                                    for x, w, o in zip(xs, weights, outs)])
+                rows.append(dict(k=k, n=n, m=m, tile=asdict(tile), us=us, rel_err=verify.rel_err(out, ref)))
+            best = min((r for r in rows if (r["k"], r["n"], r["m"]) == (k, n, m)), key=lambda r: r["us"])
+            log(f"cuda sweep {k}->{n} M={m}: best {best['us']:.2f} us {best['tile']} (rel err {best['rel_err']:.1e})")
+        del weights
+        torch.cuda.empty_cache()
+    for k, n in DENSE_SHAPES:
+        for bucket in ((1,), (2,), (2, 4), (4, 8), (8,), (8, 16), (16,), (32,), (64,)):
+            sums = {}
+            for r in rows:
+                if (r["k"], r["n"]) == (k, n) and r["m"] in bucket:
+                    sums.setdefault(json.dumps(r["tile"]), []).append(r["us"])
+            whole = {t: sum(v) for t, v in sums.items() if len(v) == len(bucket)}
+            if whole:
+                tile = min(whole, key=whole.get)
+                log(f"cuda sweep {k}->{n} M in {bucket}: {whole[tile]:.2f} us summed, {tile}")
+    bad = [r for r in rows if not r["rel_err"] <= verify.TOLERANCE[torch.bfloat16]]
+    log(f"cuda sweep: {len(rows)} timings, {len(bad)} over the bf16 tolerance")
+    return rows
+
+
 def markdown(dense, moe, copy, correctness) -> str:
     lines = []
     if correctness:
@@ -731,12 +812,12 @@ def markdown(dense, moe, copy, correctness) -> str:
     if copy:
         lines += [f"Device-to-device copy (2 GiB, read+write): {copy:.0f} GB/s", ""]
     if dense:
-        lines += ["| K→N | M | ours µs | GB/s | % of read | bf16 µs | × bf16 | torch int4 µs | × int4 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| K→N | M | kernel | ours µs | GB/s | % of read | bf16 µs | × bf16 | torch int4 µs | × int4 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in dense:
             int4 = "n/a" if r["torch_int4_us"] is None else f"{r['torch_int4_us']:.1f}"
             sp4 = "n/a" if r["speedup_int4"] is None else f"{r['speedup_int4']:.2f}"
-            lines.append(f"| {r['k']}→{r['n']} | {r['m']} | {r['ours_us']:.1f} | {r['gbps']:.0f} | "
+            lines.append(f"| {r['k']}→{r['n']} | {r['m']} | {r['kernel']} | {r['ours_us']:.1f} | {r['gbps']:.0f} | "
                          f"{r['read_frac']:.0%} | {r['bf16_us']:.1f} | {r['speedup_bf16']:.2f} | {int4} | {sp4} |")
         lines.append("")
     if moe:
@@ -820,13 +901,15 @@ def main() -> None:
     parser.add_argument("--configs", type=Path, help="configs.json of an earlier sweep to use")
     parser.add_argument("--profile", action="store_true", help="only the calls to profile (run under ncu)")
     parser.add_argument("--trips", action="store_true", help="only the dense tiles' time against K trips per program")
+    parser.add_argument("--cuda-sweep", action="store_true", help="only the CUDA kernel's tiles on the K2 shapes")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--workers", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny correctness only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    log_file = open(args.out / ("profile.log" if args.profile else "trips.log" if args.trips else "bench.log"), "w")
+    log_file = open(args.out / ("profile.log" if args.profile else "trips.log" if args.trips
+                                else "cuda_sweep.log" if args.cuda_sweep else "bench.log"), "w")
 
     def log(text: str) -> None:
         print(text, flush=True)
@@ -846,6 +929,10 @@ def main() -> None:
         return
     if args.trips:
         trip_scan(torch.device("cuda:0"), log)
+        return
+    if args.cuda_sweep:
+        rows = cuda_sweep(torch.device("cuda:0"), log)
+        (args.out / "cuda_sweep.json").write_text(json.dumps(rows, indent=1))
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"
     pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))

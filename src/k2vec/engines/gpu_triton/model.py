@@ -143,9 +143,10 @@ class BundleLoader:
             raise GpuEngineError(f"cannot stack {names}: some quantized, some not")
         if kinds.pop():
             qw, sc = self._packed_parts(list(names))
-            # the MMA-order copy serves the bf16/fp16 tensor-core tiles only (float32 has its own tiles)
+            # the MMA-order copy serves the bf16/fp16 tensor-core tiles only (float32 has its own tiles), the CUDA
+            # kernel's copy bf16 only
             return pack_for_gpu(qw, sc, self.group_size, self.scale_dtype, self.device,
-                                mma_order=self.dtype != torch.float32)
+                                mma_order=self.dtype != torch.float32, cuda_order=self.dtype == torch.bfloat16)
         return torch.cat([self.dense(n) for n in names])
 
     def mlp(self, prefix: str, intermediate: int) -> MLP:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile
+
 
 # Dense tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
 # DENSE_CONFIGS (bfloat16/float16 activations): the winners of `bench/w4a16.py --sweep` on an H200 (bench/RESULTS.md,
@@ -22,6 +24,10 @@ import triton
 # launch (SPLIT_REDUCE) won the sums at M = 9-64 by 4-6% (session 21) but stay out of this table, which the small
 # models' shapes use (a K of a few blocks, 1-2 splits), where a second launch may cost more than a sum saves: in the
 # one call that had it here, the default config's GPU decode took 8-11% longer.
+# CUDA (a CudaTile, or "fit" for w4a16_cuda.fit_tile's rule): the CUDA kernel (w4a16_cuda.cu) takes the call where
+# it can (bf16 x, the weight's CUDA-order copy: G 32, bf16 scales, N % 16 = 0, K % 64 = 0; not in the interpreter),
+# the entry's Triton launch otherwise. Its tiles in the K2 shapes' tables below are the winners of
+# bench/w4a16.py's CUDA sweep on an H200 (bench/RESULTS.md, issue 27, session 24); M = 2-16 elsewhere by the rule.
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
 _MMA = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)
@@ -30,9 +36,9 @@ _MMA_WIDE = dict(_MMA, BLOCK_N=128)
 _MMA_4_STAGES = dict(_MMA, SPLIT_CTAS=528, num_stages=4)
 DENSE_CONFIGS: list[tuple[int, dict]] = [
     (1, _GEMV),
-    (2, _MMA_528),
-    (4, _MMA_WIDE),
-    (16, _MMA_4_STAGES),
+    (2, dict(_MMA_528, CUDA="fit")),
+    (4, dict(_MMA_WIDE, CUDA="fit")),
+    (16, dict(_MMA_4_STAGES, CUDA="fit")),
     (32, dict(_MMA_528, BLOCK_M=32)),
     (1 << 62, dict(_MMA, BLOCK_M=64)),
 ]
@@ -41,7 +47,7 @@ DENSE_CONFIGS: list[tuple[int, dict]] = [
 # layers' down projection): 64 columns per program and about 264 programs at M <= 16, so that K is split in runs of
 # equal length (the default's 32-column GEMV splits its 7 K tiles 3 + 3 + 1); M = 1 on the one-row GEMV, from M = 2 on
 # tensor cores, with PDL; from M = 17 the partials summed by a second launch (M = 17-32 split to ~528). 2048 -> 7168
-# (the dense layers' gate and up projections): at M = 1 16 columns per program in 2 warps (448 programs, unsplit, each
+# (the dense layers' gate and up projections): at M = 1 (Triton's GEMV there beat the CUDA kernel) 16 columns per program in 2 warps (448 programs, unsplit, each
 # K = 2048 as two prefetched tiles of 1024) rather than the default's 32 in 8 (session 19); at M = 2 448 programs (224
 # column tiles, one per row) already fill the machine unsplit, each reading its 2048 elements as four prefetched
 # tiles of 512 in 4 warps rather than two of 1024 in 8 (session 18); M = 3-32 split to ~528 with PDL, the last
@@ -51,22 +57,26 @@ DENSE_CONFIGS: list[tuple[int, dict]] = [
 _MMA_264 = dict(_MMA, PDL=True)
 DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
     (7168, 2048): [
-        (1, dict(_GEMV, BLOCK_N=64, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4)),
-        (16, _MMA_264),
+        (1, dict(_GEMV, BLOCK_N=64, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4, CUDA=CudaTile(1, 8, 1, 8, ch=4))),
+        (4, dict(_MMA_264, CUDA=CudaTile(1, 8, 1, 8, ch=4))),
+        (8, dict(_MMA_264, CUDA=CudaTile(2, 4, 2, 8, ch=4))),
+        (16, dict(_MMA_264, CUDA=CudaTile(2, 4, 2, 8, ch=2))),
         (32, dict(_MMA_528, BLOCK_M=32, SPLIT_REDUCE=True)),
         (1 << 62, dict(_MMA_264, BLOCK_M=64, SPLIT_REDUCE=True)),
     ],
     (2048, 7168): [
         (1, dict(_GEMV, BLOCK_N=16, num_warps=2)),
-        (2, dict(_GEMV, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4)),
-        (16, _MMA_528),
+        (2, dict(_GEMV, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4, CUDA=CudaTile(7, 2, 2, 8, ch=4))),
+        (16, dict(_MMA_528, CUDA=CudaTile(4, 2, 1, 8, ch=2))),
         (32, dict(_MMA_528, BLOCK_M=32)),
         (1 << 62, dict(_MMA, BLOCK_M=64, SPLIT_CTAS=132)),
     ],
     (7168, 4096): [
-        (1, _GEMV),
-        (4, _MMA_WIDE),
-        (16, _MMA_4_STAGES),
+        (1, dict(_GEMV, CUDA=CudaTile(2, 8, 1, 8, ch=4))),
+        (2, dict(_MMA_WIDE, CUDA=CudaTile(2, 8, 1, 8, ch=4))),
+        (4, dict(_MMA_WIDE, CUDA=CudaTile(2, 8, 1, 8, ch=2))),
+        (8, dict(_MMA_4_STAGES, CUDA=CudaTile(2, 8, 1, 8, ch=2))),
+        (16, dict(_MMA_4_STAGES, CUDA=CudaTile(4, 4, 2, 8, ch=2))),
         (32, dict(_MMA_528, BLOCK_M=32)),
         (1 << 62, dict(_MMA, BLOCK_M=64, SPLIT_REDUCE=True)),
     ],
@@ -127,7 +137,7 @@ def dense_configs(k: int, n: int, activation: torch.dtype) -> list[tuple[int, di
 CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_K", "X_PLANES", "X_WIDE", "SCALE_GROUPS", "PACKED", "PREFETCH",
                          "CODES_ASM", "BIASED_CODES", "MMA_ORDER", "PDL", "num_warps", "num_stages", "maxnreg",
                          "SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT", "SPLIT_REDUCE", "SORTED", "SPLIT_GU",
-                         "COMBINE"})
+                         "COMBINE", "CUDA"})
 
 
 def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
@@ -141,6 +151,7 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "PREFETCH": False,
            "CODES_ASM": False, "BIASED_CODES": False, "MMA_ORDER": False, "PDL": False, "SPLIT_REDUCE": False,
            **config}
+    cfg.pop("CUDA", None)   # the CUDA kernel's tile (cuda_tile); what remains is the Triton launch in its stead
     if cfg["MMA_ORDER"]:    # tensor cores on the MMA-order words, x as it is, one 128-element block per step
         if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg.get("BLOCK_K", 128) != 128:
             raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH, got {config}")

@@ -3,8 +3,9 @@
 The kernels read the packed bytes exactly as `docs/int4-format.md` stores them (uint8 [N, K/2], element 2j
 in the low nibble, 2j+1 in the high nibble, q + 8) and the scales row-major [N, K/G]. bfloat16 scales
 (uint16 bits in the bundle) become a torch.bfloat16 tensor by a free reinterpretation of the same bits;
-float32 scales stay float32. One load-time copy besides: the codes and scales of dense weights in the MMA order,
-K-block-major (mma_order_copy), which the tensor-core tiles of several rows read.
+float32 scales stay float32. Load-time copies besides: the codes and scales of dense weights in the MMA order,
+K-block-major (mma_order_copy), which the tensor-core tiles of several rows read, and, for bf16 activations, in the
+CUDA kernel's operand order (w4a16_cuda.cuda_order_copy).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaOrder, cuda_order_copy, supported
 
 SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -34,6 +37,7 @@ class PackedInt4:
     k: int
     group_size: int
     mma: MmaOrder | None = None         # the same codes and scales in the MMA order, K-block-major
+    cuda: CudaOrder | None = None       # and in the CUDA kernel's operand order (w4a16_cuda.cuda_order_copy)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [n, k]; exact (q * scale is one float32 product). For references and tests, not the hot path."""
@@ -107,9 +111,10 @@ def scales_tensor(sc, scale_dtype: str, name: str = "scales") -> torch.Tensor:
 
 
 def pack_for_gpu(qw, sc, group_size: int, scale_dtype: str, device, name: str = "weight",
-                 mma_order: bool = True) -> PackedInt4:
+                 mma_order: bool = True, cuda_order: bool = False) -> PackedInt4:
     """Place one bundle weight on `device`, verifying the shapes the kernels rely on; mma_order: with the MMA-order
-    copy of codes and scales (as many bytes again) for the dense tensor-core tiles."""
+    copy of codes and scales (as many bytes again) for the dense tensor-core tiles; cuda_order: with the CUDA
+    kernel's copy (as many bytes again) where its format allows (w4a16_cuda.supported), for bf16 activations."""
     if group_size not in (32, 64, 128):
         raise ValueError(f"{name}: group_size must be 32, 64 or 128, got {group_size}")
     packed = _as_tensor(qw)
@@ -125,4 +130,6 @@ def pack_for_gpu(qw, sc, group_size: int, scale_dtype: str, device, name: str = 
     packed = packed.to(device).contiguous()
     scales = scales.to(device).contiguous()
     return PackedInt4(packed, scales, n, k, group_size,
-                      mma_order_copy(packed, scales, k, group_size) if mma_order else None)
+                      mma_order_copy(packed, scales, k, group_size) if mma_order else None,
+                      cuda_order_copy(packed, scales, k) if cuda_order and supported(n, k, group_size, scales.dtype)
+                      else None)

@@ -13,6 +13,7 @@ import torch
 from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts, fused_moe, pack_experts
 from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4, mma_order_copy, pack_for_gpu
 from k2vec.engines.gpu_triton.kernels.w4a16 import w4a16_linear
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import cuda_order_copy
 from k2vec.seeds import seed_for
 
 # relative-error bounds per activation dtype: float32 is the golden-matching contract; fp16/bf16 round the
@@ -61,15 +62,44 @@ def check_dense(m: int, n: int, k: int, group_size: int, scale_dtype: str, act: 
     """w4a16_linear vs float64; flip 'low'/'high' corrupts one nibble after the reference is taken."""
     name = f"dense m{m} n{n} k{k} g{group_size} {scale_dtype} {act}" + (f" flip-{flip}" if flip else "")
     gen = generator(device, name)
-    weight = pack_for_gpu(*random_int4(n, k, group_size, scale_dtype, gen, device), group_size, scale_dtype, device)
+    weight = pack_for_gpu(*random_int4(n, k, group_size, scale_dtype, gen, device), group_size, scale_dtype, device,
+                          cuda_order=act == "bfloat16")
     x = torch.randn(m, k, generator=gen, device=device).to(DTYPES[act])
     ref = x.double() @ weight.dequantize().double().T
-    if flip:    # a corrupt bundle byte: the load-time MMA-order copy is made from the corrupt bytes
+    if flip:    # a corrupt bundle byte: the load-time copies are made from the corrupt bytes
         flip_nibble(weight.packed, gen, flip == "high")
-        weight = replace(weight, mma=mma_order_copy(weight.packed, weight.scales, k, group_size))
+        weight = replace(weight, mma=mma_order_copy(weight.packed, weight.scales, k, group_size),
+                         cuda=cuda_order_copy(weight.packed, weight.scales, k) if weight.cuda is not None else None)
     out = torch.full((m, n), float("nan"), dtype=x.dtype, device=device)
     w4a16_linear(x, weight, out=out, config=config)
     return CheckResult(name, rel_err(out, ref), TOLERANCE[x.dtype], bool(torch.isfinite(out).all()))
+
+
+def check_flip_seen(m: int, n: int, k: int, device, flip: str) -> CheckResult:
+    """A flipped nibble under bf16 activations, where its effect is below check_dense's tolerance: it must move its
+    own output column, by (q' - q) * scale * x over the rows (up to the bf16 rounding of both outputs), and leave
+    every other column bitwise as it was. rel_err: the moved column's largest deviation from that move, relative to
+    the move's largest element (1.0 where another column moved). K2's format, the copies made from the flipped
+    bytes."""
+    name = f"flip seen m{m} n{n} k{k} {flip}"
+    gen = generator(device, name)
+    weight = pack_for_gpu(*random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device, cuda_order=True)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    clean = w4a16_linear(x, weight)
+    (row, byte), mask = flip_nibble(weight.packed, gen, flip == "high")
+    col = 2 * byte + (flip == "high")
+    q_new = int(weight.packed[row, byte] >> 4 if flip == "high" else weight.packed[row, byte] & 0x0F)
+    flipped = replace(weight, mma=mma_order_copy(weight.packed, weight.scales, k, 32),
+                      cuda=cuda_order_copy(weight.packed, weight.scales, k))
+    out = torch.full((m, n), float("nan"), dtype=x.dtype, device=device)
+    w4a16_linear(x, flipped, out=out)
+    move = (q_new - (q_new ^ 8)) * weight.scales[row, col // 32].double() * x[:, col].double()
+    moved = out[:, row].double() - clean[:, row].double()
+    others = torch.ones(n, dtype=torch.bool, device=device)
+    others[row] = False
+    err = 1.0 if not torch.equal(out[:, others], clean[:, others]) else \
+        float((moved - move).abs().max() / move.abs().max())
+    return CheckResult(name, err, 0.3, bool(torch.isfinite(out).all()))
 
 
 def check_split_sums(m: int, n: int, k: int, device, config: dict) -> CheckResult:

@@ -2,7 +2,8 @@
 from the load-time copy of its codes in the MMA's register order (int4_layout.mma_order_words). Accumulation is
 float32.
 
-One kernel (_w4a16_kernel), its tile path picked by the launch config (configs.py; docs/w4a16-kernels.md):
+One kernel (_w4a16_kernel), its tile path picked by the launch config (configs.py; docs/w4a16-kernels.md), or, where
+the config names a CUDA tile and the call is bf16 in K2's format, the CUDA kernel (w4a16_cuda.cu):
 * PREFETCH (BLOCK_M 1): the one-row GEMV on CUDA cores, the next K tile prefetched (gemv.py).
 * MMA_ORDER (BLOCK_M >= 16): tensor cores on the MMA-order words (mma.py).
 * Otherwise (float32 x; the fused MoE's tensor-core tiles) the element planes, in this module: since a word's 8
@@ -25,6 +26,7 @@ from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
 from k2vec.engines.gpu_triton.kernels.mma import _dot, _mma_order_tile
 from k2vec.engines.gpu_triton.kernels.sync import (_grid_wait, _k_range, _split_arrive, _split_is_last, _split_reduce_kernel,
                                                    _split_sum, split_buffers)
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, fit_tile, w4a16_cuda_linear
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -237,6 +239,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cuda_tile(entry: dict, weight: PackedInt4, x: torch.Tensor) -> CudaTile | None:
+    """The CUDA kernel's tile for a config entry's "CUDA" key, where the kernel can take this call: bf16 x on a CUDA
+    device (not the interpreter), the weight's CUDA-order copy, a tile that fits the shape. None: the entry's Triton
+    launch."""
+    spec = entry.get("CUDA")
+    if (spec is None or weight.cuda is None or x.dtype != torch.bfloat16 or not x.is_cuda or interpreting()
+            or x.data_ptr() % 16):
+        return None
+    m = x.shape[0]
+    tile = fit_tile(weight.n, weight.k, m) if spec == "fit" else spec
+    return tile if tile is not None and tile.fits(weight.n, weight.k, m) else None
+
+
 def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None = None,
                  config: dict | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T in x.dtype, float32 accumulation. `out` (optional) is written in place."""
@@ -250,8 +265,11 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
                          f"got {out.dtype} {tuple(out.shape)}")
     if m == 0:
         return out
-    cfg = tile_config(config or pick_config(dense_configs(weight.k, weight.n, x.dtype), m), weight.group_size,
-                      interpreting(), x.device)
+    entry = config or pick_config(dense_configs(weight.k, weight.n, x.dtype), m)
+    tile = cuda_tile(entry, weight, x)
+    if tile is not None:
+        return w4a16_cuda_linear(x, weight.cuda, weight.n, weight.k, out, tile)
+    cfg = tile_config(entry, weight.group_size, interpreting(), x.device)
     bf16_scales = weight.scales.dtype == torch.bfloat16
     if cfg["MMA_ORDER"]:
         if weight.mma is None:

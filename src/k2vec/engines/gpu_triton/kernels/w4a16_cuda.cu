@@ -1,0 +1,227 @@
+// Dense W4A16 GEMM on the tensor cores, y[M, N] = x[M, K] @ W^T for bf16 x (M <= 8 * MT), INT4 codes with
+// group-32 bf16 scales, float32 accumulation; compiled at run time by NVRTC (w4a16_cuda.py), sm_90.
+//
+// Why CUDA and not Triton: a K step here is one 16-byte load of codes per lane, issued PF steps ahead into
+// registers, and a split-K partial is summed through the shared memory of a thread block cluster, never through
+// global memory; Triton's tl can express neither (bench/RESULTS.md, issue 27).
+//
+// The weight is the load-time copy w4a16_cuda.cuda_order_copy makes: per 16-row tile T and 64-wide K step kb,
+// 32 lanes x 16 bytes. Lane (g, t) = (lane / 4, lane % 4) holds four words: rows g and g + 8 of the tile, for the
+// step's two groups of 32. In the mma.m16n8k16 of K sub-step j (0..3) the tile's rows are the A operand and x's
+// rows the B operand; A-slot c (0..15) of sub-step j stands for K element 16 j + 4 (c % 8 / 2) + 2 (c / 8) + c % 2,
+// so lane t's B operand is x[16 j + 4 t .. + 3], one 8-byte read, and each sub-step lies in one group: its
+// product is scaled once, in float32, per row. Word nibbles p and p + 4 are the (lower, upper) halves of one A
+// register, so a register is one shift and one lop3 from the codes, then (128 + q) - 136 = q - 8 exactly in bf16.
+//
+// Compile-time constants (w4a16_cuda.py defines them): NWN warps along N (16 rows each), NWK warps along K in a
+// block, CL blocks along K in a cluster, STEPS K steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in
+// flight, CH steps of x per copy to shared memory, MINB blocks resident per SM (2: the next launch's blocks load
+// their weights beside this one's, PDL).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+struct alignas(16) Codes { u32 g0, h0, g1, h1; };   // rows g / g + 8 ("h"), groups 0 / 1 of the step
+struct alignas(8) Scales { u32 grp0, grp1; };        // bf16 pairs (row g, row g + 8) per group
+struct alignas(8) XPair { u32 lo, hi; };             // x[k .. k + 1], x[k + 2 .. k + 3]: one B operand
+
+#define NT (NWN * NWK * 32)
+#define N_CTA (16 * NWN)
+#define KC (NWK * STEPS * 64)        // K elements of one block
+#define XSW (STEPS * 64 + 16)        // x row stride in a K warp group's slice (bf16): +32 bytes spreads rows over banks
+#define MROWS (MT * 8)
+#define NCH ((STEPS + CH - 1) / CH)  // chunks of x per K warp group
+
+__device__ __forceinline__ Codes load_codes(const Codes* p) {
+    Codes c;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(c.g0), "=r"(c.h0), "=r"(c.g1), "=r"(c.h1) : "l"(p));
+    return c;
+}
+
+__device__ __forceinline__ Scales load_scales(const Scales* p) {
+    Scales s;
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(s.grp0), "=r"(s.grp1) : "l"(p));
+    return s;
+}
+
+__device__ __forceinline__ u32 shared_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ float lo_bf16(u32 v) { return __int_as_float(int(v << 16)); }
+__device__ __forceinline__ float hi_bf16(u32 v) { return __int_as_float(int(v & 0xffff0000u)); }
+
+// nibbles p and p + 4 of w as a bf16 pair (q - 8): lower half nibble p
+__device__ __forceinline__ u32 code_pair(u32 w, int p) {
+    u32 t = ((w >> (4 * p)) & 0x000f000fu) | 0x43004300u;
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(t), "r"(0x3f803f80u), "r"(0xc308c308u));
+    return r;
+}
+
+// cp.async.wait_group takes an immediate: at most `pending` of this thread's groups still in flight (more than 7:
+// wait for 7, which waits longer than needed and stays correct)
+__device__ __forceinline__ void cp_async_wait(int pending) {
+    switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    }
+}
+
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+extern "C" __global__ void __launch_bounds__(NT, MINB)
+w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scales* __restrict__ scales,
+          u16* __restrict__ y, int M, int N, int K) {
+    extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
+    u16* xs = reinterpret_cast<u16*>(smem);                                      // [NWK][MROWS][XSW]
+    float* part = reinterpret_cast<float*>(smem + NWK * MROWS * XSW * 2);        // [NWK][MROWS][N_CTA]
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int wn = warp % NWN, wk = warp / NWN;
+    const int kblock = blockIdx.x;                 // the block's place along K (its rank in the cluster)
+    const int tile = blockIdx.y * NWN + wn;        // the warp's 16-row tile
+    const int ksteps = K / 64;
+    const int step0 = (kblock * NWK + wk) * STEPS;
+
+    // the weight stream first: PF steps of codes and scales in flight before anything else waits
+    const Codes* cp = codes + ((size_t)tile * ksteps + step0) * 32 + lane;
+    const Scales* sp = scales + ((size_t)tile * ksteps + step0) * 8 + g;
+    Codes cw[PF];
+    Scales sw[PF];
+#pragma unroll
+    for (int s = 0; s < PF; ++s) {
+        cw[s] = load_codes(cp + s * 32);
+        sw[s] = load_scales(sp + s * 8);
+    }
+
+    // x may be the previous kernel's output: wait for it (PDL). Each K warp group (the NWN warps of one wk) copies
+    // the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each, and starts
+    // on a chunk as soon as it has landed (rows past M are never read into the live outputs: left unwritten)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    u16* xg = xs + wk * MROWS * XSW;
+    const int kg0 = kblock * KC + wk * STEPS * 64;
+#pragma unroll
+    for (int ch = 0; ch < NCH; ++ch) {
+        const int s0 = ch * CH, per_row = (STEPS - s0 < CH ? STEPS - s0 : CH) * 8;   // 16-byte pieces
+        for (int p = wn * 32 + lane; p < M * per_row; p += NWN * 32) {
+            const int row = p / per_row, col = s0 * 64 + (p % per_row) * 8;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                         :: "r"(shared_addr(xg + row * XSW + col)), "l"(x + (size_t)row * K + kg0 + col) : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+
+    float acc[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const u16* xw = xg + g * XSW + 4 * t;
+
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+        if (s % CH == 0) {                         // this chunk of x landed, for every lane of the group
+            cp_async_wait(NCH - 1 - s / CH);
+            if (NWN == 1) __syncwarp();
+            else asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
+        }
+        const Codes c = cw[s % PF];
+        const Scales sc = sw[s % PF];
+        if (s + PF < STEPS) {
+            cw[s % PF] = load_codes(cp + (s + PF) * 32);
+            sw[s % PF] = load_scales(sp + (s + PF) * 8);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {              // the step's two groups
+            const u32 rg = h ? c.g1 : c.g0, rh = h ? c.h1 : c.h0;
+            float part_acc[MT][4];
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {       // two K sub-steps of 16 per group
+                const int j = 2 * h + jj;
+                const u32 a0 = code_pair(rg, 2 * jj), a1 = code_pair(rh, 2 * jj);
+                const u32 a2 = code_pair(rg, 2 * jj + 1), a3 = code_pair(rh, 2 * jj + 1);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const XPair b = *reinterpret_cast<const XPair*>(xw + m * 8 * XSW + s * 64 + 16 * j);
+                    mma(part_acc[m], a0, a1, a2, a3, b.lo, b.hi, jj ? part_acc[m] : zero);
+                }
+            }
+            const u32 sbits = h ? sc.grp1 : sc.grp0;
+            const float s_g = lo_bf16(sbits), s_h = hi_bf16(sbits);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                acc[m][0] += part_acc[m][0] * s_g;
+                acc[m][1] += part_acc[m][1] * s_g;
+                acc[m][2] += part_acc[m][2] * s_h;
+                acc[m][3] += part_acc[m][3] * s_h;
+            }
+        }
+    }
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
+    // the warp's partial: d0, d1 at (row g, x rows 2t, 2t + 1), d2, d3 at row g + 8
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        float* p = part + (wk * MROWS + m * 8 + 2 * t) * N_CTA + wn * 16 + g;
+        p[0] = acc[m][0];
+        p[N_CTA] = acc[m][1];
+        p[8] = acc[m][2];
+        p[N_CTA + 8] = acc[m][3];
+    }
+#if CL > 1
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+
+    // block `kblock` sums rows [kblock, kblock + 1) * N_CTA / CL of the tile over the cluster's blocks and its
+    // own K warps, in K's order, so that the result does not depend on timing
+    const int per = N_CTA / CL;
+#if CL > 1
+    const u32 part0 = shared_addr(part);
+#endif
+    for (int e = threadIdx.x; e < per * MROWS; e += NT) {
+        const int m = e / per, n = kblock * per + e % per;
+        if (m >= M) continue;
+        float sum = 0.0f;
+#pragma unroll
+        for (int r = 0; r < CL; ++r) {
+#pragma unroll
+            for (int w = 0; w < NWK; ++w) {
+                const int at = (w * MROWS + m) * N_CTA + n;
+#if CL > 1
+                u32 remote;
+                float v;
+                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(part0 + at * 4), "r"(r));
+                asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+                sum += v;
+#else
+                sum += part[at];
+#endif
+            }
+        }
+        u16 out;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(sum));
+        y[(size_t)m * N + (size_t)blockIdx.y * N_CTA + n] = out;
+    }
+#if CL > 1
+    // the other blocks read this block's partials: stay until they have
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}

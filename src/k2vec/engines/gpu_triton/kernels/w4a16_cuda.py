@@ -1,0 +1,251 @@
+"""Dense W4A16 on the tensor cores in CUDA (w4a16_cuda.cu) for K2's format: bf16 x of at most 64 rows, group-32
+bf16 scales, K a multiple of 64 and N of 16. Compiled at run time by NVRTC (the library torch's CUDA build ships; no
+toolkit needed), launched through the driver's cuLaunchKernelEx with a thread block cluster along K and PDL.
+
+The weight's load-time copy (cuda_order_copy) is the kernel's operand order: per 16-row tile and 64-wide K step,
+32 lanes x 16 bytes of codes and 8 x 8 bytes of scales, so that a warp's K steps are one contiguous stretch.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from k2vec.errors import K2VecError
+
+SOURCE = Path(__file__).with_name("w4a16_cuda.cu")
+MAX_ROWS = 64          # x rows: eight m8 tiles
+SHARED_LIMIT = 232_448  # bytes of shared memory a block may opt in to on sm_90
+
+
+class CudaKernelError(K2VecError):
+    """The CUDA W4A16 kernel cannot run this call (shape, dtype, device) or the driver refused its launch."""
+
+
+@dataclass(frozen=True)
+class CudaOrder:
+    """A weight's copy in the CUDA kernel's operand order (w4a16_cuda.cu's header)."""
+    codes: torch.Tensor    # int32 [n / 16, k / 64, 32, 4]
+    scales: torch.Tensor   # int32 [n / 16, k / 64, 8, 2]: bf16 pairs (row g, row g + 8) per group
+
+
+def cuda_order_codes(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """uint8 [n, k / 2] (element 2i low nibble) -> int32 [n/16, k/64, 32, 4]. Lane 4g + t, word 2h + r holds row
+    16T + 8r + g of group h of the step; its nibble 4e + 2jj + q is K element 64kb + 32h + 16jj + 4t + 2q + e."""
+    n = packed.shape[0]
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, k)
+    # [T, r, g, kb, h, jj, t, q, e] -> [T, kb, g, t, h, r, e, jj, q]
+    codes = codes.reshape(n // 16, 2, 8, k // 64, 2, 2, 4, 2, 2).permute(0, 3, 2, 6, 4, 1, 8, 5, 7)
+    codes = codes.reshape(n // 16, k // 64, 32, 4, 8).to(torch.int64)
+    words = (codes << torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def cuda_order_scales(scales: torch.Tensor, k: int) -> torch.Tensor:
+    """bf16 [n, k / 32] -> int32 [n/16, k/64, 8, 2]: for lane group g and the step's group h, the pair (row g,
+    row g + 8), row g in the lower half."""
+    n = scales.shape[0]
+    bits = scales.contiguous().view(torch.int16)
+    # [T, r, g, kb, h] -> [T, kb, g, h, r]
+    pairs = bits.reshape(n // 16, 2, 8, k // 64, 2).permute(0, 3, 2, 4, 1).contiguous()
+    return pairs.view(torch.int32).reshape(n // 16, k // 64, 8, 2)
+
+
+def cuda_order_copy(packed: torch.Tensor, scales: torch.Tensor, k: int) -> CudaOrder:
+    return CudaOrder(cuda_order_codes(packed, k), cuda_order_scales(scales, k))
+
+
+def supported(n: int, k: int, group_size: int, scale_dtype: torch.dtype) -> bool:
+    """Whether a weight of this shape and format has a CUDA-order copy (the kernel's fixed layout)."""
+    return group_size == 32 and scale_dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0
+
+
+@dataclass(frozen=True)
+class CudaTile:
+    """A launch: NWN warps of 16 rows along N and NWK along K per block, CL blocks along K in a cluster, PF K steps
+    of codes in flight per warp, x copied to shared memory CH steps at a time, MINB blocks resident per SM."""
+    nwn: int
+    nwk: int
+    cl: int
+    pf: int
+    ch: int = 2
+    minb: int = 1
+
+    def steps(self, k: int) -> int:
+        return k // (64 * self.nwk * self.cl)
+
+    def fits(self, n: int, k: int, m: int) -> bool:
+        steps = self.steps(k)
+        return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % (16 * self.nwn) == 0
+                and (16 * self.nwn) % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
+                and 1 <= m <= MAX_ROWS and self.minb * self.shared_bytes(k, m) <= SHARED_LIMIT)
+
+    def shared_bytes(self, k: int, m: int) -> int:
+        rows = 8 * m_tiles(m)
+        return self.nwk * rows * (self.steps(k) * 64 + 16) * 2 + self.nwk * rows * 16 * self.nwn * 4
+
+    def defines(self, k: int, m: int) -> dict[str, int]:
+        steps = self.steps(k)
+        return dict(NWN=self.nwn, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m), PF=min(self.pf, steps),
+                    CH=min(self.ch, steps), MINB=self.minb)
+
+
+def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
+    """A tile for a shape without a swept one (configs.py's "fit"): one block per 16 rows (two past 8 rows of x,
+    which share x's copy), the block's warps splitting K as far as 8, no cluster; None where the kernel cannot take
+    the shape."""
+    if n % 16 or k % 64:
+        return None
+    nwk = next(w for w in (8, 4, 2, 1) if (k // 64) % w == 0)
+    tile = CudaTile(nwn=2 if m > 8 and n % 32 == 0 else 1, nwk=nwk, cl=1, pf=8, ch=4)
+    return tile if tile.fits(n, k, m) else None
+
+
+def m_tiles(m: int) -> int:
+    """m8 tiles for m rows: 1, 2, 4 or 8 (compiled variants stay few)."""
+    tiles = -(-m // 8)
+    return 1 << (tiles - 1).bit_length()
+
+
+# ---------------------------------------------------------------- NVRTC and the driver
+
+class _LaunchAttribute(ctypes.Structure):    # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):       # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
+
+
+_CLUSTER_DIMENSION, _PROGRAMMATIC_STREAM_SERIALIZATION = 4, 6
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(rc, ctypes.byref(name))
+        raise CudaKernelError(f"{what}: CUDA driver error {rc} ({(name.value or b'?').decode()})")
+
+
+@dataclass
+class Compiled:
+    """A loaded kernel: its CUfunction and the shared memory it was allowed so far."""
+    func: ctypes.c_void_p
+    module: ctypes.c_void_p
+    shared_allowed: int = 48 * 1024
+
+    def allow_shared(self, nbytes: int) -> None:
+        if nbytes > self.shared_allowed:
+            _check(_driver().cuFuncSetAttribute(self.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+                   f"w4a16_cuda: {nbytes} bytes of shared memory")
+            self.shared_allowed = nbytes
+
+
+def nvrtc_cubin(source: str, arch: str) -> bytes:
+    """CUBIN for `arch` from NVRTC (the library torch's CUDA build ships); no CUDA headers are included."""
+    from torch.cuda._utils import _get_gpu_rtc_library
+    nvrtc = _get_gpu_rtc_library()
+    prog = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"w4a16_cuda.cu", 0, None, None):
+        raise CudaKernelError("w4a16_cuda: NVRTC could not create the program")
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+        rc = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        if rc:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise CudaKernelError(f"w4a16_cuda.cu does not compile for {arch}:\n{log.value.decode()}")
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        return cubin.raw
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@functools.lru_cache(maxsize=None)
+def _primary_context(device_index: int) -> ctypes.c_void_p:
+    """The device's primary context, torch's own (the runtime API uses it), for the driver API calls here."""
+    torch.cuda.init()
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _check(_driver().cuDeviceGet(ctypes.byref(device), device_index), f"w4a16_cuda: device {device_index}")
+    _check(_driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "w4a16_cuda: the primary context")
+    return context
+
+
+def make_current(device_index: int) -> None:
+    _check(_driver().cuCtxSetCurrent(_primary_context(device_index)), "w4a16_cuda: the primary context")
+
+
+_LOADED: dict[tuple[tuple[tuple[str, int], ...], int], Compiled] = {}
+
+
+def load(defines: tuple[tuple[str, int], ...], device_index: int, cubin: bytes) -> Compiled:
+    """Load a CUBIN of the kernel for these constants on one device, for `compiled` to find."""
+    make_current(device_index)
+    module, func = ctypes.c_void_p(), ctypes.c_void_p()
+    _check(_driver().cuModuleLoadData(ctypes.byref(module), cubin), "w4a16_cuda: loading the module")
+    _check(_driver().cuModuleGetFunction(ctypes.byref(func), module, b"w4a16_mma"), "w4a16_cuda: the kernel")
+    _LOADED[defines, device_index] = Compiled(func, module)
+    return _LOADED[defines, device_index]
+
+
+def compiled(defines: tuple[tuple[str, int], ...], device_index: int) -> Compiled:
+    """The kernel for one set of compile-time constants on one device (NVRTC, once per process)."""
+    kernel = _LOADED.get((defines, device_index))
+    if kernel is None:
+        major, minor = torch.cuda.get_device_capability(device_index)
+        if major < 9:
+            raise CudaKernelError(f"w4a16_cuda needs sm_90 (clusters, PDL); device {device_index} is "
+                                  f"sm_{major}{minor}")
+        source = "".join(f"#define {k} {v}\n" for k, v in defines) + SOURCE.read_text()
+        kernel = load(defines, device_index, nvrtc_cubin(source, f"sm_{major}{minor}"))
+    return kernel
+
+
+def w4a16_cuda_linear(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: torch.Tensor, tile: CudaTile,
+                      pdl: bool = True) -> torch.Tensor:
+    """out [M, n] (bf16, contiguous) = x [M, k] @ W^T on the CUDA kernel; the caller checked the formats."""
+    m = x.shape[0]
+    if not tile.fits(n, k, m):
+        raise CudaKernelError(f"w4a16_cuda: tile {tile} does not fit K={k} N={n} M={m}")
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
+        raise CudaKernelError(f"w4a16_cuda: x must be contiguous 16-byte aligned bf16, got {x.dtype}")
+    defines = tile.defines(k, m)
+    kernel = compiled(tuple(defines.items()), x.device.index)
+    make_current(x.device.index)
+    shared = tile.shared_bytes(k, m)
+    kernel.allow_shared(shared)
+    attrs = (_LaunchAttribute * 2)()
+    n_attrs = 0
+    if tile.cl > 1:
+        attrs[n_attrs].id = _CLUSTER_DIMENSION
+        attrs[n_attrs].value[0], attrs[n_attrs].value[1], attrs[n_attrs].value[2] = tile.cl, 1, 1
+        n_attrs += 1
+    if pdl:
+        attrs[n_attrs].id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[n_attrs].value[0] = 1
+        n_attrs += 1
+    config = _LaunchConfig((ctypes.c_uint * 3)(tile.cl, n // (16 * tile.nwn), 1),
+                           (ctypes.c_uint * 3)(32 * tile.nwn * tile.nwk, 1, 1), shared,
+                           torch.cuda.current_stream(x.device).cuda_stream, attrs, n_attrs)
+    args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(weight.codes.data_ptr()),
+            ctypes.c_void_p(weight.scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
+    params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+    _check(_driver().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None),
+           f"w4a16_cuda launch (K={k} N={n} M={m}, {tile})")
+    return out

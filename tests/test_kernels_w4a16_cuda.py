@@ -1,0 +1,176 @@
+"""The CUDA W4A16 kernel (w4a16_cuda.cu): its operand copy, checked on the CPU against a model of what the kernel's
+lanes read, and the kernel itself on a GPU (marked `gpu`) against dequantize-then-matmul in float64.
+
+The model (`emulate`) is written from the kernel's own rules, not from cuda_order_copy: for K step kb and sub-step j
+of a 16-row tile, lane (g, t) holds words [row g group 0, row g+8 group 0, row g group 1, row g+8 group 1]; the A
+registers of sub-step j = 2h + jj are pairs 2jj (slots 2t, 2t+1) and 2jj + 1 (slots 2t+8, 2t+9) of words 2h (rows
+0-7) and 2h + 1 (rows 8-15), a pair p being nibbles (p, p + 4) minus 8; B slot c of column n is x[n][64 kb + 16 j
++ 4 (c % 8 // 2) + 2 (c // 8) + c % 2]; each sub-step's product is scaled by its group's scale of the row.
+"""
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import (CudaTile, cuda_order_codes, cuda_order_copy,
+                                                         cuda_order_scales, m_tiles)
+
+
+def bf16_bits_to_f64(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def emulate(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float64 y [M, N] as the kernel computes it from its operand copy (codes int32 [T, KB, 32, 4], scales int32
+    [T, KB, 8, 2])."""
+    t_tiles, kb_steps = codes.shape[:2]
+    nib = (codes.view(np.uint32)[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF    # [T, KB, 32, 4, 8]
+    j, r, c = np.meshgrid(np.arange(4), np.arange(16), np.arange(16), indexing="ij")
+    lane = 4 * (r % 8) + (c % 8) // 2
+    word = 2 * (j // 2) + r // 8
+    nibble = 2 * (j % 2) + c // 8 + 4 * (c % 2)
+    a = nib[:, :, lane, word, nibble].astype(np.float64) - 8                                # [T, KB, 4, 16, 16]
+    k_of = 16 * np.arange(4)[:, None] + 4 * ((np.arange(16) % 8) // 2) + 2 * (np.arange(16) // 8) + np.arange(16) % 2
+    b = x.reshape(x.shape[0], kb_steps, 64)[:, :, k_of]                                    # [M, KB, 4, 16]
+    d = np.einsum("tkjrc,mkjc->tkjrm", a, b)
+    half = scales.view(np.uint16).reshape(t_tiles, kb_steps, 8, 2, 2)                      # [T, KB, g, h, r]
+    s = bf16_bits_to_f64(half).transpose(0, 1, 3, 4, 2).reshape(t_tiles, kb_steps, 2, 16)  # [T, KB, h, row]
+    y = np.einsum("tkjrm,tkjr->mtr", d, s[:, :, np.arange(4) // 2, :])
+    return y.reshape(x.shape[0], t_tiles * 16)
+
+
+def reference(x: np.ndarray, packed: np.ndarray, scale_bits: np.ndarray) -> np.ndarray:
+    q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float64) - 8
+    s = np.repeat(bf16_bits_to_f64(scale_bits), 32, axis=1)
+    return x @ (q * s).T
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    m: int
+    n: int
+    k: int
+
+
+CASES = [Case("one tile one step", 1, 16, 64), Case("rows over two m8 tiles", 11, 48, 192),
+         Case("K2-like ratio", 16, 32, 448)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_operand_copy_is_what_the_lanes_read(case):
+    rng = np.random.default_rng(zlib.crc32(case.name.encode()))
+    packed = rng.integers(0, 256, (case.n, case.k // 2), dtype=np.uint8)
+    scale_bits = (rng.integers(0x3b00, 0x3d00, (case.n, case.k // 32))).astype(np.uint16)   # bf16 ~0.002-0.03
+    x = rng.standard_normal((case.m, case.k)).astype(np.float32).astype(np.float64)
+    copy = cuda_order_copy(torch.from_numpy(packed), torch.from_numpy(scale_bits.view(np.int16)).view(torch.bfloat16),
+                           case.k)
+    got = emulate(x, copy.codes.numpy(), copy.scales.numpy())
+    np.testing.assert_allclose(got, reference(x, packed, scale_bits), rtol=1e-12, atol=1e-12)
+
+
+def test_a_swapped_nibble_pair_is_seen():
+    """The model is sharp: the copy with two nibbles of one lane's word swapped gives another product."""
+    rng = np.random.default_rng(7)
+    packed = rng.integers(0, 256, (16, 32), dtype=np.uint8)
+    bits = rng.integers(0x3b00, 0x3d00, (16, 2)).astype(np.uint16)
+    x = rng.standard_normal((2, 64))
+    codes = cuda_order_codes(torch.from_numpy(packed), 64).numpy().view(np.uint32).copy()
+    word = codes[0, 0, 5, 1]
+    low, high = word & 0xF, (word >> 4) & 0xF
+    assert low != high, "pick another seed: the swap would change nothing"
+    codes[0, 0, 5, 1] = (word & ~np.uint32(0xFF)) | (low << 4) | high
+    scales = cuda_order_scales(torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16), 64).numpy()
+    assert not np.allclose(emulate(x, codes.view(np.int32), scales), reference(x, packed, bits))
+
+
+@dataclass(frozen=True)
+class TileCase:
+    name: str
+    tile: CudaTile
+    n: int
+    k: int
+    m: int
+    fits: bool
+
+
+TILE_CASES = [
+    TileCase("7168->2048, 4 blocks of 2 K warps", CudaTile(4, 2, 4, 8), 2048, 7168, 16, True),
+    TileCase("K not in whole steps per warp", CudaTile(4, 2, 4, 8), 2048, 7104, 16, False),
+    TileCase("N not in whole blocks", CudaTile(4, 2, 4, 8), 2000, 7168, 16, False),
+    TileCase("cluster over 8", CudaTile(4, 1, 16, 8), 2048, 7168, 16, False),
+    TileCase("64 rows of x too large for one block's K slice", CudaTile(4, 2, 2, 8), 4096, 7168, 64, False),
+    TileCase("64 rows of x on a shorter slice", CudaTile(4, 2, 8, 8), 4096, 7168, 64, True),
+    TileCase("65 rows", CudaTile(4, 2, 8, 8), 4096, 7168, 65, False),
+]
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: c.name)
+def test_tile_fits(case):
+    assert case.tile.fits(case.n, case.k, case.m) is case.fits
+
+
+def test_m_tiles_and_defines():
+    assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
+    assert CudaTile(4, 2, 4, 32).defines(7168, 5) == dict(NWN=4, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2, MINB=1)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@dataclass(frozen=True)
+class GpuCase:
+    name: str
+    m: int
+    n: int
+    k: int
+    tile: CudaTile | None     # None: the committed tables pick (configs.py)
+
+
+GPU_CASES = [
+    GpuCase("K2 7168->2048 at M=2, its table", 2, 2048, 7168, None),
+    GpuCase("K2 2048->7168 at M=16, its table", 16, 7168, 2048, None),
+    GpuCase("K2 7168->4096 at M=5, its table", 5, 4096, 7168, None),
+    GpuCase("the fit rule, 9 steps of one warp", 3, 1008, 576, None),
+    GpuCase("the fit rule, two m8 tiles", 12, 1024, 512, None),
+    GpuCase("a cluster of 2, x in eight m8 tiles", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=1)),
+    GpuCase("a cluster of 4, 33 rows", 33, 1024, 1024, CudaTile(4, 1, 4, 2, ch=2)),
+]
+
+
+@pytest.fixture
+def cuda_calls(monkeypatch):
+    """Counts the calls that reach the CUDA kernel (a config's Triton launch would serve the others)."""
+    from k2vec.engines.gpu_triton.kernels import w4a16
+    calls = []
+    real = w4a16.w4a16_cuda_linear
+
+    def counted(*args, **kwargs):
+        calls.append(args[-1])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(w4a16, "w4a16_cuda_linear", counted)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_gpu_cuda_kernel_matches_float64(case, cuda_calls):
+    from support.kernel_checks import cuda_device
+
+    from k2vec.engines.gpu_triton.kernels.verify import check_dense
+    config = None if case.tile is None else dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True, CUDA=case.tile)
+    result = check_dense(case.m, case.n, case.k, 32, "bfloat16", "bfloat16", device=cuda_device(), config=config)
+    assert len(cuda_calls) == 1, "the call did not reach the CUDA kernel"
+    assert result.ok, result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,flip", [(2, "low"), (16, "high")])
+def test_gpu_cuda_kernel_sees_a_flipped_nibble(m, flip, cuda_calls):
+    from support.kernel_checks import cuda_device
+
+    from k2vec.engines.gpu_triton.kernels.verify import check_flip_seen
+    result = check_flip_seen(m, 1008, 576, cuda_device(), flip)
+    assert len(cuda_calls) == 2      # the clean weight, then the flipped one
+    assert result.ok, result
