@@ -171,6 +171,6 @@ def test_gpu_cuda_kernel_sees_a_flipped_nibble(m, flip, cuda_calls):
     from support.kernel_checks import cuda_device
 
     from k2vec.engines.gpu_triton.kernels.verify import check_flip_seen
-    result = check_flip_seen(m, 1008, 576, cuda_device(), flip)
+    result = check_flip_seen(m, 1008, 576, flip, device=cuda_device())
     assert len(cuda_calls) == 2      # the clean weight, then the flipped one
     assert result.ok, result

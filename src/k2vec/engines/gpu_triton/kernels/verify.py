@@ -75,7 +75,7 @@ def check_dense(m: int, n: int, k: int, group_size: int, scale_dtype: str, act: 
     return CheckResult(name, rel_err(out, ref), TOLERANCE[x.dtype], bool(torch.isfinite(out).all()))
 
 
-def check_flip_seen(m: int, n: int, k: int, device, flip: str) -> CheckResult:
+def check_flip_seen(m: int, n: int, k: int, flip: str, device) -> CheckResult:
     """A flipped nibble under bf16 activations, where its effect is below check_dense's tolerance: it must move its
     own output column, by (q' - q) * scale * x over the rows (up to the bf16 rounding of both outputs), and leave
     every other column bitwise as it was. rel_err: the moved column's largest deviation from that move, relative to
