@@ -90,12 +90,12 @@ def correctness_jobs(smoke: bool) -> list[tuple[str, list, dict]]:
                 else:
                     jobs.append(("check_moe", [m, 8, 18 * 32, 5 * 32, 3, 6, 32, "bfloat16", act], {"config": cfg}))
     if not smoke:   # the CUDA kernel: the generic rule ("fit") on N % 16 = 0, K % 64 = 0 (9 and 8 steps of 64), its
-        # own tiles (clusters of 2 and 4, x rows in 1-8 m8 tiles) and nibble flips, bf16 activations
+        # own tiles (clusters of 2 and 4, x rows in 1-8 m8 tiles), both scale dtypes, and nibble flips; bf16 x
         for m in MS:
-            for n, k in ((1008, 576), (1024, 512)):
-                jobs.append(("check_dense", [m, n, k, 32, "bfloat16", "bfloat16"], {}))
-            for tile in cuda_check_tiles():
-                jobs.append(("check_dense", [m, 1024, 1024, 32, "bfloat16", "bfloat16"],
+            for (n, k), sd in itertools.product(((1008, 576), (1024, 512)), SCALES):
+                jobs.append(("check_dense", [m, n, k, 32, sd, "bfloat16"], {}))
+            for tile, sd in itertools.product(cuda_check_tiles(), SCALES):
+                jobs.append(("check_dense", [m, 1024, 1024, 32, sd, "bfloat16"],
                              {"config": dict(mma_tile(16, 64, 4, 0), CUDA=tile)}))
         for m in (2, 16):
             for flip in ("low", "high"):
@@ -751,7 +751,8 @@ def cuda_sweep(device, log) -> list[dict]:
     times, checked against float64; logs the best per M and per M bucket (summed over the bucket's M)."""
     major, minor = torch.cuda.get_device_capability(device)
     source = w4a16_cuda.SOURCE.read_text()
-    variants = {tuple(t.defines(k, m).items()) for k, n in DENSE_SHAPES for m in MS for t in cuda_candidates(n, k, m)}
+    variants = {tuple(t.defines(k, m, False).items()) for k, n in DENSE_SHAPES for m in MS
+                for t in cuda_candidates(n, k, m)}
     t0 = time.perf_counter()
     with ThreadPoolExecutor(16) as pool:     # NVRTC releases the GIL
         cubins = dict(zip(variants, pool.map(lambda d: w4a16_cuda.nvrtc_cubin(

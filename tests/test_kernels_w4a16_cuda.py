@@ -24,7 +24,7 @@ def bf16_bits_to_f64(bits: np.ndarray) -> np.ndarray:
 
 def emulate(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """float64 y [M, N] as the kernel computes it from its operand copy (codes int32 [T, KB, 32, 4], scales int32
-    [T, KB, 8, 2])."""
+    [T, KB, 8, 2] of bf16 pairs or float32 [T, KB, 8, 4])."""
     t_tiles, kb_steps = codes.shape[:2]
     nib = (codes.view(np.uint32)[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF    # [T, KB, 32, 4, 8]
     j, r, c = np.meshgrid(np.arange(4), np.arange(16), np.arange(16), indexing="ij")
@@ -35,15 +35,19 @@ def emulate(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     k_of = 16 * np.arange(4)[:, None] + 4 * ((np.arange(16) % 8) // 2) + 2 * (np.arange(16) // 8) + np.arange(16) % 2
     b = x.reshape(x.shape[0], kb_steps, 64)[:, :, k_of]                                    # [M, KB, 4, 16]
     d = np.einsum("tkjrc,mkjc->tkjrm", a, b)
-    half = scales.view(np.uint16).reshape(t_tiles, kb_steps, 8, 2, 2)                      # [T, KB, g, h, r]
-    s = bf16_bits_to_f64(half).transpose(0, 1, 3, 4, 2).reshape(t_tiles, kb_steps, 2, 16)  # [T, KB, h, row]
+    if scales.dtype == np.float32:          # [T, KB, g, (h, r)]
+        per_g = scales.astype(np.float64).reshape(t_tiles, kb_steps, 8, 2, 2)
+    else:                                   # bf16 pairs in int32 words
+        per_g = bf16_bits_to_f64(scales.view(np.uint16).reshape(t_tiles, kb_steps, 8, 2, 2))
+    s = per_g.transpose(0, 1, 3, 4, 2).reshape(t_tiles, kb_steps, 2, 16)                    # [T, KB, h, row]
     y = np.einsum("tkjrm,tkjr->mtr", d, s[:, :, np.arange(4) // 2, :])
     return y.reshape(x.shape[0], t_tiles * 16)
 
 
-def reference(x: np.ndarray, packed: np.ndarray, scale_bits: np.ndarray) -> np.ndarray:
+def reference(x: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """scales: bf16 bits (uint16) or float32."""
     q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float64) - 8
-    s = np.repeat(bf16_bits_to_f64(scale_bits), 32, axis=1)
+    s = np.repeat(scales.astype(np.float64) if scales.dtype == np.float32 else bf16_bits_to_f64(scales), 32, axis=1)
     return x @ (q * s).T
 
 
@@ -53,22 +57,27 @@ class Case:
     m: int
     n: int
     k: int
+    scales: str
 
 
-CASES = [Case("one tile one step", 1, 16, 64), Case("rows over two m8 tiles", 11, 48, 192),
-         Case("K2-like ratio", 16, 32, 448)]
+CASES = [Case("one tile one step", 1, 16, 64, "bfloat16"), Case("rows over two m8 tiles", 11, 48, 192, "bfloat16"),
+         Case("K2-like ratio", 16, 32, 448, "bfloat16"), Case("float32 scales", 5, 32, 192, "float32")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_operand_copy_is_what_the_lanes_read(case):
     rng = np.random.default_rng(zlib.crc32(case.name.encode()))
     packed = rng.integers(0, 256, (case.n, case.k // 2), dtype=np.uint8)
-    scale_bits = (rng.integers(0x3b00, 0x3d00, (case.n, case.k // 32))).astype(np.uint16)   # bf16 ~0.002-0.03
+    if case.scales == "float32":
+        scales = rng.uniform(0.002, 0.03, (case.n, case.k // 32)).astype(np.float32)
+        scale_tensor = torch.from_numpy(scales)
+    else:
+        scales = (rng.integers(0x3b00, 0x3d00, (case.n, case.k // 32))).astype(np.uint16)   # bf16 ~0.002-0.03
+        scale_tensor = torch.from_numpy(scales.view(np.int16)).view(torch.bfloat16)
     x = rng.standard_normal((case.m, case.k)).astype(np.float32).astype(np.float64)
-    copy = cuda_order_copy(torch.from_numpy(packed), torch.from_numpy(scale_bits.view(np.int16)).view(torch.bfloat16),
-                           case.k)
+    copy = cuda_order_copy(torch.from_numpy(packed), scale_tensor, case.k)
     got = emulate(x, copy.codes.numpy(), copy.scales.numpy())
-    np.testing.assert_allclose(got, reference(x, packed, scale_bits), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got, reference(x, packed, scales), rtol=1e-12, atol=1e-12)
 
 
 def test_a_swapped_nibble_pair_is_seen():
@@ -114,7 +123,7 @@ def test_tile_fits(case):
 
 def test_m_tiles_and_defines():
     assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
-    assert CudaTile(4, 2, 4, 32).defines(7168, 5) == dict(NWN=4, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2, MINB=1)
+    assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2, SF32=1)
 
 
 # ---------------------------------------------------------------- on a GPU
@@ -126,6 +135,7 @@ class GpuCase:
     n: int
     k: int
     tile: CudaTile | None     # None: the committed tables pick (configs.py)
+    scales: str = "bfloat16"
 
 
 GPU_CASES = [
@@ -134,6 +144,7 @@ GPU_CASES = [
     GpuCase("K2 7168->4096 at M=5, its table", 5, 4096, 7168, None),
     GpuCase("the fit rule, 9 steps of one warp", 3, 1008, 576, None),
     GpuCase("the fit rule, two m8 tiles", 12, 1024, 512, None),
+    GpuCase("the fit rule, float32 scales", 7, 1024, 512, None, "float32"),
     GpuCase("a cluster of 2, x in eight m8 tiles", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=1)),
     GpuCase("a cluster of 4, 33 rows", 33, 1024, 1024, CudaTile(4, 1, 4, 2, ch=2)),
 ]
@@ -160,7 +171,7 @@ def test_gpu_cuda_kernel_matches_float64(case, cuda_calls):
 
     from k2vec.engines.gpu_triton.kernels.verify import check_dense
     config = None if case.tile is None else dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True, CUDA=case.tile)
-    result = check_dense(case.m, case.n, case.k, 32, "bfloat16", "bfloat16", device=cuda_device(), config=config)
+    result = check_dense(case.m, case.n, case.k, 32, case.scales, "bfloat16", device=cuda_device(), config=config)
     assert len(cuda_calls) == 1, "the call did not reach the CUDA kernel"
     assert result.ok, result
 

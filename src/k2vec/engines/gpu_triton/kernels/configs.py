@@ -25,7 +25,7 @@ from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile
 # models' shapes use (a K of a few blocks, 1-2 splits), where a second launch may cost more than a sum saves: in the
 # one call that had it here, the default config's GPU decode took 8-11% longer.
 # CUDA (a CudaTile, or "fit" for w4a16_cuda.fit_tile's rule): the CUDA kernel (w4a16_cuda.cu) takes the call where
-# it can (bf16 x, the weight's CUDA-order copy: G 32, bf16 scales, N % 16 = 0, K % 64 = 0; not in the interpreter),
+# it can (bf16 x, the weight's CUDA-order copy: G 32, N % 16 = 0, K % 64 = 0; not in the interpreter),
 # the entry's Triton launch otherwise. Its tiles in the K2 shapes' tables below are the winners of
 # bench/w4a16.py's CUDA sweep on an H200 (bench/RESULTS.md, issue 27, session 24); M = 2-16 elsewhere by the rule.
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,

@@ -1,5 +1,5 @@
 // Dense W4A16 GEMM on the tensor cores, y[M, N] = x[M, K] @ W^T for bf16 x (M <= 8 * MT), INT4 codes with
-// group-32 bf16 scales, float32 accumulation; compiled at run time by NVRTC (w4a16_cuda.py), sm_90.
+// group-32 scales (bf16 or float32), float32 accumulation; compiled at run time by NVRTC (w4a16_cuda.py), sm_90.
 //
 // Why CUDA and not Triton: a K step here is one 16-byte load of codes per lane, issued PF steps ahead into
 // registers, and a split-K partial is summed through the shared memory of a thread block cluster, never through
@@ -15,15 +15,18 @@
 //
 // Compile-time constants (w4a16_cuda.py defines them): NWN warps along N (16 rows each), NWK warps along K in a
 // block, CL blocks along K in a cluster, STEPS K steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in
-// flight, CH steps of x per copy to shared memory, MINB blocks resident per SM (2: the next launch's blocks load
-// their weights beside this one's, PDL).
+// flight, CH steps of x per copy to shared memory; SF32 1 for float32 scales (else bf16).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
 struct alignas(16) Codes { u32 g0, h0, g1, h1; };   // rows g / g + 8 ("h"), groups 0 / 1 of the step
+#if SF32
+struct alignas(16) Scales { float g0, h0, g1, h1; };  // rows g / g + 8, groups 0 / 1
+#else
 struct alignas(8) Scales { u32 grp0, grp1; };        // bf16 pairs (row g, row g + 8) per group
+#endif
 struct alignas(8) XPair { u32 lo, hi; };             // x[k .. k + 1], x[k + 2 .. k + 3]: one B operand
 
 #define NT (NWN * NWK * 32)
@@ -42,7 +45,12 @@ __device__ __forceinline__ Codes load_codes(const Codes* p) {
 
 __device__ __forceinline__ Scales load_scales(const Scales* p) {
     Scales s;
+#if SF32
+    asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(s.g0), "=f"(s.h0), "=f"(s.g1), "=f"(s.h1)
+                 : "l"(p));
+#else
     asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(s.grp0), "=r"(s.grp1) : "l"(p));
+#endif
     return s;
 }
 
@@ -85,7 +93,7 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
-extern "C" __global__ void __launch_bounds__(NT, MINB)
+extern "C" __global__ void __launch_bounds__(NT, 1)
 w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scales* __restrict__ scales,
           u16* __restrict__ y, int M, int N, int K) {
     extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
@@ -162,8 +170,12 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
                     mma(part_acc[m], a0, a1, a2, a3, b.lo, b.hi, jj ? part_acc[m] : zero);
                 }
             }
+#if SF32
+            const float s_g = h ? sc.g1 : sc.g0, s_h = h ? sc.h1 : sc.h0;
+#else
             const u32 sbits = h ? sc.grp1 : sc.grp0;
             const float s_g = lo_bf16(sbits), s_h = hi_bf16(sbits);
+#endif
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 acc[m][0] += part_acc[m][0] * s_g;

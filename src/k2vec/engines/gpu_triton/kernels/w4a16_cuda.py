@@ -1,5 +1,5 @@
-"""Dense W4A16 on the tensor cores in CUDA (w4a16_cuda.cu) for K2's format: bf16 x of at most 64 rows, group-32
-bf16 scales, K a multiple of 64 and N of 16. Compiled at run time by NVRTC (the library torch's CUDA build ships; no
+"""Dense W4A16 on the tensor cores in CUDA (w4a16_cuda.cu) for bf16 x of at most 64 rows and group-32 codes (K2's
+format; bf16 or float32 scales), K a multiple of 64 and N of 16. Compiled at run time by NVRTC (the library torch's CUDA build ships; no
 toolkit needed), launched through the driver's cuLaunchKernelEx with a thread block cluster along K and PDL.
 
 The weight's load-time copy (cuda_order_copy) is the kernel's operand order: per 16-row tile and 64-wide K step,
@@ -29,7 +29,8 @@ class CudaKernelError(K2VecError):
 class CudaOrder:
     """A weight's copy in the CUDA kernel's operand order (w4a16_cuda.cu's header)."""
     codes: torch.Tensor    # int32 [n / 16, k / 64, 32, 4]
-    scales: torch.Tensor   # int32 [n / 16, k / 64, 8, 2]: bf16 pairs (row g, row g + 8) per group
+    scales: torch.Tensor   # bf16 scales: int32 [n / 16, k / 64, 8, 2], pairs (row g, row g + 8) per group;
+    #                        float32: [n / 16, k / 64, 8, 4], (row g, row g + 8) of group 0, then of group 1
 
 
 def cuda_order_codes(packed: torch.Tensor, k: int) -> torch.Tensor:
@@ -45,13 +46,15 @@ def cuda_order_codes(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def cuda_order_scales(scales: torch.Tensor, k: int) -> torch.Tensor:
-    """bf16 [n, k / 32] -> int32 [n/16, k/64, 8, 2]: for lane group g and the step's group h, the pair (row g,
-    row g + 8), row g in the lower half."""
+    """Scales [n, k / 32] -> per 16-row tile, K step and lane group g: (row g, row g + 8) of the step's group 0,
+    then of group 1; bf16 as int32 [n/16, k/64, 8, 2] (row g in the lower half), float32 [n/16, k/64, 8, 4]."""
     n = scales.shape[0]
-    bits = scales.contiguous().view(torch.int16)
+    bits = scales.contiguous().view(torch.int16) if scales.dtype == torch.bfloat16 else scales.contiguous()
     # [T, r, g, kb, h] -> [T, kb, g, h, r]
-    pairs = bits.reshape(n // 16, 2, 8, k // 64, 2).permute(0, 3, 2, 4, 1).contiguous()
-    return pairs.view(torch.int32).reshape(n // 16, k // 64, 8, 2)
+    order = bits.reshape(n // 16, 2, 8, k // 64, 2).permute(0, 3, 2, 4, 1).contiguous()
+    if scales.dtype == torch.bfloat16:
+        return order.view(torch.int32).reshape(n // 16, k // 64, 8, 2)
+    return order.reshape(n // 16, k // 64, 8, 4)
 
 
 def cuda_order_copy(packed: torch.Tensor, scales: torch.Tensor, k: int) -> CudaOrder:
@@ -60,19 +63,18 @@ def cuda_order_copy(packed: torch.Tensor, scales: torch.Tensor, k: int) -> CudaO
 
 def supported(n: int, k: int, group_size: int, scale_dtype: torch.dtype) -> bool:
     """Whether a weight of this shape and format has a CUDA-order copy (the kernel's fixed layout)."""
-    return group_size == 32 and scale_dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0
+    return group_size == 32 and scale_dtype in (torch.bfloat16, torch.float32) and n % 16 == 0 and k % 64 == 0
 
 
 @dataclass(frozen=True)
 class CudaTile:
     """A launch: NWN warps of 16 rows along N and NWK along K per block, CL blocks along K in a cluster, PF K steps
-    of codes in flight per warp, x copied to shared memory CH steps at a time, MINB blocks resident per SM."""
+    of codes in flight per warp, x copied to shared memory CH steps at a time."""
     nwn: int
     nwk: int
     cl: int
     pf: int
     ch: int = 2
-    minb: int = 1
 
     def steps(self, k: int) -> int:
         return k // (64 * self.nwk * self.cl)
@@ -81,16 +83,16 @@ class CudaTile:
         steps = self.steps(k)
         return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % (16 * self.nwn) == 0
                 and (16 * self.nwn) % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
-                and 1 <= m <= MAX_ROWS and self.minb * self.shared_bytes(k, m) <= SHARED_LIMIT)
+                and 1 <= m <= MAX_ROWS and self.shared_bytes(k, m) <= SHARED_LIMIT)
 
     def shared_bytes(self, k: int, m: int) -> int:
         rows = 8 * m_tiles(m)
         return self.nwk * rows * (self.steps(k) * 64 + 16) * 2 + self.nwk * rows * 16 * self.nwn * 4
 
-    def defines(self, k: int, m: int) -> dict[str, int]:
+    def defines(self, k: int, m: int, float32_scales: bool) -> dict[str, int]:
         steps = self.steps(k)
         return dict(NWN=self.nwn, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m), PF=min(self.pf, steps),
-                    CH=min(self.ch, steps), MINB=self.minb)
+                    CH=min(self.ch, steps), SF32=int(float32_scales))
 
 
 def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
@@ -224,7 +226,7 @@ def w4a16_cuda_linear(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: t
         raise CudaKernelError(f"w4a16_cuda: tile {tile} does not fit K={k} N={n} M={m}")
     if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
         raise CudaKernelError(f"w4a16_cuda: x must be contiguous 16-byte aligned bf16, got {x.dtype}")
-    defines = tile.defines(k, m)
+    defines = tile.defines(k, m, weight.scales.dtype == torch.float32)
     kernel = compiled(tuple(defines.items()), x.device.index)
     make_current(x.device.index)
     shared = tile.shared_bytes(k, m)
