@@ -800,14 +800,17 @@ def markdown(dense, moe, copy, correctness) -> str:
         flips = [r for r in correctness if r.get("flip")]
         flips_missed = [r for r in flips if r["ok"] or not r.get("all_written") or r.get("error")]
         worst = {}
+        seen = [r for r in correctness if r["name"].startswith("flip seen")]     # verify.check_flip_seen
         for r in correctness:
-            if r.get("flip") or "rel_err" not in r:
+            if r.get("flip") or "rel_err" not in r or r in seen:
                 continue
             act = r["name"].split()[-1]
             worst[act] = max(worst.get(act, 0.0), r["rel_err"])
         lines += [f"Correctness: {len(correctness) - len(flips)} checks, {len(fails)} failed; "
                   f"worst rel. err " + ", ".join(f"{a} {v:.2e}" for a, v in sorted(worst.items()))
-                  + f"; nibble flips detected {len(flips) - len(flips_missed)}/{len(flips)}.", ""]
+                  + f"; nibble flips detected {len(flips) - len(flips_missed)}/{len(flips)}"
+                  + (f", seen in their own column under bf16 {sum(r['ok'] for r in seen)}/{len(seen)}" if seen else "")
+                  + ".", ""]
         for r in fails[:20]:
             lines.append(f"- FAIL {r['name']}: {r.get('rel_err', r.get('error'))}")
     if copy:
