@@ -454,10 +454,13 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
 def pdl_chain_check(device, log, layer) -> list[dict]:
     """Launches that overlap through PDL compute bit for bit what the same configs compute without it: pairs of
     dependent dense calls (7168->2048 then 2048->7168 on its output) and of fused MoE calls (the second on the
-    first's output), 8 pairs back to back, eagerly and replayed from a CUDA graph, at every M of the timings."""
+    first's output), 8 pairs back to back, eagerly and replayed from a CUDA graph, at every M of the timings; the
+    dense weights with their CUDA-order copy, so that the CUDA kernel's tiles (always PDL) are chained too."""
     gen = verify.generator(device, "pdl-chain")
-    wa = pack_for_gpu(*verify.random_int4(2048, 7168, 32, "bfloat16", gen, device), 32, "bfloat16", device)
-    wb = pack_for_gpu(*verify.random_int4(7168, 2048, 32, "bfloat16", gen, device), 32, "bfloat16", device)
+    wa = pack_for_gpu(*verify.random_int4(2048, 7168, 32, "bfloat16", gen, device), 32, "bfloat16", device,
+                      cuda_order=True)
+    wb = pack_for_gpu(*verify.random_int4(7168, 2048, 32, "bfloat16", gen, device), 32, "bfloat16", device,
+                      cuda_order=True)
     rows = []
     for kind in ("dense", "moe"):
         for m in MS:
@@ -466,7 +469,7 @@ def pdl_chain_check(device, log, layer) -> list[dict]:
             if kind == "dense":     # each weight's own config (its shape's table)
                 base = (pick_config(dense_configs(7168, 2048, torch.bfloat16), m),
                         pick_config(dense_configs(2048, 7168, torch.bfloat16), m))
-                plain = tuple(dict(c, PDL=False) for c in base)
+                plain = tuple(dict(c, PDL=False, CUDA_PDL=False) for c in base)     # the CUDA kernel's too
 
                 def chain(cfg):
                     return [w4a16_linear(w4a16_linear(x, wa, config=cfg[0]), wb, config=cfg[1]) for x in xs]
@@ -487,7 +490,8 @@ def pdl_chain_check(device, log, layer) -> list[dict]:
             torch.cuda.synchronize()
             same = sum(torch.equal(a, b) for a, b in zip(want, eager)) + sum(
                 torch.equal(a, b) for a, b in zip(want, captured))
-            rows.append(dict(kind=kind, m=m, pdl=any(c.get("PDL") for c in base), identical=same, of=2 * len(xs)))
+            pdl = any(c.get("PDL") or (c.get("CUDA") and kind == "dense") for c in base)
+            rows.append(dict(kind=kind, m=m, pdl=pdl, identical=same, of=2 * len(xs)))
     log("PDL chains bit-identical to the same configs without PDL: " + ", ".join(
         f"{r['kind']} M={r['m']}{'' if r['pdl'] else ' (no PDL)'} {r['identical']}/{r['of']}" for r in rows))
     return rows

@@ -28,6 +28,7 @@ from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile
 # it can (bf16 x, the weight's CUDA-order copy: G 32, N % 16 = 0, K % 64 = 0; not in the interpreter),
 # the entry's Triton launch otherwise. Its tiles in the K2 shapes' tables below are the winners of
 # bench/w4a16.py's CUDA sweep on an H200 (bench/RESULTS.md, issue 27, session 24); M = 2-16 elsewhere by the rule.
+# The CUDA kernel is launched with PDL unless CUDA_PDL is False (the bench's PDL chain check, its reference).
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
 _MMA = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, MMA_ORDER=True, SPLIT_CTAS=264, num_warps=4, num_stages=3)
@@ -137,7 +138,7 @@ def dense_configs(k: int, n: int, activation: torch.dtype) -> list[tuple[int, di
 CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_K", "X_PLANES", "X_WIDE", "SCALE_GROUPS", "PACKED", "PREFETCH",
                          "CODES_ASM", "BIASED_CODES", "MMA_ORDER", "PDL", "num_warps", "num_stages", "maxnreg",
                          "SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT", "SPLIT_REDUCE", "SORTED", "SPLIT_GU",
-                         "COMBINE", "CUDA"})
+                         "COMBINE", "CUDA", "CUDA_PDL"})
 
 
 def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
@@ -152,6 +153,7 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
            "CODES_ASM": False, "BIASED_CODES": False, "MMA_ORDER": False, "PDL": False, "SPLIT_REDUCE": False,
            **config}
     cfg.pop("CUDA", None)   # the CUDA kernel's tile (cuda_tile); what remains is the Triton launch in its stead
+    cfg.pop("CUDA_PDL", None)
     if cfg["MMA_ORDER"]:    # tensor cores on the MMA-order words, x as it is, one 128-element block per step
         if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg.get("BLOCK_K", 128) != 128:
             raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH, got {config}")

@@ -268,7 +268,7 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     entry = config or pick_config(dense_configs(weight.k, weight.n, x.dtype), m)
     tile = cuda_tile(entry, weight, x)
     if tile is not None:
-        return w4a16_cuda_linear(x, weight.cuda, weight.n, weight.k, out, tile)
+        return w4a16_cuda_linear(x, weight.cuda, weight.n, weight.k, out, tile, pdl=entry.get("CUDA_PDL", True))
     cfg = tile_config(entry, weight.group_size, interpreting(), x.device)
     bf16_scales = weight.scales.dtype == torch.bfloat16
     if cfg["MMA_ORDER"]:
