@@ -185,3 +185,64 @@ def test_gpu_cuda_kernel_sees_a_flipped_nibble(m, flip, cuda_calls):
     result = check_flip_seen(m, 1008, 576, flip, device=cuda_device())
     assert len(cuda_calls) == 2      # the clean weight, then the flipped one
     assert result.ok, result
+
+
+# ---------------------------------------------------------------- which calls reach it
+
+@dataclass
+class FakeX:
+    """What cuda_tile reads of an activation tensor, on a pretended CUDA device."""
+    rows: int
+    dtype: torch.dtype = torch.bfloat16
+    ptr: int = 1 << 20
+    is_cuda: bool = True
+
+    @property
+    def shape(self):
+        return (self.rows, 7168)
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def data_ptr(self):
+        return self.ptr
+
+
+@dataclass(frozen=True)
+class DispatchCase:
+    name: str
+    x: FakeX
+    with_copy: bool
+    entry_m: int          # the K2 7168 -> 2048 table's entry for this M
+    config: dict | None   # in place of the table's entry
+    want: CudaTile | str | None    # "fit": fit_tile's pick
+
+
+DISPATCH = [
+    DispatchCase("the table's tile at M = 2", FakeX(2), True, 2, None, CudaTile(1, 8, 1, 8, ch=4)),
+    DispatchCase("the table's tile at M = 16", FakeX(16), True, 16, None, CudaTile(2, 4, 2, 8, ch=2)),
+    DispatchCase("no CUDA key at M = 32: Triton", FakeX(32), True, 32, None, None),
+    DispatchCase("float16 x: Triton", FakeX(2, torch.float16), True, 2, None, None),
+    DispatchCase("weight without the copy: Triton", FakeX(2), False, 2, None, None),
+    DispatchCase("x not 16-byte aligned: Triton", FakeX(2, ptr=(1 << 20) + 8), True, 2, None, None),
+    DispatchCase("x on the CPU: Triton", FakeX(2, is_cuda=False), True, 2, None, None),
+    DispatchCase("the fit rule", FakeX(12), True, 0, {"CUDA": "fit"}, "fit"),
+    DispatchCase("a tile that does not fit K: Triton", FakeX(2), True, 0, {"CUDA": CudaTile(4, 8, 8, 8)}, None),
+]
+
+
+@pytest.mark.parametrize("case", DISPATCH, ids=lambda c: c.name)
+def test_cuda_tile_dispatch(case, monkeypatch):
+    from k2vec.engines.gpu_triton.kernels import w4a16
+    from k2vec.engines.gpu_triton.kernels.configs import dense_configs, pick_config
+    from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
+    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import fit_tile
+    monkeypatch.setattr(w4a16, "runs_on", lambda index: True)
+    monkeypatch.setattr(w4a16, "interpreting", lambda: False)
+    copy = cuda_order_copy(torch.zeros(2048, 3584, dtype=torch.uint8), torch.ones(2048, 224, dtype=torch.bfloat16),
+                           7168) if case.with_copy else None
+    weight = PackedInt4(torch.zeros(0), torch.zeros(0), 2048, 7168, 32, None, copy)
+    entry = case.config or pick_config(dense_configs(7168, 2048, torch.bfloat16), case.entry_m)
+    want = fit_tile(2048, 7168, case.x.rows) if case.want == "fit" else case.want
+    assert w4a16.cuda_tile(entry, weight, case.x) == want

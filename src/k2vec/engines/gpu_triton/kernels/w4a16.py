@@ -3,7 +3,7 @@ from the load-time copy of its codes in the MMA's register order (int4_layout.mm
 float32.
 
 One kernel (_w4a16_kernel), its tile path picked by the launch config (configs.py; docs/w4a16-kernels.md), or, where
-the config names a CUDA tile and the call is bf16 in K2's format, the CUDA kernel (w4a16_cuda.cu):
+the config names a CUDA tile and the call is bf16 x on group-32 codes, the CUDA kernel (w4a16_cuda.cu):
 * PREFETCH (BLOCK_M 1): the one-row GEMV on CUDA cores, the next K tile prefetched (gemv.py).
 * MMA_ORDER (BLOCK_M >= 16): tensor cores on the MMA-order words (mma.py).
 * Otherwise (float32 x; the fused MoE's tensor-core tiles) the element planes, in this module: since a word's 8
@@ -26,7 +26,7 @@ from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
 from k2vec.engines.gpu_triton.kernels.mma import _dot, _mma_order_tile
 from k2vec.engines.gpu_triton.kernels.sync import (_grid_wait, _k_range, _split_arrive, _split_is_last, _split_reduce_kernel,
                                                    _split_sum, split_buffers)
-from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, fit_tile, w4a16_cuda_linear
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, fit_tile, runs_on, w4a16_cuda_linear
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -240,12 +240,12 @@ def interpreting() -> bool:
 
 
 def cuda_tile(entry: dict, weight: PackedInt4, x: torch.Tensor) -> CudaTile | None:
-    """The CUDA kernel's tile for a config entry's "CUDA" key, where the kernel can take this call: bf16 x on a CUDA
-    device (not the interpreter), the weight's CUDA-order copy, a tile that fits the shape. None: the entry's Triton
-    launch."""
+    """The CUDA kernel's tile for a config entry's "CUDA" key, where the kernel can take this call: bf16 x on an
+    sm_90 device (not the interpreter), the weight's CUDA-order copy, a tile that fits the shape. None: the entry's
+    Triton launch."""
     spec = entry.get("CUDA")
     if (spec is None or weight.cuda is None or x.dtype != torch.bfloat16 or not x.is_cuda or interpreting()
-            or x.data_ptr() % 16):
+            or x.data_ptr() % 16 or not runs_on(x.device.index)):
         return None
     m = x.shape[0]
     tile = fit_tile(weight.n, weight.k, m) if spec == "fit" else spec

@@ -156,7 +156,11 @@ class Compiled:
 def nvrtc_cubin(source: str, arch: str) -> bytes:
     """CUBIN for `arch` from NVRTC (the library torch's CUDA build ships); no CUDA headers are included."""
     from torch.cuda._utils import _get_gpu_rtc_library
-    nvrtc = _get_gpu_rtc_library()
+    try:
+        nvrtc = _get_gpu_rtc_library()
+    except OSError as exc:
+        raise CudaKernelError(f"w4a16_cuda: NVRTC, which compiles the kernel, is not loadable ({exc}); torch's "
+                              "CUDA wheels bring it (nvidia-cuda-nvrtc)") from exc
     prog = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"w4a16_cuda.cu", 0, None, None):
         raise CudaKernelError("w4a16_cuda: NVRTC could not create the program")
@@ -188,6 +192,12 @@ def _primary_context(device_index: int) -> ctypes.c_void_p:
     return context
 
 
+@functools.lru_cache(maxsize=None)
+def runs_on(device_index: int) -> bool:
+    """The kernel needs sm_90 or later (thread block clusters, griddepcontrol)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def make_current(device_index: int) -> None:
     _check(_driver().cuCtxSetCurrent(_primary_context(device_index)), "w4a16_cuda: the primary context")
 
@@ -210,7 +220,7 @@ def compiled(defines: tuple[tuple[str, int], ...], device_index: int) -> Compile
     kernel = _LOADED.get((defines, device_index))
     if kernel is None:
         major, minor = torch.cuda.get_device_capability(device_index)
-        if major < 9:
+        if not runs_on(device_index):
             raise CudaKernelError(f"w4a16_cuda needs sm_90 (clusters, PDL); device {device_index} is "
                                   f"sm_{major}{minor}")
         source = "".join(f"#define {k} {v}\n" for k, v in defines) + SOURCE.read_text()
