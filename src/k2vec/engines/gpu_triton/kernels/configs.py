@@ -48,8 +48,9 @@ DENSE_CONFIGS: list[tuple[int, dict]] = [
 # layers' down projection): 64 columns per program and about 264 programs at M <= 16, so that K is split in runs of
 # equal length (the default's 32-column GEMV splits its 7 K tiles 3 + 3 + 1); M = 1 on the one-row GEMV, from M = 2 on
 # tensor cores, with PDL; from M = 17 the partials summed by a second launch (M = 17-32 split to ~528). 2048 -> 7168
-# (the dense layers' gate and up projections): at M = 1 (Triton's GEMV there beat the CUDA kernel) 16 columns per program in 2 warps (448 programs, unsplit, each
-# K = 2048 as two prefetched tiles of 1024) rather than the default's 32 in 8 (session 19); at M = 2 448 programs (224
+# (the dense layers' gate and up projections): at M = 1 (Triton's GEMV there beats the CUDA kernel) 16 columns per
+# program in 2 warps (448 programs, unsplit, each K = 2048 as two prefetched tiles of 1024) rather than the default's
+# 32 in 8 (session 19); the Triton launches below at M >= 2 serve where the CUDA kernel cannot; at M = 2 448 programs (224
 # column tiles, one per row) already fill the machine unsplit, each reading its 2048 elements as four prefetched
 # tiles of 512 in 4 warps rather than two of 1024 in 8 (session 18); M = 3-32 split to ~528 with PDL, the last
 # program summing (K = 2048 splits in 4 at most: the second launch costs more than it saves), M = 33-64 split to ~132

@@ -1,9 +1,11 @@
 """Dense W4A16 on the tensor cores in CUDA (w4a16_cuda.cu) for bf16 x of at most 64 rows and group-32 codes (K2's
-format; bf16 or float32 scales), K a multiple of 64 and N of 16. Compiled at run time by NVRTC (the library torch's CUDA build ships; no
-toolkit needed), launched through the driver's cuLaunchKernelEx with a thread block cluster along K and PDL.
+format; bf16 or float32 scales), K a multiple of 64 and N of 16. Compiled at run time by NVRTC (the library
+torch's CUDA build ships; no toolkit needed), launched through the driver's cuLaunchKernelEx with a thread block
+cluster along K and PDL.
 
 The weight's load-time copy (cuda_order_copy) is the kernel's operand order: per 16-row tile and 64-wide K step,
-32 lanes x 16 bytes of codes and 8 x 8 bytes of scales, so that a warp's K steps are one contiguous stretch.
+32 lanes x 16 bytes of codes and 8 lane groups' scales (8 bytes each in bf16, 16 in float32), so that a warp's K
+steps are one contiguous stretch.
 """
 from __future__ import annotations
 
