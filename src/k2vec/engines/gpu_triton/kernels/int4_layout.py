@@ -9,7 +9,7 @@ CUDA kernel's operand order (w4a16_cuda.cuda_order_copy).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -46,6 +46,12 @@ class PackedInt4:
         codes = torch.stack([low, high], dim=-1).reshape(self.n, self.k).to(torch.float32)
         groups = codes.reshape(self.n, self.k // self.group_size, self.group_size)
         return (groups * self.scales.to(torch.float32)[:, :, None]).reshape(self.n, self.k)
+
+    def recopied(self) -> PackedInt4:
+        """The same weight with its load-time copies made again from `packed` and `scales` (after a test changed
+        those bytes in place, as a corrupt bundle would reach the loader); only the copies it already had."""
+        mma = mma_order_copy(self.packed, self.scales, self.k, self.group_size) if self.mma else None
+        return replace(self, mma=mma, cuda=cuda_order_copy(self.packed, self.scales, self.k) if self.cuda else None)
 
 
 MMA_BLOCK = 128     # K elements per block of the MMA order

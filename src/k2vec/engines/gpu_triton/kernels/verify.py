@@ -6,14 +6,13 @@ reports the relative error ||out - ref|| / ||ref|| (NaN if any element was left 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts, fused_moe, pack_experts
-from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4, mma_order_copy, pack_for_gpu
+from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4, pack_for_gpu
 from k2vec.engines.gpu_triton.kernels.w4a16 import w4a16_linear
-from k2vec.engines.gpu_triton.kernels.w4a16_cuda import cuda_order_copy
 from k2vec.seeds import seed_for
 
 # relative-error bounds per activation dtype: float32 is the golden-matching contract; fp16/bf16 round the
@@ -68,8 +67,7 @@ def check_dense(m: int, n: int, k: int, group_size: int, scale_dtype: str, act: 
     ref = x.double() @ weight.dequantize().double().T
     if flip:    # a corrupt bundle byte: the load-time copies are made from the corrupt bytes
         flip_nibble(weight.packed, gen, flip == "high")
-        weight = replace(weight, mma=mma_order_copy(weight.packed, weight.scales, k, group_size),
-                         cuda=cuda_order_copy(weight.packed, weight.scales, k) if weight.cuda is not None else None)
+        weight = weight.recopied()
     out = torch.full((m, n), float("nan"), dtype=x.dtype, device=device)
     w4a16_linear(x, weight, out=out, config=config)
     return CheckResult(name, rel_err(out, ref), TOLERANCE[x.dtype], bool(torch.isfinite(out).all()))
@@ -89,8 +87,7 @@ def check_flip_seen(m: int, n: int, k: int, flip: str, device) -> CheckResult:
     (row, byte), mask = flip_nibble(weight.packed, gen, flip == "high")
     col = 2 * byte + (flip == "high")
     q_new = int(weight.packed[row, byte] >> 4 if flip == "high" else weight.packed[row, byte] & 0x0F)
-    flipped = replace(weight, mma=mma_order_copy(weight.packed, weight.scales, k, 32),
-                      cuda=cuda_order_copy(weight.packed, weight.scales, k))
+    flipped = weight.recopied()
     out = torch.full((m, n), float("nan"), dtype=x.dtype, device=device)
     w4a16_linear(x, flipped, out=out)
     move = (q_new - (q_new ^ 8)) * weight.scales[row, col // 32].double() * x[:, col].double()
