@@ -739,23 +739,27 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
 # ---------------------------------------------------------------- report
 
 def cuda_candidates(n: int, k: int, m: int) -> list:
-    """CUDA tiles for the sweep: 4-16 warps per block, 100-264 blocks, every cluster size that splits K evenly."""
+    """CUDA tiles for the sweep: 4-16 warps per block, 100-264 blocks, every cluster size that splits K evenly; two
+    tiles per warp (half the B reads, twice the codes in flight per step) from M = 8 on, with 4 or 8 steps in
+    flight."""
     out = []
-    for nwn, nwk, cl, pf, ch in itertools.product((1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (8, 16), (1, 2, 4)):
-        tile = CudaTile(nwn, nwk, cl, pf, ch)
+    for nwn, nwk, cl, pf, ch, tpw in itertools.product((1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (4, 8, 16),
+                                                      (1, 2, 4), (1, 2)):
+        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw)
         steps = tile.steps(k)
-        if (tile.fits(n, k, m) and 100 <= n // (16 * nwn) * cl <= 264 and 4 <= nwn * nwk <= 16
-                and (pf == 8 or pf <= steps) and (ch == 1 or ch <= steps)):
+        if (tile.fits(n, k, m) and 100 <= n // tile.rows * cl <= 264 and 4 <= nwn * nwk <= 16
+                and (pf == 8 or pf <= steps) and (ch == 1 or ch <= steps)
+                and (pf in (8, 16) if tpw == 1 else m >= 8 and pf in (4, 8))):
             out.append(tile)
     return out
 
 
-def cuda_sweep(device, log) -> list[dict]:
-    """Every CUDA tile on the three K2 shapes at every M (NVRTC compiles in threads first), timed as time_dense
+def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> list[dict]:
+    """Every CUDA tile on the three K2 shapes at each of `ms` (NVRTC compiles in threads first), timed as time_dense
     times, checked against float64; logs the best per M and per M bucket (summed over the bucket's M)."""
     major, minor = torch.cuda.get_device_capability(device)
     source = w4a16_cuda.SOURCE.read_text()
-    variants = {tuple(t.defines(k, m, False).items()) for k, n in DENSE_SHAPES for m in MS
+    variants = {tuple(t.defines(k, m, False).items()) for k, n in DENSE_SHAPES for m in ms
                 for t in cuda_candidates(n, k, m)}
     t0 = time.perf_counter()
     with ThreadPoolExecutor(16) as pool:     # NVRTC releases the GIL
@@ -768,7 +772,7 @@ def cuda_sweep(device, log) -> list[dict]:
     for k, n in DENSE_SHAPES:
         weights, _ = dense_weights(device, k, n, "bench dense")
         w64 = weights[0].dequantize().double()
-        for m in MS:
+        for m in ms:
             xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in weights]
             outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in weights]
             ref = xs[0].double() @ w64.T
@@ -778,8 +782,11 @@ def cuda_sweep(device, log) -> list[dict]:
                 us = graph_time_us([lambda x=x, w=w, o=o, t=tile: w4a16_cuda.w4a16_cuda_linear(x, w.cuda, n, k, o, t)
                                     for x, w, o in zip(xs, weights, outs)])
                 rows.append(dict(k=k, n=n, m=m, tile=asdict(tile), us=us, rel_err=verify.rel_err(out, ref)))
-            best = min((r for r in rows if (r["k"], r["n"], r["m"]) == (k, n, m)), key=lambda r: r["us"])
-            log(f"cuda sweep {k}->{n} M={m}: best {best['us']:.2f} us {best['tile']} (rel err {best['rel_err']:.1e})")
+            here = [r for r in rows if (r["k"], r["n"], r["m"]) == (k, n, m)]
+            best = min(here, key=lambda r: r["us"])
+            one = min((r["us"] for r in here if r["tile"]["tpw"] == 1), default=float("nan"))
+            log(f"cuda sweep {k}->{n} M={m}: best {best['us']:.2f} us {best['tile']} (rel err {best['rel_err']:.1e}); "
+                f"best of one tile per warp {one:.2f} us")
         del weights
         torch.cuda.empty_cache()
     for k, n in DENSE_SHAPES:
@@ -848,14 +855,15 @@ def guarded(log, what, fn, *args):
 
 
 def profile(device, log) -> None:
-    """The dense K2 shapes at M = 1, 2, 4, 16, 32 and 64 (shape by shape), then the fused MoE on the K2 layer at M = 1
-    and 16, each call twice, for ncu."""
+    """The dense K2 shapes at every M (shape by shape; the CUDA kernel where the tables pick it), then the fused MoE
+    on the K2 layer at M = 1 and 16, each call twice, for ncu."""
     gen = verify.generator(device, "profile")
     layer = K2Layer(device, with_bf16=False)
     calls = []
     for k, n in DENSE_SHAPES:
-        w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device)
-        for m in (1, 2, 4, 16, 32, 64):
+        w = pack_for_gpu(*verify.random_int4(n, k, 32, "bfloat16", gen, device), 32, "bfloat16", device,
+                         cuda_order=True)
+        for m in MS:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             calls.append(lambda x=x, w=w: w4a16_linear(x, w))
     for m in (1, 16):
@@ -910,6 +918,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="only the calls to profile (run under ncu)")
     parser.add_argument("--trips", action="store_true", help="only the dense tiles' time against K trips per program")
     parser.add_argument("--cuda-sweep", action="store_true", help="only the CUDA kernel's tiles on the K2 shapes")
+    parser.add_argument("--ms", type=lambda text: tuple(int(m) for m in text.split(",")), default=MS,
+                        help="--cuda-sweep: these M only (comma-separated)")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--workers", type=int, default=10)
@@ -939,7 +949,7 @@ def main() -> None:
         trip_scan(torch.device("cuda:0"), log)
         return
     if args.cuda_sweep:
-        rows = cuda_sweep(torch.device("cuda:0"), log)
+        rows = cuda_sweep(torch.device("cuda:0"), log, args.ms)
         (args.out / "cuda_sweep.json").write_text(json.dumps(rows, indent=1))
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"

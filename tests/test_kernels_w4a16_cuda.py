@@ -113,6 +113,9 @@ TILE_CASES = [
     TileCase("64 rows of x too large for one block's K slice", CudaTile(4, 2, 2, 8), 4096, 7168, 64, False),
     TileCase("64 rows of x on a shorter slice", CudaTile(4, 2, 8, 8), 4096, 7168, 64, True),
     TileCase("65 rows", CudaTile(4, 2, 8, 8), 4096, 7168, 65, False),
+    TileCase("two tiles per warp: 128-row blocks", CudaTile(4, 2, 2, 4, tpw=2), 7168, 2048, 64, True),
+    TileCase("two tiles per warp: N not in whole 128-row blocks", CudaTile(4, 2, 2, 4, tpw=2), 4160, 2048, 16, False),
+    TileCase("three tiles per warp", CudaTile(1, 2, 2, 4, tpw=3), 2048, 7168, 16, False),
 ]
 
 
@@ -123,7 +126,9 @@ def test_tile_fits(case):
 
 def test_m_tiles_and_defines():
     assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
-    assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2, SF32=1)
+    assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, TPW=1, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2,
+                                                                SF32=1)
+    assert CudaTile(2, 4, 2, 4, tpw=2).rows == 64
 
 
 # ---------------------------------------------------------------- on a GPU
@@ -147,6 +152,9 @@ GPU_CASES = [
     GpuCase("the fit rule, float32 scales", 7, 1024, 512, None, "float32"),
     GpuCase("a cluster of 2, x in eight m8 tiles", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=1)),
     GpuCase("a cluster of 4, 33 rows", 33, 1024, 1024, CudaTile(4, 1, 4, 2, ch=2)),
+    GpuCase("two tiles per warp, 64 rows, a cluster of 2", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=2, tpw=2)),
+    GpuCase("two tiles per warp, 9 rows, float32 scales", 9, 1024, 1536, CudaTile(1, 4, 2, 8, ch=4, tpw=2),
+            "float32"),
 ]
 
 
@@ -155,12 +163,12 @@ def cuda_calls(monkeypatch):
     """Counts the calls that reach the CUDA kernel (a config's Triton launch would serve the others)."""
     from k2vec.engines.gpu_triton.kernels import w4a16
     calls = []
-    real = w4a16.w4a16_cuda_linear
+    real = w4a16.w4a16_cuda_launch
 
     def counted(*args, **kwargs):
-        calls.append(args[-1])
+        calls.append(args[5])    # the tile
         return real(*args, **kwargs)
-    monkeypatch.setattr(w4a16, "w4a16_cuda_linear", counted)
+    monkeypatch.setattr(w4a16, "w4a16_cuda_launch", counted)
     return calls
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, runs_on
 
 
 # Dense tile configs per M bucket (upper bound of M -> launch config); the last bucket covers any larger M.
@@ -27,7 +27,8 @@ from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile
 # CUDA (a CudaTile, or "fit" for w4a16_cuda.fit_tile's rule): the CUDA kernel (w4a16_cuda.cu) takes the call where
 # it can (bf16 x, the weight's CUDA-order copy: G 32, N % 16 = 0, K % 64 = 0; not in the interpreter),
 # the entry's Triton launch otherwise. Its tiles in the K2 shapes' tables below are the winners of
-# bench/w4a16.py's CUDA sweep on an H200 (bench/RESULTS.md, issue 27, session 24); M = 2-16 elsewhere by the rule.
+# bench/w4a16.py's CUDA sweep on an H200 (bench/RESULTS.md, issue 27, sessions 24 and 25: two 16-row tiles per warp
+# on 2048 -> 7168 at M = 5-8); M = 2-16 elsewhere by the rule.
 # The CUDA kernel is launched with PDL unless CUDA_PDL is False (the bench's PDL chain check, its reference).
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
@@ -50,8 +51,8 @@ DENSE_CONFIGS: list[tuple[int, dict]] = [
 # tensor cores, with PDL; from M = 17 the partials summed by a second launch (M = 17-32 split to ~528). 2048 -> 7168
 # (the dense layers' gate and up projections): at M = 1 (Triton's GEMV there beats the CUDA kernel) 16 columns per
 # program in 2 warps (448 programs, unsplit, each K = 2048 as two prefetched tiles of 1024) rather than the default's
-# 32 in 8 (session 19); the Triton launches below at M >= 2 serve where the CUDA kernel cannot; at M = 2 448 programs (224
-# column tiles, one per row) already fill the machine unsplit, each reading its 2048 elements as four prefetched
+# 32 in 8 (session 19); the Triton launches below at M >= 2 serve where the CUDA kernel cannot; at M = 2 448 programs
+# (224 column tiles, one per row) already fill the machine unsplit, each reading its 2048 elements as four prefetched
 # tiles of 512 in 4 warps rather than two of 1024 in 8 (session 18); M = 3-32 split to ~528 with PDL, the last
 # program summing (K = 2048 splits in 4 at most: the second launch costs more than it saves), M = 33-64 split to ~132
 # without PDL (session 21). 7168 -> 4096: M = 2-4 in 128-column tiles, M = 33-64 summed by a second launch
@@ -69,6 +70,8 @@ DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
     (2048, 7168): [
         (1, dict(_GEMV, BLOCK_N=16, num_warps=2)),
         (2, dict(_GEMV, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4, CUDA=CudaTile(7, 2, 2, 8, ch=4))),
+        (4, dict(_MMA_528, CUDA=CudaTile(4, 2, 1, 8, ch=2))),
+        (8, dict(_MMA_528, CUDA=CudaTile(2, 4, 1, 4, ch=2, tpw=2))),
         (16, dict(_MMA_528, CUDA=CudaTile(4, 2, 1, 8, ch=2))),
         (32, dict(_MMA_528, BLOCK_M=32)),
         (1 << 62, dict(_MMA, BLOCK_M=64, SPLIT_CTAS=132)),
@@ -183,8 +186,9 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
 
 
 def has_pdl(device) -> bool:
-    """Programmatic dependent launch on this CUDA device: griddepcontrol needs sm_90."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """Programmatic dependent launch on this CUDA device: griddepcontrol needs sm_90, as the CUDA kernel does."""
+    index = device if isinstance(device, int) else torch.device(device).index
+    return runs_on(torch.cuda.current_device() if index is None else index)
 
 
 def split_k(cfg: dict, k: int, tiles: int) -> int:

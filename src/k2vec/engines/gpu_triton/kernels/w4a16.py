@@ -26,7 +26,7 @@ from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
 from k2vec.engines.gpu_triton.kernels.mma import _dot, _mma_order_tile
 from k2vec.engines.gpu_triton.kernels.sync import (_grid_wait, _k_range, _split_arrive, _split_is_last, _split_reduce_kernel,
                                                    _split_sum, split_buffers)
-from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, fit_tile, runs_on, w4a16_cuda_linear
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, fit_tile, runs_on, w4a16_cuda_launch
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -268,7 +268,7 @@ def w4a16_linear(x: torch.Tensor, weight: PackedInt4, out: torch.Tensor | None =
     entry = config or pick_config(dense_configs(weight.k, weight.n, x.dtype), m)
     tile = cuda_tile(entry, weight, x)
     if tile is not None:
-        return w4a16_cuda_linear(x, weight.cuda, weight.n, weight.k, out, tile, pdl=entry.get("CUDA_PDL", True))
+        return w4a16_cuda_launch(x, weight.cuda, weight.n, weight.k, out, tile, pdl=entry.get("CUDA_PDL", True))
     cfg = tile_config(entry, weight.group_size, interpreting(), x.device)
     bf16_scales = weight.scales.dtype == torch.bfloat16
     if cfg["MMA_ORDER"]:

@@ -13,9 +13,10 @@
 // product is scaled once, in float32, per row. Word nibbles p and p + 4 are the (lower, upper) halves of one A
 // register, so a register is one shift and one lop3 from the codes, then (128 + q) - 136 = q - 8 exactly in bf16.
 //
-// Compile-time constants (w4a16_cuda.py defines them): NWN warps along N (16 rows each), NWK warps along K in a
-// block, CL blocks along K in a cluster, STEPS K steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in
-// flight, CH steps of x per copy to shared memory; SF32 1 for float32 scales (else bf16).
+// Compile-time constants (w4a16_cuda.py defines them): NWN warps along N, TPW 16-row tiles per warp (each B operand
+// read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K
+// steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in flight, CH steps of x per copy to shared
+// memory; SF32 1 for float32 scales (else bf16).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -30,7 +31,7 @@ struct alignas(8) Scales { u32 grp0, grp1; };        // bf16 pairs (row g, row g
 struct alignas(8) XPair { u32 lo, hi; };             // x[k .. k + 1], x[k + 2 .. k + 3]: one B operand
 
 #define NT (NWN * NWK * 32)
-#define N_CTA (16 * NWN)
+#define N_CTA (16 * NWN * TPW)
 #define KC (NWK * STEPS * 64)        // K elements of one block
 #define XSW (STEPS * 64 + 16)        // x row stride in a K warp group's slice (bf16): +32 bytes spreads rows over banks
 #define MROWS (MT * 8)
@@ -104,19 +105,23 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     const int g = lane / 4, t = lane % 4;
     const int wn = warp % NWN, wk = warp / NWN;
     const int kblock = blockIdx.x;                 // the block's place along K (its rank in the cluster)
-    const int tile = blockIdx.y * NWN + wn;        // the warp's 16-row tile
+    const int tile = (blockIdx.y * NWN + wn) * TPW;    // the warp's first 16-row tile
     const int ksteps = K / 64;
     const int step0 = (kblock * NWK + wk) * STEPS;
 
-    // the weight stream first: PF steps of codes and scales in flight before anything else waits
+    // the weight stream first: PF steps of codes and scales in flight before anything else waits (tile u of the
+    // warp is ksteps steps further on)
     const Codes* cp = codes + ((size_t)tile * ksteps + step0) * 32 + lane;
     const Scales* sp = scales + ((size_t)tile * ksteps + step0) * 8 + g;
-    Codes cw[PF];
-    Scales sw[PF];
+    Codes cw[PF][TPW];
+    Scales sw[PF][TPW];
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
-        cw[s] = load_codes(cp + s * 32);
-        sw[s] = load_scales(sp + s * 8);
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) {
+            cw[s][u] = load_codes(cp + ((size_t)u * ksteps + s) * 32);
+            sw[s][u] = load_scales(sp + ((size_t)u * ksteps + s) * 8);
+        }
     }
 
     // x may be the previous kernel's output: wait for it (PDL). Each K warp group (the NWN warps of one wk) copies
@@ -136,9 +141,11 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
 
-    float acc[MT][4];
+    float acc[TPW][MT][4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
+    for (int u = 0; u < TPW; ++u)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) acc[u][m][0] = acc[u][m][1] = acc[u][m][2] = acc[u][m][3] = 0.0f;
     const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const u16* xw = xg + g * XSW + 4 * t;
 
@@ -149,53 +156,70 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
             if (NWN == 1) __syncwarp();
             else asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
         }
-        const Codes c = cw[s % PF];
-        const Scales sc = sw[s % PF];
-        if (s + PF < STEPS) {
-            cw[s % PF] = load_codes(cp + (s + PF) * 32);
-            sw[s % PF] = load_scales(sp + (s + PF) * 8);
+        Codes c[TPW];
+        Scales sc[TPW];
+#pragma unroll
+        for (int u = 0; u < TPW; ++u) {
+            c[u] = cw[s % PF][u];
+            sc[u] = sw[s % PF][u];
+            if (s + PF < STEPS) {
+                cw[s % PF][u] = load_codes(cp + ((size_t)u * ksteps + s + PF) * 32);
+                sw[s % PF][u] = load_scales(sp + ((size_t)u * ksteps + s + PF) * 8);
+            }
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {              // the step's two groups
-            const u32 rg = h ? c.g1 : c.g0, rh = h ? c.h1 : c.h0;
-            float part_acc[MT][4];
+            float part_acc[TPW][MT][4];
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj) {       // two K sub-steps of 16 per group
                 const int j = 2 * h + jj;
-                const u32 a0 = code_pair(rg, 2 * jj), a1 = code_pair(rh, 2 * jj);
-                const u32 a2 = code_pair(rg, 2 * jj + 1), a3 = code_pair(rh, 2 * jj + 1);
+                u32 a[TPW][4];
+#pragma unroll
+                for (int u = 0; u < TPW; ++u) {
+                    const u32 rg = h ? c[u].g1 : c[u].g0, rh = h ? c[u].h1 : c[u].h0;
+                    a[u][0] = code_pair(rg, 2 * jj), a[u][1] = code_pair(rh, 2 * jj);
+                    a[u][2] = code_pair(rg, 2 * jj + 1), a[u][3] = code_pair(rh, 2 * jj + 1);
+                }
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     const XPair b = *reinterpret_cast<const XPair*>(xw + m * 8 * XSW + s * 64 + 16 * j);
-                    mma(part_acc[m], a0, a1, a2, a3, b.lo, b.hi, jj ? part_acc[m] : zero);
+#pragma unroll
+                    for (int u = 0; u < TPW; ++u)
+                        mma(part_acc[u][m], a[u][0], a[u][1], a[u][2], a[u][3], b.lo, b.hi,
+                            jj ? part_acc[u][m] : zero);
                 }
             }
+#pragma unroll
+            for (int u = 0; u < TPW; ++u) {
 #if SF32
-            const float s_g = h ? sc.g1 : sc.g0, s_h = h ? sc.h1 : sc.h0;
+                const float s_g = h ? sc[u].g1 : sc[u].g0, s_h = h ? sc[u].h1 : sc[u].h0;
 #else
-            const u32 sbits = h ? sc.grp1 : sc.grp0;
-            const float s_g = lo_bf16(sbits), s_h = hi_bf16(sbits);
+                const u32 sbits = h ? sc[u].grp1 : sc[u].grp0;
+                const float s_g = lo_bf16(sbits), s_h = hi_bf16(sbits);
 #endif
 #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                acc[m][0] += part_acc[m][0] * s_g;
-                acc[m][1] += part_acc[m][1] * s_g;
-                acc[m][2] += part_acc[m][2] * s_h;
-                acc[m][3] += part_acc[m][3] * s_h;
+                for (int m = 0; m < MT; ++m) {
+                    acc[u][m][0] += part_acc[u][m][0] * s_g;
+                    acc[u][m][1] += part_acc[u][m][1] * s_g;
+                    acc[u][m][2] += part_acc[u][m][2] * s_h;
+                    acc[u][m][3] += part_acc[u][m][3] * s_h;
+                }
             }
         }
     }
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-    // the warp's partial: d0, d1 at (row g, x rows 2t, 2t + 1), d2, d3 at row g + 8
+    // the warp's partial: d0, d1 at (row g, x rows 2t, 2t + 1), d2, d3 at row g + 8 of each of its tiles
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        float* p = part + (wk * MROWS + m * 8 + 2 * t) * N_CTA + wn * 16 + g;
-        p[0] = acc[m][0];
-        p[N_CTA] = acc[m][1];
-        p[8] = acc[m][2];
-        p[N_CTA + 8] = acc[m][3];
-    }
+    for (int u = 0; u < TPW; ++u)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            float* p = part + (wk * MROWS + m * 8 + 2 * t) * N_CTA + (wn * TPW + u) * 16 + g;
+            p[0] = acc[u][m][0];
+            p[N_CTA] = acc[u][m][1];
+            p[8] = acc[u][m][2];
+            p[N_CTA + 8] = acc[u][m][3];
+        }
 #if CL > 1
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #else

@@ -70,31 +70,38 @@ def supported(n: int, k: int, group_size: int, scale_dtype: torch.dtype) -> bool
 
 @dataclass(frozen=True)
 class CudaTile:
-    """A launch: NWN warps of 16 rows along N and NWK along K per block, CL blocks along K in a cluster, PF K steps
-    of codes in flight per warp, x copied to shared memory CH steps at a time."""
+    """A launch: NWN warps along N of TPW 16-row tiles each and NWK warps along K per block, CL blocks along K in a
+    cluster, PF K steps of codes in flight per warp, x copied to shared memory CH steps at a time."""
     nwn: int
     nwk: int
     cl: int
     pf: int
     ch: int = 2
+    tpw: int = 1
+
+    @property
+    def rows(self) -> int:
+        """N rows per block (and per cluster)."""
+        return 16 * self.nwn * self.tpw
 
     def steps(self, k: int) -> int:
         return k // (64 * self.nwk * self.cl)
 
     def fits(self, n: int, k: int, m: int) -> bool:
         steps = self.steps(k)
-        return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % (16 * self.nwn) == 0
-                and (16 * self.nwn) % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
+        return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % self.rows == 0
+                and self.rows % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
+                and self.tpw in (1, 2)
                 and 1 <= m <= MAX_ROWS and self.shared_bytes(k, m) <= SHARED_LIMIT)
 
     def shared_bytes(self, k: int, m: int) -> int:
         rows = 8 * m_tiles(m)
-        return self.nwk * rows * (self.steps(k) * 64 + 16) * 2 + self.nwk * rows * 16 * self.nwn * 4
+        return self.nwk * rows * (self.steps(k) * 64 + 16) * 2 + self.nwk * rows * self.rows * 4
 
     def defines(self, k: int, m: int, float32_scales: bool) -> dict[str, int]:
         steps = self.steps(k)
-        return dict(NWN=self.nwn, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m), PF=min(self.pf, steps),
-                    CH=min(self.ch, steps), SF32=int(float32_scales))
+        return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
+                    PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales))
 
 
 def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
@@ -232,12 +239,21 @@ def compiled(defines: tuple[tuple[str, int], ...], device_index: int) -> Compile
 
 def w4a16_cuda_linear(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: torch.Tensor, tile: CudaTile,
                       pdl: bool = True) -> torch.Tensor:
-    """out [M, n] (bf16, contiguous) = x [M, k] @ W^T on the CUDA kernel; the caller checked the formats."""
+    """out [M, n] (bf16, contiguous) = x [M, k] @ W^T on the CUDA kernel, after checking that the tile fits and x's
+    format."""
     m = x.shape[0]
     if not tile.fits(n, k, m):
         raise CudaKernelError(f"w4a16_cuda: tile {tile} does not fit K={k} N={n} M={m}")
     if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
         raise CudaKernelError(f"w4a16_cuda: x must be contiguous 16-byte aligned bf16, got {x.dtype}")
+    return w4a16_cuda_launch(x, weight, n, k, out, tile, pdl)
+
+
+def w4a16_cuda_launch(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: torch.Tensor, tile: CudaTile,
+                      pdl: bool = True) -> torch.Tensor:
+    """w4a16_cuda_linear without its checks, for a caller that made them (w4a16.cuda_tile: a few µs of Python less
+    per call)."""
+    m = x.shape[0]
     defines = tile.defines(k, m, weight.scales.dtype == torch.float32)
     kernel = compiled(tuple(defines.items()), x.device.index)
     make_current(x.device.index)
@@ -253,7 +269,7 @@ def w4a16_cuda_linear(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: t
         attrs[n_attrs].id = _PROGRAMMATIC_STREAM_SERIALIZATION
         attrs[n_attrs].value[0] = 1
         n_attrs += 1
-    config = _LaunchConfig((ctypes.c_uint * 3)(tile.cl, n // (16 * tile.nwn), 1),
+    config = _LaunchConfig((ctypes.c_uint * 3)(tile.cl, n // tile.rows, 1),
                            (ctypes.c_uint * 3)(32 * tile.nwn * tile.nwk, 1, 1), shared,
                            torch.cuda.current_stream(x.device).cuda_stream, attrs, n_attrs)
     args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(weight.codes.data_ptr()),
