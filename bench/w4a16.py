@@ -173,12 +173,13 @@ def install_configs(dense, moe, dense_shapes=None) -> None:
     """Replace the kernels' per-M config tables (in this process) with the given ones; dense_shapes: {"KxN": per-M
     table}, the per-shape tables (DENSE_SHAPE_CONFIGS) in place of the committed ones."""
     if dense:
-        DENSE_CONFIGS[:] = [(bound, cfg) for bound, cfg in dense]
+        DENSE_CONFIGS[:] = [(bound, config_from_json(cfg)) for bound, cfg in dense]
     if moe:
         MOE_CONFIGS[:] = [(bound, tuple(cfg)) for bound, cfg in moe]
     if dense_shapes is not None:
         DENSE_SHAPE_CONFIGS.clear()
-        DENSE_SHAPE_CONFIGS.update({tuple(map(int, key.split("x"))): [(bound, cfg) for bound, cfg in table]
+        DENSE_SHAPE_CONFIGS.update({tuple(map(int, key.split("x"))): [(bound, config_from_json(cfg))
+                                                                      for bound, cfg in table]
                                     for key, table in dense_shapes.items()})
 
 
@@ -504,9 +505,41 @@ def one_row(bn, bk, planes=True, groups=True, warps=4, split=0, wide=False):
                 num_warps=warps, num_stages=3, SPLIT_CTAS=split, **({"X_WIDE": True} if wide else {}))
 
 
-# the committed configs (the previous sweep's winners), timed beside the candidates as references
-OLD_DENSE = {m: dict(pick_config(DENSE_CONFIGS, m)) for m in MS}
-OLD_SHAPES = {shape: {m: dict(pick_config(table, m)) for m in MS} for shape, table in DENSE_SHAPE_CONFIGS.items()}
+CUDA_KEYS = ("CUDA", "CUDA_PDL")
+
+
+def triton_only(cfg: dict) -> dict:
+    """A config without the CUDA kernel's keys: what the Triton sweep times (its weights have no CUDA-order copy)."""
+    return {key: value for key, value in cfg.items() if key not in CUDA_KEYS}
+
+
+# the committed configs (the previous sweep's winners), timed beside the candidates as references; their CUDA keys
+# apart, put back into the swept tables by with_cuda_keys (the CUDA tiles are --cuda-sweep's)
+OLD_DENSE = {m: triton_only(pick_config(DENSE_CONFIGS, m)) for m in MS}
+OLD_SHAPES = {shape: {m: triton_only(pick_config(table, m)) for m in MS}
+              for shape, table in DENSE_SHAPE_CONFIGS.items()}
+OLD_CUDA = {shape: {m: {key: cfg[key] for key in CUDA_KEYS if key in cfg}
+                    for m in MS for cfg in [pick_config(table, m)]}
+            for shape, table in [(None, DENSE_CONFIGS), *DENSE_SHAPE_CONFIGS.items()]}
+
+
+def with_cuda_keys(table: list, shape: tuple[int, int] | None = None) -> list:
+    """A swept per-M table with the committed CUDA keys of each bound's M (the shape's own committed table, else the
+    generic one), so that installing it (--configs) keeps the CUDA kernel where the committed tables run it."""
+    old = OLD_CUDA.get(shape, OLD_CUDA[None])
+    return [[bound, {**triton_only(cfg), **old[min(bound, MS[-1])]}] for bound, cfg in table]
+
+
+def config_json(value):
+    """json.dumps's default for the tables: a CudaTile as {"CudaTile": its fields} (install_configs reads it back)."""
+    if isinstance(value, CudaTile):
+        return {"CudaTile": asdict(value)}
+    raise TypeError(f"not JSON serializable: {value!r}")
+
+
+def config_from_json(cfg: dict) -> dict:
+    cuda = cfg.get("CUDA")
+    return dict(cfg, CUDA=CudaTile(**cuda["CudaTile"])) if isinstance(cuda, dict) else cfg
 # a shape's own winner goes into its table (DENSE_SHAPE_CONFIGS) where it beats the winner summed over the shapes by
 # this much on that shape
 SHAPE_GAIN = 0.05
@@ -693,8 +726,9 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
                 f"{times[i]:.1f} us" + (f", committed {committed[0]:.1f} us" if committed else ""))
             gained = own[1][i] < (1 - SHAPE_GAIN) * times[i]
             shape_best[shape].append((bound, own[2] if gained else cfg, gained))
-    dense_shape_table = {f"{k}x{n}": [[bound, cfg] for bound, cfg, _ in best] for (k, n), best in shape_best.items()
-                         if any(gain for *_, gain in best)}
+    dense_shape_table = {f"{k}x{n}": with_cuda_keys([[bound, cfg] for bound, cfg, _ in best], (k, n))
+                         for (k, n), best in shape_best.items() if any(gain for *_, gain in best)}
+    dense_table = with_cuda_keys(dense_table)
     del weights
     moe_table = []
 
@@ -754,9 +788,10 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
     return out
 
 
-def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> list[dict]:
+def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> tuple[list[dict], list[dict]]:
     """Every CUDA tile on the three K2 shapes at each of `ms` (NVRTC compiles in threads first), timed as time_dense
-    times, checked against float64; logs the best per M and per M bucket (summed over the bucket's M)."""
+    times, checked against float64; logs the best per M beside the anchors timed in the same run (the committed
+    tables' call, whichever kernel they pick, and bf16 cuBLAS), and the best per M bucket (summed over its M)."""
     major, minor = torch.cuda.get_device_capability(device)
     source = w4a16_cuda.SOURCE.read_text()
     variants = {tuple(t.defines(k, m, False).items()) for k, n in DENSE_SHAPES for m in ms
@@ -768,14 +803,22 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> list[dict]:
     for defines, cubin in cubins.items():
         w4a16_cuda.load(defines, device.index, cubin)
     log(f"cuda sweep: {len(cubins)} variants compiled in {time.perf_counter() - t0:.0f} s")
-    rows = []
+    rows, anchors = [], []
     for k, n in DENSE_SHAPES:
         weights, _ = dense_weights(device, k, n, "bench dense")
         w64 = weights[0].dequantize().double()
+        w_bf16 = [w.dequantize().to(torch.bfloat16) for w in weights[:copies_for(n * k * 2)]]
         for m in ms:
             xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in weights]
             outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in weights]
             ref = xs[0].double() @ w64.T
+            entry = pick_config(dense_configs(k, n, torch.bfloat16), m)
+            anchor = dict(k=k, n=n, m=m, kernel="CUDA" if cuda_tile(entry, weights[0], xs[0]) else "Triton",
+                          committed_us=graph_time_us([lambda x=x, w=w, o=o: w4a16_linear(x, w, out=o)
+                                                      for x, w, o in zip(xs, weights, outs)]),
+                          bf16_us=graph_time_us([lambda x=x, w=w: torch.nn.functional.linear(x, w)
+                                                 for x, w in zip(xs, w_bf16)]))
+            anchors.append(anchor)
             for tile in cuda_candidates(n, k, m):
                 out = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
                 w4a16_cuda.w4a16_cuda_linear(xs[0], weights[0].cuda, n, k, out, tile)
@@ -785,9 +828,10 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> list[dict]:
             here = [r for r in rows if (r["k"], r["n"], r["m"]) == (k, n, m)]
             best = min(here, key=lambda r: r["us"])
             one = min((r["us"] for r in here if r["tile"]["tpw"] == 1), default=float("nan"))
-            log(f"cuda sweep {k}->{n} M={m}: best {best['us']:.2f} us {best['tile']} (rel err {best['rel_err']:.1e}); "
-                f"best of one tile per warp {one:.2f} us")
-        del weights
+            log(f"cuda sweep {k}->{n} M={m}: best {best['us']:.2f} us {best['tile']} (rel err {best['rel_err']:.1e}, "
+                f"{anchor['bf16_us'] / best['us']:.2f}x bf16); best of one tile per warp {one:.2f} us; committed "
+                f"{anchor['kernel']} {anchor['committed_us']:.2f} us; bf16 {anchor['bf16_us']:.2f} us")
+        del weights, w_bf16
         torch.cuda.empty_cache()
     for k, n in DENSE_SHAPES:
         for bucket in ((1,), (2,), (2, 4), (4, 8), (8,), (8, 16), (16,), (32,), (64,)):
@@ -801,7 +845,7 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> list[dict]:
                 log(f"cuda sweep {k}->{n} M in {bucket}: {whole[tile]:.2f} us summed, {tile}")
     bad = [r for r in rows if not r["rel_err"] <= verify.TOLERANCE[torch.bfloat16]]
     log(f"cuda sweep: {len(rows)} timings, {len(bad)} over the bf16 tolerance")
-    return rows
+    return rows, anchors
 
 
 def markdown(dense, moe, copy, correctness) -> str:
@@ -949,8 +993,8 @@ def main() -> None:
         trip_scan(torch.device("cuda:0"), log)
         return
     if args.cuda_sweep:
-        rows = cuda_sweep(torch.device("cuda:0"), log, args.ms)
-        (args.out / "cuda_sweep.json").write_text(json.dumps(rows, indent=1))
+        rows, anchors = cuda_sweep(torch.device("cuda:0"), log, args.ms)
+        (args.out / "cuda_sweep.json").write_text(json.dumps({"tiles": rows, "anchors": anchors}, indent=1))
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"
     pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))
@@ -974,7 +1018,8 @@ def main() -> None:
                 tables = [sweep["dense_table"], sweep["moe_table"], sweep["dense_shape_table"]]
                 install_configs(*tables)
                 (args.out / "configs.json").write_text(json.dumps(
-                    {"dense_table": tables[0], "moe_table": tables[1], "dense_shape_table": tables[2]}, indent=1))
+                    {"dense_table": tables[0], "moe_table": tables[1], "dense_shape_table": tables[2]}, indent=1,
+                    default=config_json))
                 log(f"sweep took {time.perf_counter() - t0:.0f} s")
     correctness_async = None
     jobs = [(*job, tables) for job in correctness_jobs(args.smoke)]

@@ -1,0 +1,84 @@
+"""bench/w4a16.py's Triton sweep beside the CUDA kernel's keys: what it times, and the tables it writes."""
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import bench_module
+
+from k2vec.engines.gpu_triton.kernels import configs
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return bench_module("w4a16")
+
+
+@pytest.fixture
+def committed_tables():
+    """install_configs replaces the kernels' tables in this process: put the committed ones back afterwards."""
+    saved = (list(configs.DENSE_CONFIGS), dict(configs.DENSE_SHAPE_CONFIGS), list(configs.MOE_CONFIGS))
+    yield
+    configs.DENSE_CONFIGS[:] = saved[0]
+    configs.DENSE_SHAPE_CONFIGS.clear()
+    configs.DENSE_SHAPE_CONFIGS.update(saved[1])
+    configs.MOE_CONFIGS[:] = saved[2]
+
+
+def test_sweep_candidates_are_triton_configs_json_can_hold(bench):
+    """The committed tables carry CudaTiles; the Triton sweep's candidates (json.dumps'd to tell them apart) must
+    not (its weights have no CUDA-order copy, so the key would be ignored, and a CudaTile is no JSON)."""
+    for m in bench.MS:
+        candidates = bench.dense_candidates(m)
+        assert candidates, m
+        for cfg in candidates:
+            assert not set(cfg) & set(bench.CUDA_KEYS), (m, cfg)
+            json.dumps(cfg)
+    assert bench.warm_jobs(moe=False)
+
+
+@dataclass(frozen=True)
+class CarryCase:
+    name: str
+    shape: tuple[int, int] | None    # None: the generic table (DENSE_CONFIGS)
+    bound: int                       # a swept table's entry: M up to this
+
+
+CARRY_CASES = [
+    CarryCase("7168->2048 at M <= 1: the CUDA tile of its own table", (7168, 2048), 1),
+    CarryCase("7168->2048 at M <= 16", (7168, 2048), 16),
+    CarryCase("2048->7168 at M <= 8: two tiles per warp", (2048, 7168), 8),
+    CarryCase("2048->7168 at M <= 1: Triton's GEMV, no CUDA key", (2048, 7168), 1),
+    CarryCase("the last bound (any M): as the committed M = 64", (7168, 4096), 1 << 62),
+    CarryCase("the generic table at M <= 4: the fit rule", None, 4),
+    CarryCase("a shape without a table of its own: the generic one's keys", (1024, 512), 16),
+]
+
+
+@pytest.mark.parametrize("case", CARRY_CASES, ids=lambda c: c.name)
+def test_swept_tables_keep_the_committed_cuda_keys(bench, case):
+    committed_table = configs.DENSE_SHAPE_CONFIGS.get(case.shape, configs.DENSE_CONFIGS)
+    committed = configs.pick_config(committed_table, min(case.bound, 64))
+    swept = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "MMA_ORDER": True, "CUDA": CudaTile(8, 8, 8, 8)}
+    [[bound, cfg]] = bench.with_cuda_keys([[case.bound, swept]], case.shape)
+    assert bound == case.bound
+    assert {k: v for k, v in cfg.items() if k not in bench.CUDA_KEYS} == bench.triton_only(swept)
+    assert cfg.get("CUDA") == committed.get("CUDA")     # the stray tile of the swept entry is gone
+    assert cfg.get("CUDA_PDL") == committed.get("CUDA_PDL")
+
+
+def test_configs_json_round_trip_keeps_the_cuda_tiles(bench, committed_tables):
+    """A sweep's configs.json, installed again by --configs, runs the CUDA kernel where the committed tables did."""
+    shapes = {f"{k}x{n}": [[bound, cfg] for bound, cfg in table]
+              for (k, n), table in configs.DENSE_SHAPE_CONFIGS.items()}
+    dense = [[bound, cfg] for bound, cfg in configs.DENSE_CONFIGS]
+    text = json.dumps({"dense_table": dense, "dense_shape_table": shapes}, default=bench.config_json)
+    before = {shape: list(table) for shape, table in configs.DENSE_SHAPE_CONFIGS.items()}
+    generic = list(configs.DENSE_CONFIGS)
+    saved = json.loads(text)
+    bench.install_configs(saved["dense_table"], None, saved["dense_shape_table"])
+    assert configs.DENSE_SHAPE_CONFIGS == before
+    assert configs.DENSE_CONFIGS == generic
+    tiles = [cfg["CUDA"] for table in before.values() for _, cfg in table if isinstance(cfg.get("CUDA"), CudaTile)]
+    assert any(tile.tpw == 2 for tile in tiles)    # every field survives, not only the positional ones
