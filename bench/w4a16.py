@@ -11,11 +11,13 @@ One call does everything (device time is scarce):
     torch int4 weight-only matmul, a plain read of the same number of bytes, a device-to-device copy.
     Every timing is a CUDA graph of R calls over R different weight copies / routings (>= 4x L2 in total, so
     each call reads cold), median of replays, divided by R;
-  * --sweep: tile configs per M bucket (compiled ahead by the pool, timed on GPU 0).
+  * --sweep: Triton tile configs per M bucket (compiled ahead by the pool, timed on GPU 0); the tables it writes
+    keep the committed CUDA keys (the CUDA tiles are --cuda-sweep's).
 
     python3 bench/w4a16.py --out DIR [--sweep] [--skip-correctness]
     python3 bench/w4a16.py --out DIR --trips    # the dense tiles against K trips per program (split, stages)
-    python3 bench/w4a16.py --out DIR --cuda-sweep   # the CUDA kernel's tiles on the K2 shapes (configs.py's CUDA)
+    python3 bench/w4a16.py --out DIR --cuda-sweep [--ms 8,16]   # the CUDA kernel's tiles on the K2 shapes, beside
+                                                                  # the committed call and bf16 cuBLAS
     TRITON_INTERPRET=1 python bench/w4a16.py --out DIR --smoke     # CPU plumbing check on tiny shapes
 """
 from __future__ import annotations
