@@ -251,8 +251,8 @@ def w4a16_cuda_linear(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: t
 
 def w4a16_cuda_launch(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: torch.Tensor, tile: CudaTile,
                       pdl: bool = True) -> torch.Tensor:
-    """w4a16_cuda_linear without its checks, for a caller that made them (w4a16.cuda_tile: a few µs of Python less
-    per call)."""
+    """w4a16_cuda_linear without its checks, for a caller that made them (w4a16.cuda_tile), so that a call does not
+    make them twice."""
     m = x.shape[0]
     defines = tile.defines(k, m, weight.scales.dtype == torch.float32)
     kernel = compiled(tuple(defines.items()), x.device.index)
