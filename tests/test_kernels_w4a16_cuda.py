@@ -131,6 +131,35 @@ def test_m_tiles_and_defines():
     assert CudaTile(2, 4, 2, 4, tpw=2).rows == 64
 
 
+@dataclass(frozen=True)
+class RefusalCase:
+    name: str
+    x: torch.Tensor
+    tile: CudaTile
+    says: str       # what the error names
+
+
+REFUSALS = [
+    RefusalCase("a tile whose cluster does not split K", torch.zeros(2, 1024, dtype=torch.bfloat16),
+                CudaTile(1, 4, 8, 8), "does not fit K=1024 N=64 M=2"),
+    RefusalCase("65 rows of x", torch.zeros(65, 1024, dtype=torch.bfloat16), CudaTile(1, 4, 1, 8), "M=65"),
+    RefusalCase("float16 x", torch.zeros(2, 1024, dtype=torch.float16), CudaTile(1, 4, 1, 8), "torch.float16"),
+    RefusalCase("x not contiguous", torch.zeros(1024, 2, dtype=torch.bfloat16).T, CudaTile(1, 4, 1, 8), "contiguous"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=lambda c: c.name)
+def test_cuda_linear_refuses_before_launching(case):
+    """w4a16_cuda_linear checks the call before it reaches the driver (this runs without a GPU): an error naming what
+    is wrong, in the project's error tree."""
+    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaKernelError, w4a16_cuda_linear
+    from k2vec.errors import K2VecError
+    weight = CudaOrder(torch.zeros(4, 16, 32, 4, dtype=torch.int32), torch.zeros(4, 16, 8, 2, dtype=torch.int32))
+    with pytest.raises(CudaKernelError, match=case.says) as raised:
+        w4a16_cuda_linear(case.x, weight, 64, 1024, torch.empty(case.x.shape[0], 64, dtype=torch.bfloat16), case.tile)
+    assert isinstance(raised.value, K2VecError)
+
+
 # ---------------------------------------------------------------- on a GPU
 
 @dataclass(frozen=True)
