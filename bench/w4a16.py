@@ -319,7 +319,17 @@ def dense_weights(device, k: int, n: int, name: str) -> tuple[list, int]:
                     for _ in range(copies_for(nbytes) - 1)], nbytes
 
 
-def time_dense(device, log, configs=None) -> list[dict]:
+def committed_us(xs, weights, outs) -> float:
+    """µs per call of w4a16_linear on the committed tables (whichever kernel they pick)."""
+    return graph_time_us([lambda x=x, w=w, o=o: w4a16_linear(x, w, out=o) for x, w, o in zip(xs, weights, outs)])
+
+
+def bf16_us(xs, w_bf16) -> float:
+    """µs per call of the bf16 anchor: torch's linear (cuBLAS) on the same shape, over copies read cold."""
+    return graph_time_us([lambda x=x, w=w: torch.nn.functional.linear(x, w) for x, w in zip(xs, w_bf16)])
+
+
+def time_dense(device, log) -> list[dict]:
     rows = []
     for k, n in DENSE_SHAPES:
         weights, nbytes = dense_weights(device, k, n, "bench dense")
@@ -329,14 +339,11 @@ def time_dense(device, log, configs=None) -> list[dict]:
         for m in MS:
             xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(r)]
             outs = [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _ in range(r)]
-            cfg = None
-            ours = graph_time_us([lambda x=x, w=w, o=o: w4a16_linear(x, w, out=o, config=cfg)
-                                  for x, w, o in zip(xs, weights, outs)])
-            bf16 = graph_time_us([lambda x=x, w=w: torch.nn.functional.linear(x, w)
-                                  for x, w in zip(xs, w_bf16)])
+            ours = committed_us(xs, weights, outs)
+            bf16 = bf16_us(xs, w_bf16)
             int4_calls = torch_int4_calls(xs, weights, 32)
             int4 = graph_time_us(int4_calls) if int4_calls else None
-            entry = cfg or pick_config(dense_configs(k, n, torch.bfloat16), m)
+            entry = pick_config(dense_configs(k, n, torch.bfloat16), m)
             row = dict(k=k, n=n, m=m, ours_us=ours, bf16_us=bf16, torch_int4_us=int4, read_us=read,
                        weight_bytes=nbytes, gbps=nbytes / ours / 1e3, read_frac=read / ours,
                        speedup_bf16=bf16 / ours, speedup_int4=(int4 / ours) if int4 else None,
@@ -515,13 +522,16 @@ def triton_only(cfg: dict) -> dict:
     return {key: value for key, value in cfg.items() if key not in CUDA_KEYS}
 
 
+def cuda_keys(cfg: dict) -> dict:
+    return {key: cfg[key] for key in CUDA_KEYS if key in cfg}
+
+
 # the committed configs (the previous sweep's winners), timed beside the candidates as references; their CUDA keys
 # apart, put back into the swept tables by with_cuda_keys (the CUDA tiles are --cuda-sweep's)
 OLD_DENSE = {m: triton_only(pick_config(DENSE_CONFIGS, m)) for m in MS}
 OLD_SHAPES = {shape: {m: triton_only(pick_config(table, m)) for m in MS}
               for shape, table in DENSE_SHAPE_CONFIGS.items()}
-OLD_CUDA = {shape: {m: {key: cfg[key] for key in CUDA_KEYS if key in cfg}
-                    for m in MS for cfg in [pick_config(table, m)]}
+OLD_CUDA = {shape: {m: cuda_keys(pick_config(table, m)) for m in MS}
             for shape, table in [(None, DENSE_CONFIGS), *DENSE_SHAPE_CONFIGS.items()]}
 
 
@@ -542,6 +552,8 @@ def config_json(value):
 def config_from_json(cfg: dict) -> dict:
     cuda = cfg.get("CUDA")
     return dict(cfg, CUDA=CudaTile(**cuda["CudaTile"])) if isinstance(cuda, dict) else cfg
+
+
 # a shape's own winner goes into its table (DENSE_SHAPE_CONFIGS) where it beats the winner summed over the shapes by
 # this much on that shape
 SHAPE_GAIN = 0.05
@@ -816,10 +828,7 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> tuple[list[dict], list[
             ref = xs[0].double() @ w64.T
             entry = pick_config(dense_configs(k, n, torch.bfloat16), m)
             anchor = dict(k=k, n=n, m=m, kernel="CUDA" if cuda_tile(entry, weights[0], xs[0]) else "Triton",
-                          committed_us=graph_time_us([lambda x=x, w=w, o=o: w4a16_linear(x, w, out=o)
-                                                      for x, w, o in zip(xs, weights, outs)]),
-                          bf16_us=graph_time_us([lambda x=x, w=w: torch.nn.functional.linear(x, w)
-                                                 for x, w in zip(xs, w_bf16)]))
+                          committed_us=committed_us(xs, weights, outs), bf16_us=bf16_us(xs, w_bf16))
             anchors.append(anchor)
             for tile in cuda_candidates(n, k, m):
                 out = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
