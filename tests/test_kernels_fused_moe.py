@@ -75,8 +75,9 @@ CPU_GRID = ([(1, g, sd, "float32", "one-row") for g in GROUPS for sd in SCALES]
             + [(m, 64, "bfloat16", "float32", path) for m, path in ((3, "one-row-interleaved"),
                                                                     (16, "sorted-interleaved"))]
             + [(3, 32, "bfloat16", act, "one-pair-tc") for act in ("float32", "float16")])
-# one (M, activation) per split path (the interpreter takes ~10 s for each at M = 3): three tokens where pairs
-# share experts matters (the expert-sorted paths, the down launch summing top-k rows), one token elsewhere
+# one (M, activation) per split path (the interpreter's time per path at M = 3 is two to four times M = 1's:
+# bench/RESULTS.md, session 25): three tokens where pairs share experts matters (the expert-sorted paths, the down
+# launch summing top-k rows), one token elsewhere
 SPLIT_AT = {"one-pair-tc-split": (1, "float32"), "one-row-split": (1, "float32"), "sorted-split": (3, "float16"),
             "one-pair-tc-combine": (1, "float32"), "one-row-combine": (3, "float16"),
             "one-pair-tc-gu-split": (3, "float16"), "sorted-gu": (3, "float16"), "one-row-prefetch-gu": (1, "float32"),

@@ -99,7 +99,7 @@ def test_sanitized_build_runs_the_default_bundles_clean(pipeline, tmp_path, case
     only (tree masks, node positions and KV compaction all happen there; larger trees only cost time)."""
     root, _ = pipeline
     # -O1 with assertions kept, as the sanitizers' documentation advises: the runs take a third of their unoptimised
-    # time (DDTree's 11 s against 35 s per bundle on the 2-core VM) for 20 s more of build
+    # time for a longer build, the whole test less (bench/RESULTS.md, session 25)
     binary = build(tmp_path / "asan", "-DK2VEC_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug",
                    "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g")
     env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1", "UBSAN_OPTIONS": "halt_on_error=1"}
