@@ -44,6 +44,7 @@ import triton.language as tl  # noqa: E402
 from k2vec.engines.gpu_triton.kernels import fused_moe, pack_for_gpu, w4a16_linear  # noqa: E402
 from k2vec.engines.gpu_triton.kernels import verify  # noqa: E402
 from k2vec.engines.gpu_triton.kernels.configs import (  # noqa: E402
+    CUDA_KEYS,
     DENSE_CONFIGS,
     DENSE_SHAPE_CONFIGS,
     MOE_CONFIGS,
@@ -512,9 +513,6 @@ def pdl_chain_check(device, log, layer) -> list[dict]:
 def one_row(bn, bk, planes=True, groups=True, warps=4, split=0, wide=False):
     return dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, X_PLANES=planes and not wide, SCALE_GROUPS=groups,
                 num_warps=warps, num_stages=3, SPLIT_CTAS=split, **({"X_WIDE": True} if wide else {}))
-
-
-CUDA_KEYS = ("CUDA", "CUDA_PDL")
 
 
 def triton_only(cfg: dict) -> dict:

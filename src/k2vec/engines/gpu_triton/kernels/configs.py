@@ -143,6 +143,7 @@ CONFIG_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "BLOCK_K", "X_PLANES", "X_WIDE", 
                          "CODES_ASM", "BIASED_CODES", "MMA_ORDER", "PDL", "num_warps", "num_stages", "maxnreg",
                          "SPLIT_K", "SPLIT_CTAS", "SPLIT_FIT", "SPLIT_REDUCE", "SORTED", "SPLIT_GU",
                          "COMBINE", "CUDA", "CUDA_PDL"})
+CUDA_KEYS = ("CUDA", "CUDA_PDL")    # the CUDA kernel's part of an entry (w4a16.cuda_tile); the rest is Triton's
 
 
 def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> dict:
@@ -156,8 +157,8 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "PREFETCH": False,
            "CODES_ASM": False, "BIASED_CODES": False, "MMA_ORDER": False, "PDL": False, "SPLIT_REDUCE": False,
            **config}
-    cfg.pop("CUDA", None)   # the CUDA kernel's tile (cuda_tile); what remains is the Triton launch in its stead
-    cfg.pop("CUDA_PDL", None)
+    for key in CUDA_KEYS:   # what remains is the Triton launch in the CUDA kernel's stead
+        cfg.pop(key, None)
     if cfg["MMA_ORDER"]:    # tensor cores on the MMA-order words, x as it is, one 128-element block per step
         if cfg["BLOCK_M"] < 2 or cfg["PREFETCH"] or cfg.get("BLOCK_K", 128) != 128:
             raise ValueError(f"MMA_ORDER is a tensor-core tile of BLOCK_K 128 without PREFETCH, got {config}")
