@@ -1,12 +1,15 @@
 """k2vec.pipeline.code_digest: the code a stage declares (import closure) and the digest of its meaning."""
 import json
+import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from k2vec.pipeline.code_digest import PACKAGE_DIR, code_digest, module_sources
+from k2vec.pipeline.code_digest import PACKAGE_DIR, code_digest, module_sources, with_imports
 
 MODULE = '''"""A module docstring."""
 import os
@@ -94,3 +97,95 @@ def test_declared_code_covers_what_importing_the_stage_loads(modules, without):
     assert loaded <= _names(module_sources(*modules, without=without))
     if without:
         assert "k2vec/model/int4.py" not in loaded
+
+
+# ------------------------------------------------------------------ files a module reads beside itself
+
+@dataclass(frozen=True)
+class DataCase:
+    name: str
+    line: str
+    found: bool
+
+
+DATA_CASES = [
+    DataCase("with_name, a literal", 'SOURCE = Path(__file__).with_name("kernel.cu")', True),
+    DataCase("parent / a literal", 'SCHEMA = Path(__file__).parent / "kernel.cu"', True),
+    DataCase("inside a function", 'def f():\n    return Path(__file__).with_name("kernel.cu").read_text()', True),
+    DataCase("a name, not a literal", 'NAME = "kernel.cu"\nSOURCE = Path(__file__).with_name(NAME)', False),
+    DataCase("another path's neighbour", 'SOURCE = Path("/elsewhere/x.py").with_name("kernel.cu")', False),
+    DataCase("a named file that is not there", 'SOURCE = Path(__file__).with_name("missing.cu")', False),
+]
+
+
+@pytest.mark.parametrize("case", DATA_CASES, ids=[c.name for c in DATA_CASES])
+def test_data_files_a_module_names(tmp_path, case):
+    from k2vec.pipeline.code_digest import _data_files
+    (tmp_path / "kernel.cu").write_text("// a kernel\n")
+    module = tmp_path / "m.py"
+    module.write_text(f"from pathlib import Path\n{case.line}\n")
+    assert _data_files(module) == ([str(tmp_path / "kernel.cu")] if case.found else [])
+
+
+def _package_files():
+    return {p for p in PACKAGE_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+            and not p.name.startswith(".")}
+
+
+def test_every_data_file_of_the_package_is_read_by_a_module():
+    """A file in the package that no module names beside itself (Path(__file__).with_name) would be in no stage's or
+    engine's code: an edit of it would rerun nothing."""
+    modules = [".".join(p.relative_to(PACKAGE_DIR.parent).with_suffix("").parts).removesuffix(".__init__")
+               for p in _package_files() if p.suffix == ".py"]
+    data = {p for p in _package_files() if p.suffix != ".py"}
+    assert data, "the package ships data files (a CUDA kernel, a schema)"
+    assert data <= {Path(p) for p in module_sources(*modules)}
+
+
+def test_the_runner_s_code_covers_the_result_schema():
+    assert PACKAGE_DIR / "engines/contract/result.schema.json" in {Path(p) for p in module_sources(
+        "k2vec.engines.runner")}
+
+
+def _shipped_python_engines():
+    import yaml
+    from k2vec.config.engines import source_glob
+    config = yaml.safe_load((PACKAGE_DIR.parents[1] / "config.yaml").read_text())
+    out = {}
+    for name, entry in config["engines"].items():
+        m = re.search(r"-m (k2vec\.engines\.[\w.]+)", entry["command"])
+        if m:
+            files = [f for pattern in entry["sources"]
+                     for f in source_glob(pattern, str(PACKAGE_DIR.parents[1]), f"engines.{name}.sources")]
+            out[name] = (m.group(1), [f for f in files if f.endswith(".py")])
+    return out
+
+
+PYTHON_ENGINES = _shipped_python_engines()
+
+
+@pytest.mark.parametrize("engine", sorted(PYTHON_ENGINES))
+def test_an_engine_s_code_covers_what_its_module_runs(engine):
+    """What an engine's runs are rerun by (common.smk engine_code: its Python sources with_imports) holds every
+    package file its module imports or reads: the GPU engines' CUDA kernel source among them."""
+    module, python = PYTHON_ENGINES[engine]
+    main = module if module.endswith("_engine") else f"{module}.__main__"
+    covered = {Path(p) for p in with_imports(python)}
+    assert {Path(p) for p in module_sources(main)} <= covered
+    if module == "k2vec.engines.gpu_triton":
+        assert PACKAGE_DIR / "engines/gpu_triton/kernels/w4a16_cuda.cu" in covered
+
+
+@pytest.mark.parametrize("engine, needs", [("numpy", ()), ("gpu_bf16", ("torch", "triton"))])
+def test_importing_an_engine_loads_nothing_its_code_leaves_out(engine, needs):
+    for name in needs:
+        pytest.importorskip(name)
+    module, python = PYTHON_ENGINES[engine]
+    main = module if module.endswith("_engine") else f"{module}.__main__"
+    code = ("import importlib, json, sys\n"
+            f"importlib.import_module({main!r})\n"
+            "print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items()"
+            " if n.split('.')[0] == 'k2vec' and getattr(m, '__file__', None))))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)})
+    assert _names(json.loads(res.stdout)) <= _names(with_imports(python))

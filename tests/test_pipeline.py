@@ -383,7 +383,9 @@ def fake_engines(record_dir, kernel):
     # unsandboxed: they record where and when they ran in `record_dir`, outside their scratch
     one = {"models": ["tiny"], "precisions": ["fp32"], "modes": ["greedy"], "sandbox": False}
     return {
-        "fakegpu": {"command": cmd.replace("{behaviour}", "ok"), "gpus": 1, "sources": [str(kernel)], "sandbox": False,
+        # and a package module that compiles the file beside it at run time (test_package_kernel_edit_reruns_...)
+        "fakegpu": {"command": cmd.replace("{behaviour}", "ok"), "gpus": 1, "sandbox": False,
+                    "sources": [str(kernel), "src/k2vec/engines/gpu_triton/kernels/w4a16_cuda.py"],
                     "build": f"echo compiling {kernel.name} && test -s {kernel}"},
         "crash": {"command": cmd.replace("{behaviour}", "crash"), **one},
         "hang": {"command": cmd.replace("{behaviour}", "hang"), "timeout_s": 2, **one},
@@ -454,6 +456,24 @@ def test_kernel_edit_reruns_only_that_engine(fake_run):
                    if line.strip().startswith("output: results/runs/"))
     finally:
         kernel.write_text(original)
+
+
+def test_package_kernel_edit_reruns_the_engine_whose_module_compiles_it(fake_run):
+    """fakegpu names w4a16_cuda.py, which compiles w4a16_cuda.cu beside it at run time: editing the .cu reruns
+    fakegpu's build and runs (common.smk engine_code, code_digest.with_imports) and no other engine's."""
+    root, env, cfg, _, _ = fake_run
+    cuda = root / "src/k2vec/engines/gpu_triton/kernels/w4a16_cuda.cu"
+    original = cuda.read_text()
+    try:
+        cuda.write_text(original + "// faster now\n")
+        res = snakemake("-n", "--configfile", str(cfg), "--replace-workflow-config", snakefile=root / "Snakefile",
+                        cwd=root, env=env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert scheduled_jobs(res.stdout) == {"engine_build": 1, "engine_run": 24, "report": 1, "all": 1}
+        assert all("results/runs/fakegpu/" in line for line in res.stdout.splitlines()
+                   if line.strip().startswith("output: results/runs/"))
+    finally:
+        cuda.write_text(original)
 
 
 def test_build_step_ran_once_and_stamped_the_sources(fake_run):

@@ -10,7 +10,7 @@ from snakemake.exceptions import WorkflowError
 from k2vec.config.check_cache import validate_config
 from k2vec.config.resources import check_config
 from k2vec.config.imports import source_files
-from k2vec.pipeline.code_digest import DigestCache, module_sources, script_modules
+from k2vec.pipeline.code_digest import DigestCache, module_sources, script_modules, with_imports
 from k2vec.errors import ConfigError
 from k2vec.engines.gpus import device_pool
 from k2vec.engines.isolation import sandbox_problem
@@ -296,12 +296,14 @@ def engine_sources(engine):
 
 
 def engine_code(script, *modules, engine=None):
-    """stage_code per {engine} (or for `engine`), with the meaning of the engine's own Python sources."""
+    """stage_code per {engine} (or for `engine`), with the meaning of the engine's own Python sources and, for those
+    in the package, of what they import and read (code_digest.with_imports: a shipped engine's kernels)."""
 
     def digest(wildcards):
         name = engine or wildcards.engine
         python = [p for p in ENGINES[name]["source_files"] if p.endswith(".py")]
-        return cached_code("engine", lambda: [*stage_files(script, *modules), *python], script, modules, python)
+        return cached_code("engine", lambda: [*stage_files(script, *modules), *with_imports(python)], script,
+                           modules, python)
 
     return digest
 

@@ -4,6 +4,9 @@ Snakemake tracks a rule's `script:` (by mtime) but not the modules that script i
 therefore declares the package files reachable by import from the modules it calls; this module finds
 them by reading the import statements (no import is executed), so the lists never go stale.
 
+A module's code also covers the files it reads beside itself by name (`Path(__file__).with_name("w4a16_cuda.cu")`:
+a kernel source compiled at run time, a schema checked against), so an edit of one reruns what runs the module.
+
 Rules declare that code by `code_digest`, a `params:` value: a hash of each file's syntax tree without
 comments, formatting or docstrings. An edit that changes none of those reruns nothing; any other edit
 changes the digest of exactly the stages that execute the file (Snakemake's params trigger).
@@ -124,9 +127,41 @@ def _read_imports(path: Path) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(eager_modules), frozenset(_package_modules(deferred) - eager_modules)
 
 
+def _data_files(path: Path) -> list[str]:
+    """The files beside the module at `path` that it names (see _read_data_names) and that exist."""
+    names = _memo(path, "data", lambda: _read_data_names(path))
+    return [str(path.with_name(n)) for n in names if path.with_name(n).is_file()]
+
+
+def _is_module_file(node: ast.AST) -> bool:
+    """`Path(__file__)`."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Path"
+            and len(node.args) == 1 and isinstance(node.args[0], ast.Name) and node.args[0].id == "__file__")
+
+
+def _read_data_names(path: Path) -> list[str]:
+    """Files the module reads beside itself, named as `Path(__file__).with_name("name")` or
+    `Path(__file__).parent / "name"`."""
+    tree = _parsed(path)[1]
+    names = set()
+    for node in ast.walk(tree) if tree is not None else ():
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "with_name"
+                and _is_module_file(node.func.value) and len(node.args) == 1):
+            name = node.args[0]
+        elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.left, ast.Attribute)
+              and node.left.attr == "parent" and _is_module_file(node.left.value)):
+            name = node.right
+        else:
+            continue
+        if isinstance(name, ast.Constant) and isinstance(name.value, str):
+            names.add(name.value)
+    return sorted(names)
+
+
 @lru_cache(maxsize=None)
 def module_sources(*modules: str, without: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """Sorted paths of every package file that importing `modules` executes.
+    """Sorted paths of every package file that importing `modules` executes, and of the files those modules read
+    beside themselves by name (a kernel's CUDA source, a schema).
 
     `without`: modules the caller's code path never imports, such as the INT4 modules on the fp32 side.
     They must be imported only inside functions (deferred), never when a module loads; a module-level
@@ -148,7 +183,19 @@ def module_sources(*modules: str, without: tuple[str, ...] = ()) -> tuple[str, .
             raise ValueError(f"{path} imports {', '.join(loaded)} at module level, so every stage that runs "
                              f"{name} executes it: import it inside the function that needs it")
         todo.extend(m for m in (eager | deferred) - seen.keys() if not _excluded(m, without))
-    return tuple(sorted(str(p) for p in seen.values()))
+    data = {f for p in seen.values() for f in _data_files(p)}
+    return tuple(sorted({str(p) for p in seen.values()} | data))
+
+
+def with_imports(paths: list[str] | tuple[str, ...]) -> list[str]:
+    """`paths` and, for each that is a module of the package, what importing it executes or reads
+    (module_sources): an engine's declared Python sources stand for all the package code they run."""
+    modules = []
+    for p in paths:
+        path = Path(p).resolve()
+        if path.suffix == ".py" and path.is_relative_to(PACKAGE_DIR):
+            modules.append(_module_name(path))
+    return sorted({os.path.abspath(p) for p in paths} | set(module_sources(*sorted(modules))))
 
 
 def script_modules(path: str | Path) -> tuple[str, ...]:
@@ -214,7 +261,7 @@ class DigestCache:
     edited file is made again from the other files' kept results, parsing the edited file alone. A cache that
     cannot be read, or of another format, is ignored (and rewritten)."""
 
-    FORMAT = "k2vec-code-digests-2"
+    FORMAT = "k2vec-code-digests-3"   # 3: engines digest what their sources import and read
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
