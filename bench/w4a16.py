@@ -801,20 +801,21 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
 
 
 def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> tuple[list[dict], list[dict]]:
-    """Every CUDA tile on the three K2 shapes at each of `ms` (NVRTC compiles in threads first), timed as time_dense
-    times, checked against float64; logs the best per M beside the anchors timed in the same run (the committed
+    """Every CUDA tile on the three K2 shapes at each of `ms` (compiled in threads first, or loaded from the CUBIN
+    cache: w4a16_cuda.cached_cubin), timed as time_dense times, checked against float64; logs the best per M beside the anchors timed in the same run (the committed
     tables' call, whichever kernel they pick, and bf16 cuBLAS), and the best per M bucket (summed over its M)."""
     major, minor = torch.cuda.get_device_capability(device)
     source = w4a16_cuda.SOURCE.read_text()
     variants = {tuple(t.defines(k, m, False).items()) for k, n in DENSE_SHAPES for m in ms
                 for t in cuda_candidates(n, k, m)}
     t0 = time.perf_counter()
+    compiler = w4a16_cuda.nvrtc_version()
     with ThreadPoolExecutor(16) as pool:     # NVRTC releases the GIL
-        cubins = dict(zip(variants, pool.map(lambda d: w4a16_cuda.nvrtc_cubin(
-            "".join(f"#define {a} {b}\n" for a, b in d) + source, f"sm_{major}{minor}"), variants)))
+        cubins = dict(zip(variants, pool.map(lambda d: w4a16_cuda.cached_cubin(source, d, f"sm_{major}{minor}",
+                                                                               compiler), variants)))
     for defines, cubin in cubins.items():
         w4a16_cuda.load(defines, device.index, cubin)
-    log(f"cuda sweep: {len(cubins)} variants compiled in {time.perf_counter() - t0:.0f} s")
+    log(f"cuda sweep: {len(cubins)} variants compiled or loaded in {time.perf_counter() - t0:.0f} s")
     rows, anchors = [], []
     for k, n in DENSE_SHAPES:
         weights, _ = dense_weights(device, k, n, "bench dense")

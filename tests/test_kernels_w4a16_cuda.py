@@ -282,3 +282,90 @@ def test_cuda_tile_dispatch(case, monkeypatch):
     entry = case.config or pick_config(dense_configs(7168, 2048, torch.bfloat16), case.entry_m)
     want = fit_tile(2048, 7168, case.x.rows) if case.want == "fit" else case.want
     assert w4a16.cuda_tile(entry, weight, case.x) == want
+
+
+# ------------------------------------------------------------------ the CUBIN cache (CPU: a stand-in compiler)
+
+KERNEL = "extern \"C\" __global__ void w4a16_mma() {}\n"
+DEFINES = (("NWN", 2), ("MT", 1))
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    name: str
+    second: dict          # cached_cubin's arguments for the second call (the first: KERNEL, DEFINES, sm_90, v1)
+    compiles: int         # compiles over both calls
+
+
+CACHE_CASES = [
+    CacheCase("the same kernel again: loaded", {}, 1),
+    CacheCase("other constants", dict(defines=(("NWN", 4), ("MT", 1))), 2),
+    CacheCase("another arch", dict(arch="sm_100"), 2),
+    CacheCase("another compiler", dict(compiler="nvrtc 13.0"), 2),
+    CacheCase("an edited kernel", dict(kernel=KERNEL + "// faster now\n"), 2),
+]
+
+
+class StandIn:
+    """A compiler that records its calls and returns bytes that name what it compiled."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, source, arch):
+        self.calls.append((source, arch))
+        return f"cubin of {arch}\n{source}".encode()
+
+
+def cubin(compile, kernel=KERNEL, defines=DEFINES, arch="sm_90", compiler="nvrtc 12.9"):
+    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import cached_cubin
+    return cached_cubin(kernel, defines, arch, compiler, compile)
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    from k2vec.engines.gpu_triton.kernels import w4a16_cuda
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    w4a16_cuda._cubin_store.cache_clear()    # each process lists the directory once: a new process here
+    yield tmp_path / w4a16_cuda.CUBIN_CACHE
+    w4a16_cuda._cubin_store.cache_clear()
+
+
+@pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: c.name)
+def test_cubin_cache_compiles_what_it_has_not_seen(case, cache_home):
+    from k2vec.engines.gpu_triton.kernels import w4a16_cuda
+    compile = StandIn()
+    cubin(compile)
+    w4a16_cuda._cubin_store.cache_clear()    # the second call as another process
+    second = cubin(compile, **case.second)
+    assert len(compile.calls) == case.compiles
+    assert second == StandIn()(*compile.calls[-1])    # what the compiler made of the second call's source
+    assert b"#define NWN" in second and second.endswith((case.second.get("kernel") or KERNEL).encode())
+
+
+def test_cubin_cache_keeps_one_version_of_the_kernel(cache_home):
+    compile = StandIn()
+    cubin(compile)
+    cubin(compile, defines=(("NWN", 4), ("MT", 1)))
+    assert len(list(cache_home.glob("*.cubin"))) == 2
+    cubin(compile, kernel=KERNEL + "// faster now\n")
+    assert len(list(cache_home.glob("*.cubin"))) == 1     # the old kernel's two entries removed
+
+
+def test_cubin_cache_recompiles_a_damaged_entry(cache_home):
+    from k2vec.engines.gpu_triton.kernels import w4a16_cuda
+    compile = StandIn()
+    good = cubin(compile)
+    (entry,) = cache_home.glob("*.cubin")
+    entry.write_bytes(good[:-2] + b"!\n")     # same size, other bytes: its name's digest no longer holds
+    w4a16_cuda._cubin_store.cache_clear()
+    assert cubin(compile) == good and len(compile.calls) == 2
+
+
+def test_cubin_cache_unwritable_compiles_every_time(tmp_path, monkeypatch):
+    from k2vec.engines.gpu_triton.kernels import w4a16_cuda
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    compile = StandIn()
+    assert cubin(compile) == cubin(compile) and len(compile.calls) == 2
+    assert w4a16_cuda.cache_dir(w4a16_cuda.CUBIN_CACHE) is None

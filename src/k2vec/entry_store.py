@@ -5,6 +5,8 @@ An entry is the file `<key>.<sha256 of its bytes>.<suffix>`: it is returned only
 digest (a damaged one counts as absent and is written again), it is written under its final name whole or not
 at all (so several processes may put entries at once), and `prune` removes every entry of the suffix that this
 process did not get or put, so the directory holds the last report's entries only.
+
+`cache_dir` is where an engine keeps what outlives a run (XDG_CACHE_HOME: a sandboxed run's is results/cache/<engine>).
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ import os
 from pathlib import Path
 
 from k2vec.atomic import write_bytes_atomic
+
+
+def cache_dir(name: str) -> Path | None:
+    """$XDG_CACHE_HOME (else ~/.cache)/`name`, made if need be; None where it cannot be written."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(base) / name
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
 
 
 class EntryStore:

@@ -29,6 +29,7 @@ import numpy as np
 from k2vec.atomic import atomic_directory, atomic_file
 from k2vec.digests import sha256_file
 from k2vec.engines.numpy_engine import BundleWeights
+from k2vec.entry_store import cache_dir
 from k2vec.errors import K2VecError
 from k2vec.model.checkpoint import shard_groups, write_shards
 from k2vec.pipeline.code_digest import PACKAGE_DIR, code_digest, module_sources
@@ -64,17 +65,6 @@ def write_hf_checkpoint(bundle, out_dir: Path) -> None:
     """The bundle's model as an HF checkpoint directory `out_dir`, written whole or not at all."""
     with atomic_directory(out_dir) as tmp:
         write_hf_checkpoint_into(bundle, tmp)
-
-
-def cache_dir(name: str) -> Path | None:
-    """$XDG_CACHE_HOME (else ~/.cache)/`name`, made if need be; None where it cannot be written."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = Path(base) / name
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    return path if os.access(path, os.W_OK) else None
 
 
 def cache_key(bundle_path: str | os.PathLike, bundle_sha256: str, variant: str, identity: dict,

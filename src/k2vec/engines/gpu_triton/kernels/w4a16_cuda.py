@@ -1,7 +1,8 @@
 """Dense W4A16 on the tensor cores in CUDA (w4a16_cuda.cu) for bf16 x of at most 64 rows and group-32 codes (K2's
 format; bf16 or float32 scales), K a multiple of 64 and N of 16. Compiled at run time by NVRTC (the library
-torch's CUDA build ships; no toolkit needed), launched through the driver's cuLaunchKernelEx with a thread block
-cluster along K and PDL.
+torch's CUDA build ships; no toolkit needed) and kept in $XDG_CACHE_HOME/k2vec-w4a16-cuda (a sandboxed run's is
+results/cache/<engine>), so that the next process loads what an earlier one compiled; launched through the driver's
+cuLaunchKernelEx with a thread block cluster along K and PDL.
 
 The weight's load-time copy (cuda_order_copy) is the kernel's operand order: per 16-row tile and 64-wide K step,
 32 lanes x 16 bytes of codes and 8 lane groups' scales (8 bytes each in bf16, 16 in float32), so that a warp's K
@@ -11,11 +12,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from k2vec.entry_store import EntryStore, cache_dir
 from k2vec.errors import K2VecError
 
 SOURCE = Path(__file__).with_name("w4a16_cuda.cu")
@@ -162,19 +166,34 @@ class Compiled:
             self.shared_allowed = nbytes
 
 
-def nvrtc_cubin(source: str, arch: str) -> bytes:
-    """CUBIN for `arch` from NVRTC (the library torch's CUDA build ships); no CUDA headers are included."""
+NVRTC_OPTIONS = ("-std=c++17",)   # beside --gpu-architecture
+CUBIN_CACHE = "k2vec-w4a16-cuda"   # the CUBINs NVRTC made, under cache_dir
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc():
     from torch.cuda._utils import _get_gpu_rtc_library
     try:
-        nvrtc = _get_gpu_rtc_library()
+        return _get_gpu_rtc_library()
     except OSError as exc:
         raise CudaKernelError(f"w4a16_cuda: NVRTC, which compiles the kernel, is not loadable ({exc}); torch's "
                               "CUDA wheels bring it (nvidia-cuda-nvrtc)") from exc
+
+
+def nvrtc_version() -> str:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"nvrtc {major.value}.{minor.value}"
+
+
+def nvrtc_cubin(source: str, arch: str) -> bytes:
+    """CUBIN for `arch` from NVRTC (the library torch's CUDA build ships); no CUDA headers are included."""
+    nvrtc = _nvrtc()
     prog = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"w4a16_cuda.cu", 0, None, None):
         raise CudaKernelError("w4a16_cuda: NVRTC could not create the program")
     try:
-        options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
         rc = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
         if rc:
             size = ctypes.c_size_t()
@@ -189,6 +208,38 @@ def nvrtc_cubin(source: str, arch: str) -> bytes:
         return cubin.raw
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@functools.lru_cache(maxsize=None)
+def _cubin_store(directory: Path) -> EntryStore:
+    return EntryStore(directory, "cubin")
+
+
+def cached_cubin(kernel: str, defines: tuple[tuple[str, int], ...], arch: str, compiler: str,
+                 compile: Callable[[str, str], bytes] = nvrtc_cubin) -> bytes:
+    """`compile(source, arch)` for the kernel source `kernel` with these constants, kept in the cache directory
+    under a key of the kernel's text, the constants, the arch and the compiler (its version and options), so that
+    another process with the same kernel loads the CUBIN instead of running NVRTC (bench/RESULTS.md: the time a
+    variant takes). An entry is used only where its bytes match their digest (EntryStore); writing one removes
+    those of other kernel texts, so the directory holds one version of the kernel. Without a writable directory
+    it compiles."""
+    source = "".join(f"#define {k} {v}\n" for k, v in defines) + kernel
+    version = hashlib.sha256(kernel.encode()).hexdigest()[:16]
+    key = version + "-" + hashlib.sha256(repr((source, arch, compiler, NVRTC_OPTIONS)).encode()).hexdigest()[:32]
+    root = cache_dir(CUBIN_CACHE)
+    store = _cubin_store(root) if root is not None else None
+    cubin = store.get(key) if store is not None else None
+    if cubin is None:
+        cubin = compile(source, arch)
+        if store is not None:
+            try:
+                store.put(key, cubin)
+                for old in root.glob("*.cubin"):
+                    if not old.name.startswith(version):
+                        old.unlink(missing_ok=True)
+            except OSError:    # a cache: the next process compiles again
+                pass
+    return cubin
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,15 +276,16 @@ def load(defines: tuple[tuple[str, int], ...], device_index: int, cubin: bytes) 
 
 
 def compiled(defines: tuple[tuple[str, int], ...], device_index: int) -> Compiled:
-    """The kernel for one set of compile-time constants on one device (NVRTC, once per process)."""
+    """The kernel for one set of compile-time constants on one device (loaded once per process, compiled by NVRTC
+    where no earlier process left it in the cache: cached_cubin)."""
     kernel = _LOADED.get((defines, device_index))
     if kernel is None:
         major, minor = torch.cuda.get_device_capability(device_index)
         if not runs_on(device_index):
             raise CudaKernelError(f"w4a16_cuda needs sm_90 (clusters, PDL); device {device_index} is "
                                   f"sm_{major}{minor}")
-        source = "".join(f"#define {k} {v}\n" for k, v in defines) + SOURCE.read_text()
-        kernel = load(defines, device_index, nvrtc_cubin(source, f"sm_{major}{minor}"))
+        cubin = cached_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}", nvrtc_version())
+        kernel = load(defines, device_index, cubin)
     return kernel
 
 
