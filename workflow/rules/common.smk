@@ -302,8 +302,9 @@ def engine_code(script, *modules, engine=None):
     def digest(wildcards):
         name = engine or wildcards.engine
         python = [p for p in ENGINES[name]["source_files"] if p.endswith(".py")]
-        return cached_code("engine", lambda: [*stage_files(script, *modules), *with_imports(python)], script,
-                           modules, python)
+        return cached_code(
+            "engine", lambda: [*stage_files(script, *modules), *with_imports(python)], script, modules, python
+        )
 
     return digest
 
