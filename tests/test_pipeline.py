@@ -383,7 +383,7 @@ def fake_engines(record_dir, kernel):
     # unsandboxed: they record where and when they ran in `record_dir`, outside their scratch
     one = {"models": ["tiny"], "precisions": ["fp32"], "modes": ["greedy"], "sandbox": False}
     return {
-        # and a package module that compiles the file beside it at run time (test_package_kernel_edit_reruns_...)
+        # and a package module that compiles the file beside it at run time (test_kernel_edit_reruns_only_...)
         "fakegpu": {"command": cmd.replace("{behaviour}", "ok"), "gpus": 1, "sandbox": False,
                     "sources": [str(kernel), "src/k2vec/engines/gpu_triton/kernels/w4a16_cuda.py"],
                     "build": f"echo compiling {kernel.name} && test -s {kernel}"},
@@ -443,29 +443,16 @@ def test_failing_engines_give_failed_results(fake_run, engine, reason):
     assert ok == ["ok"] * 24
 
 
-def test_kernel_edit_reruns_only_that_engine(fake_run):
+@pytest.mark.parametrize("edited", ["the kernel it names", "the CUDA source its Python module compiles"])
+def test_kernel_edit_reruns_only_that_engine(fake_run, edited):
+    """fakegpu's sources: a kernel file, and w4a16_cuda.py, which compiles w4a16_cuda.cu beside it at run time
+    (common.smk engine_code, code_digest.with_imports). Editing either reruns fakegpu's build and runs only."""
     root, env, cfg, _, kernel = fake_run
-    args = ("--configfile", str(cfg), "--replace-workflow-config")
+    if edited != "the kernel it names":
+        kernel = root / "src/k2vec/engines/gpu_triton/kernels/w4a16_cuda.cu"
     original = kernel.read_text()
     try:
         kernel.write_text(original + "// faster now\n")
-        res = snakemake("-n", *args, snakefile=root / "Snakefile", cwd=root, env=env)
-        assert res.returncode == 0, res.stderr[-2000:]
-        assert scheduled_jobs(res.stdout) == {"engine_build": 1, "engine_run": 24, "report": 1, "all": 1}
-        assert all("results/runs/fakegpu/" in line for line in res.stdout.splitlines()
-                   if line.strip().startswith("output: results/runs/"))
-    finally:
-        kernel.write_text(original)
-
-
-def test_package_kernel_edit_reruns_the_engine_whose_module_compiles_it(fake_run):
-    """fakegpu names w4a16_cuda.py, which compiles w4a16_cuda.cu beside it at run time: editing the .cu reruns
-    fakegpu's build and runs (common.smk engine_code, code_digest.with_imports) and no other engine's."""
-    root, env, cfg, _, _ = fake_run
-    cuda = root / "src/k2vec/engines/gpu_triton/kernels/w4a16_cuda.cu"
-    original = cuda.read_text()
-    try:
-        cuda.write_text(original + "// faster now\n")
         res = snakemake("-n", "--configfile", str(cfg), "--replace-workflow-config", snakefile=root / "Snakefile",
                         cwd=root, env=env)
         assert res.returncode == 0, res.stderr[-2000:]
@@ -473,7 +460,7 @@ def test_package_kernel_edit_reruns_the_engine_whose_module_compiles_it(fake_run
         assert all("results/runs/fakegpu/" in line for line in res.stdout.splitlines()
                    if line.strip().startswith("output: results/runs/"))
     finally:
-        cuda.write_text(original)
+        kernel.write_text(original)
 
 
 def test_build_step_ran_once_and_stamped_the_sources(fake_run):
