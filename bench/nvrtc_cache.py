@@ -6,7 +6,7 @@ The variants are those a `gpu_bf16` job of the default config asks for (w4a16_cu
 MLP shapes at M = 4 and 16, float32 scales). Each round compiles every variant through w4a16_cuda.cached_cubin into
 an empty cache directory, then loads them all again as another process would (the store's listing dropped, and a
 compiler that raises, so nothing is compiled twice unseen). No GPU is needed: NVRTC runs on the CPU. Without
---nvrtc the library torch's CUDA build ships is used; on a CPU-only torch, pass the one of the nvidia-cuda-nvrtc wheel.
+--nvrtc, w4a16_cuda's own choice: torch's CUDA build's NVRTC, else the nvidia-cuda-nvrtc-cu12 wheel's ([test]).
 Prints a Markdown table.
 """
 

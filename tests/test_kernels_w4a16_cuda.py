@@ -7,6 +7,7 @@ registers of sub-step j = 2h + jj are pairs 2jj (slots 2t, 2t+1) and 2jj + 1 (sl
 0-7) and 2h + 1 (rows 8-15), a pair p being nibbles (p, p + 4) minus 8; B slot c of column n is x[n][64 kb + 16 j
 + 4 (c % 8 // 2) + 2 (c // 8) + c % 2]; each sub-step's product is scaled by its group's scale of the row.
 """
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -369,3 +370,105 @@ def test_cubin_cache_unwritable_compiles_every_time(tmp_path, monkeypatch):
     compile = StandIn()
     assert cubin(compile) == cubin(compile) and len(compile.calls) == 2
     assert w4a16_cuda.cache_dir(w4a16_cuda.CUBIN_CACHE) is None
+
+
+# ------------------------------------------------------------------ compiled by NVRTC on the CPU (no GPU needed)
+
+def nvrtc_available() -> bool:
+    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaKernelError, _nvrtc
+    try:
+        _nvrtc()
+        return True
+    except CudaKernelError:
+        return False
+
+
+needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="no NVRTC: the [test] extra installs "
+                                                               "nvidia-cuda-nvrtc-cu12")
+
+
+def compile_for_sm90(tile: CudaTile, k: int, m: int, float32_scales: bool):
+    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import kernel_source, nvrtc_compile
+    defines = tuple(tile.defines(k, m, float32_scales).items())
+    return nvrtc_compile(kernel_source(defines), "sm_90", ("--ptxas-options=-v",))
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    name: str
+    tile: CudaTile
+    k: int
+    m: int
+    float32_scales: bool
+
+
+def compile_cases() -> list[CompileCase]:
+    """Every tile a committed table names, at its bucket's largest M, both scale dtypes; the fit rule on the default
+    models' MLP shapes at 4 and 16 rows; the GPU cases' tiles."""
+    from k2vec.config.expand import PRESETS
+    from k2vec.engines.gpu_triton.kernels.configs import DENSE_SHAPE_CONFIGS
+    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import fit_tile
+    cases = []
+    for (k, n), table in DENSE_SHAPE_CONFIGS.items():
+        for bound, entry in table:
+            if isinstance(entry.get("CUDA"), CudaTile):
+                cases += [CompileCase(f"{k}->{n} M<={bound} {'f32' if f32 else 'bf16'} scales", entry["CUDA"], k, bound,
+                                      f32) for f32 in (False, True)]
+    for model in ("tiny", "small"):
+        p = PRESETS[model]
+        h, inter, moe = p["hidden_size"], p["intermediate_size"], p["moe_intermediate_size"]
+        for k, n in ((h, inter), (inter, h), (h, moe), (moe, h)):
+            cases += [CompileCase(f"{model} fit {k}->{n} M={m}", fit_tile(n, k, m), k, m, True) for m in (4, 16)]
+    cases += [CompileCase(f"GPU case: {c.name}", c.tile, c.k, c.m, c.scales == "float32") for c in GPU_CASES
+              if c.tile is not None]
+    return cases
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("case", compile_cases(), ids=lambda c: c.name)
+def test_kernel_compiles_for_sm90_without_spills(case):
+    """The kernel as the engine and the committed tables compile it, checked on any machine: a kernel edit that
+    does not compile, or that spills registers to local memory, fails here before it reaches a GPU."""
+    out = compile_for_sm90(case.tile, case.k, case.m, case.float32_scales)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out.log)]
+    # float32 scales hold two more registers per step in flight than the bf16 ones the sweep times; at 512 threads
+    # (128 registers a thread) ptxas may spill a few bytes of them (7168->4096's M <= 16 tile: bench/RESULTS.md)
+    allowed = 16 if case.float32_scales and case.tile.nwn * case.tile.nwk == 16 else 0
+    assert out.cubin and spills and max(spills) <= allowed, out.log
+
+
+@dataclass(frozen=True)
+class WaitCase:
+    name: str
+    tile: CudaTile
+    k: int
+
+
+WAIT_CASES = [
+    WaitCase("14 steps a warp, x in 4 chunks", CudaTile(1, 8, 1, 8, ch=4), 7168),
+    WaitCase("16 steps a warp, x in 8 chunks", CudaTile(4, 2, 1, 8, ch=2), 2048),
+    WaitCase("28 steps a warp, a chunk a step: waits past 7 clamped", CudaTile(1, 4, 1, 8, ch=1), 7168),
+    WaitCase("x in one chunk", CudaTile(2, 4, 1, 8, ch=16), 2048),
+]
+
+
+def x_chunk_waits(steps: int, ch: int) -> list[int]:
+    """The protocol the kernel's header states, simulated: x's chunks 0 .. NCH - 1 committed as one cp.async group
+    each, in order; at the step that starts chunk c the thread waits until chunk c's group is complete, leaving in
+    flight every group committed after it (cp.async.wait_group takes up to 7 here: more waits for 7)."""
+    committed = [f"x{c}" for c in range(-(-steps // ch))]
+    waits = []
+    for s in range(0, steps, ch):
+        after = len(committed) - 1 - committed.index(f"x{s // ch}")
+        waits.append(min(after, 7))
+    return waits
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("case", WAIT_CASES, ids=lambda c: c.name)
+def test_kernel_waits_for_exactly_the_x_chunk_it_reads(case):
+    """The cp.async.wait_group counts in the compiled kernel (its PTX, the K loop unrolled) against the protocol: a
+    count too high reads a chunk before it lands, one too low waits for chunks not yet needed."""
+    out = compile_for_sm90(case.tile, case.k, 4, False)
+    steps, ch = case.tile.steps(case.k), min(case.tile.ch, case.tile.steps(case.k))
+    assert [int(n) for n in re.findall(r"cp\.async\.wait_group (\d+);", out.ptx)] == x_chunk_waits(steps, ch)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -172,12 +173,26 @@ CUBIN_CACHE = "k2vec-w4a16-cuda"   # the CUBINs NVRTC made, under cache_dir
 
 @functools.lru_cache(maxsize=None)
 def _nvrtc():
-    from torch.cuda._utils import _get_gpu_rtc_library
-    try:
-        return _get_gpu_rtc_library()
-    except OSError as exc:
-        raise CudaKernelError(f"w4a16_cuda: NVRTC, which compiles the kernel, is not loadable ({exc}); torch's "
-                              "CUDA wheels bring it (nvidia-cuda-nvrtc)") from exc
+    """NVRTC: the library torch's CUDA build ships, else (a CPU-only torch) the nvidia-cuda-nvrtc wheel's, which the
+    [test] extra installs so that the kernel compiles on a machine without a GPU."""
+    problems = []
+    if torch.version.cuda is not None:
+        from torch.cuda._utils import _get_gpu_rtc_library
+        try:
+            return _get_gpu_rtc_library()
+        except OSError as exc:
+            problems.append(f"torch's: {exc}")
+    else:
+        problems.append("torch is a CPU-only build")
+    spec = importlib.util.find_spec("nvidia.cuda_nvrtc") if importlib.util.find_spec("nvidia") else None
+    for folder in spec.submodule_search_locations if spec else ():
+        for lib in sorted(Path(folder).glob("lib/libnvrtc.so.*")):
+            try:
+                return ctypes.CDLL(str(lib))
+            except OSError as exc:
+                problems.append(f"{lib}: {exc}")
+    raise CudaKernelError(f"w4a16_cuda: NVRTC, which compiles the kernel, is not loadable ({'; '.join(problems)}); "
+                          "torch's CUDA wheels bring it, or pip install nvidia-cuda-nvrtc-cu12")
 
 
 def nvrtc_version() -> str:
@@ -186,28 +201,47 @@ def nvrtc_version() -> str:
     return f"nvrtc {major.value}.{minor.value}"
 
 
-def nvrtc_cubin(source: str, arch: str) -> bytes:
-    """CUBIN for `arch` from NVRTC (the library torch's CUDA build ships); no CUDA headers are included."""
+@dataclass(frozen=True)
+class NvrtcOutput:
+    cubin: bytes
+    ptx: str
+    log: str     # what NVRTC and ptxas said (with --ptxas-options=-v: registers, spills)
+
+
+def nvrtc_compile(source: str, arch: str, extra: tuple[str, ...] = ()) -> NvrtcOutput:
+    """`source` compiled for `arch` by NVRTC with NVRTC_OPTIONS and `extra`; no CUDA headers are included."""
     nvrtc = _nvrtc()
     prog = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"w4a16_cuda.cu", 0, None, None):
         raise CudaKernelError("w4a16_cuda: NVRTC could not create the program")
-    try:
-        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in NVRTC_OPTIONS)]
-        rc = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
-        if rc:
-            size = ctypes.c_size_t()
-            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise CudaKernelError(f"w4a16_cuda.cu does not compile for {arch}:\n{log.value.decode()}")
+
+    def get(size_fn, get_fn) -> bytes:
         size = ctypes.c_size_t()
-        nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-        cubin = ctypes.create_string_buffer(size.value)
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
-        return cubin.raw
+        size_fn(prog, ctypes.byref(size))
+        buffer = ctypes.create_string_buffer(size.value)
+        get_fn(prog, buffer)
+        return buffer.raw
+
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in (*NVRTC_OPTIONS, *extra))]
+        rc = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog).rstrip(b"\0").decode()
+        if rc:
+            raise CudaKernelError(f"w4a16_cuda.cu does not compile for {arch}:\n{log}")
+        return NvrtcOutput(get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN),
+                           get(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX).rstrip(b"\0").decode(), log)
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def nvrtc_cubin(source: str, arch: str) -> bytes:
+    """CUBIN for `arch` from NVRTC."""
+    return nvrtc_compile(source, arch).cubin
+
+
+def kernel_source(defines: tuple[tuple[str, int], ...], kernel: str | None = None) -> str:
+    """The kernel's source (w4a16_cuda.cu, or `kernel`) with its compile-time constants in front."""
+    return "".join(f"#define {k} {v}\n" for k, v in defines) + (SOURCE.read_text() if kernel is None else kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,7 +257,7 @@ def cached_cubin(kernel: str, defines: tuple[tuple[str, int], ...], arch: str, c
     variant takes). An entry is used only where its bytes match their digest (EntryStore); writing one removes
     those of other kernel texts, so the directory holds one version of the kernel. Without a writable directory
     it compiles."""
-    source = "".join(f"#define {k} {v}\n" for k, v in defines) + kernel
+    source = kernel_source(defines, kernel)
     version = hashlib.sha256(kernel.encode()).hexdigest()[:16]
     key = version + "-" + hashlib.sha256(repr((source, arch, compiler, NVRTC_OPTIONS)).encode()).hexdigest()[:32]
     root = cache_dir(CUBIN_CACHE)
