@@ -189,3 +189,10 @@ def test_importing_an_engine_loads_nothing_its_code_leaves_out(engine, needs):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)})
     assert _names(json.loads(res.stdout)) <= _names(with_imports(python))
+
+
+def test_an_engine_s_own_python_outside_the_package_stands_for_itself(tmp_path):
+    """A user's engine file (not a module of the package): digested as it is, its imports not followed."""
+    mine = tmp_path / "my_engine.py"
+    mine.write_text("import k2vec.reference.model\n")
+    assert with_imports([str(mine)]) == [str(mine)]

@@ -195,7 +195,7 @@ def with_imports(paths: list[str] | tuple[str, ...]) -> list[str]:
         path = Path(p).resolve()
         if path.suffix == ".py" and path.is_relative_to(PACKAGE_DIR):
             modules.append(_module_name(path))
-    return sorted({os.path.abspath(p) for p in paths} | set(module_sources(*sorted(modules))))
+    return sorted({os.path.abspath(p) for p in paths} | set(module_sources(*sorted(modules)) if modules else ()))
 
 
 def script_modules(path: str | Path) -> tuple[str, ...]:
