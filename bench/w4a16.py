@@ -802,8 +802,9 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
 
 def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> tuple[list[dict], list[dict]]:
     """Every CUDA tile on the three K2 shapes at each of `ms` (compiled in threads first, or loaded from the CUBIN
-    cache: w4a16_cuda.cached_cubin), timed as time_dense times, checked against float64; logs the best per M beside the anchors timed in the same run (the committed
-    tables' call, whichever kernel they pick, and bf16 cuBLAS), and the best per M bucket (summed over its M)."""
+    cache: w4a16_cuda.cached_cubin), timed as time_dense times, checked against float64; logs the best per M beside
+    the anchors timed in the same run (the committed tables' call, whichever kernel they pick, and bf16 cuBLAS), and
+    the best per M bucket (summed over its M)."""
     major, minor = torch.cuda.get_device_capability(device)
     source = w4a16_cuda.SOURCE.read_text()
     variants = {tuple(t.defines(k, m, False).items()) for k, n in DENSE_SHAPES for m in ms

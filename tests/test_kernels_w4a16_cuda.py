@@ -330,6 +330,7 @@ def cache_home(tmp_path, monkeypatch):
     w4a16_cuda._cubin_store.cache_clear()    # each process lists the directory once: a new process here
     yield tmp_path / w4a16_cuda.CUBIN_CACHE
     w4a16_cuda._cubin_store.cache_clear()
+    w4a16_cuda._PRUNED.clear()
 
 
 @pytest.mark.parametrize("case", CACHE_CASES, ids=lambda c: c.name)

@@ -249,6 +249,9 @@ def _cubin_store(directory: Path) -> EntryStore:
     return EntryStore(directory, "cubin")
 
 
+_PRUNED: set[tuple[Path, str]] = set()   # (cache directory, kernel version) whose older entries this process removed
+
+
 def cached_cubin(kernel: str, defines: tuple[tuple[str, int], ...], arch: str, compiler: str,
                  compile: Callable[[str, str], bytes] = nvrtc_cubin) -> bytes:
     """`compile(source, arch)` for the kernel source `kernel` with these constants, kept in the cache directory
@@ -268,9 +271,11 @@ def cached_cubin(kernel: str, defines: tuple[tuple[str, int], ...], arch: str, c
         if store is not None:
             try:
                 store.put(key, cubin)
-                for old in root.glob("*.cubin"):
-                    if not old.name.startswith(version):
-                        old.unlink(missing_ok=True)
+                if (root, version) not in _PRUNED:    # once, not at each of a sweep's thousand puts
+                    for old in root.glob("*.cubin"):
+                        if not old.name.startswith(version):
+                            old.unlink(missing_ok=True)
+                    _PRUNED.add((root, version))
             except OSError:    # a cache: the next process compiles again
                 pass
     return cubin
