@@ -157,7 +157,8 @@ def _shipped_python_engines():
         if m:
             files = [f for pattern in entry["sources"]
                      for f in source_glob(pattern, str(PACKAGE_DIR.parents[1]), f"engines.{name}.sources")]
-            out[name] = (m.group(1), [f for f in files if f.endswith(".py")])
+            main = m.group(1) if m.group(1).endswith("_engine") else f"{m.group(1)}.__main__"   # what -m runs
+            out[name] = (main, [f for f in files if f.endswith(".py")])
     return out
 
 
@@ -168,11 +169,10 @@ PYTHON_ENGINES = _shipped_python_engines()
 def test_an_engine_s_code_covers_what_its_module_runs(engine):
     """What an engine's runs are rerun by (common.smk engine_code: its Python sources with_imports) holds every
     package file its module imports or reads: the GPU engines' CUDA kernel source among them."""
-    module, python = PYTHON_ENGINES[engine]
-    main = module if module.endswith("_engine") else f"{module}.__main__"
+    main, python = PYTHON_ENGINES[engine]
     covered = {Path(p) for p in with_imports(python)}
     assert {Path(p) for p in module_sources(main)} <= covered
-    if module == "k2vec.engines.gpu_triton":
+    if main == "k2vec.engines.gpu_triton.__main__":
         assert PACKAGE_DIR / "engines/gpu_triton/kernels/w4a16_cuda.cu" in covered
 
 
@@ -180,8 +180,7 @@ def test_an_engine_s_code_covers_what_its_module_runs(engine):
 def test_importing_an_engine_loads_nothing_its_code_leaves_out(engine, needs):
     for name in needs:
         pytest.importorskip(name)
-    module, python = PYTHON_ENGINES[engine]
-    main = module if module.endswith("_engine") else f"{module}.__main__"
+    main, python = PYTHON_ENGINES[engine]
     code = ("import importlib, json, sys\n"
             f"importlib.import_module({main!r})\n"
             "print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items()"
