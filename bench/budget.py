@@ -35,7 +35,8 @@ MODELS = {
 }
 
 STAGES = {
-    "weights": "from k2vec.stages.weights import write_checkpoint; write_checkpoint(read_json(d/'model.json'), d/'fp32')",
+    "weights": "from k2vec.stages.weights import write_checkpoint; "
+               "write_checkpoint(read_json(d/'model.json'), d/'fp32')",
     "quantize": "from k2vec.model.int4_checkpoint import quantize_checkpoint; "
                 "quantize_checkpoint(d/'fp32', d/'int4', read_json(d/'quantization.json'))",
     "golden": "from k2vec.stages.golden import make_golden, open_weights, write_golden; "
@@ -43,11 +44,13 @@ STAGES = {
               "w = open_weights(P, d/'fp32', d/'int4' if P == 'int4' else None); "
               "write_golden(d/f'golden-{P}.kdtr', *make_golden(case, w, P))",
     "bundle": "from k2vec.stages.bundle import write_case_bundle; "
-              "write_case_bundle(d/f'{P}.kdtr', model=read_json(d/'model.json'), decoding=read_json(d/'decoding.json'), "
+              "write_case_bundle(d/f'{P}.kdtr', model=read_json(d/'model.json'), "
+              "decoding=read_json(d/'decoding.json'), "
               "precision=P, fp32_dir=d/'fp32', int4_dir=d/'int4' if P == 'int4' else None, "
               "golden_path=d/f'golden-{P}.kdtr')",
 }
-PRELUDE = "import sys; from pathlib import Path; from k2vec.config.cases import read_json; d = Path(sys.argv[1]); P = sys.argv[2]; "
+PRELUDE = ("import sys; from pathlib import Path; from k2vec.config.cases import read_json; "
+           "d = Path(sys.argv[1]); P = sys.argv[2]; ")
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
 
 

@@ -174,7 +174,8 @@ def run(args) -> str:
         "",
         f"- KDTR open alone (header + directory + metadata): {t_open * 1e3:.2f} ms",
         f"- KDTR verify (zlib CRC-32 of every tensor byte + padding check), Python, 1 thread (default): "
-        f"{t_verify1:.3f} s = {gb / t_verify1:.2f} GB/s; {threads} threads: {t_verify:.3f} s = {gb / t_verify:.2f} GB/s",
+        f"{t_verify1:.3f} s = {gb / t_verify1:.2f} GB/s; "
+        f"{threads} threads: {t_verify:.3f} s = {gb / t_verify:.2f} GB/s",
     ]
     if t_c is not None:
         out.append(f"- KDTR verify, C `kdtr_tool verify` (gcc -O2, slice-by-8 CRC, 1 thread, incl. process start): "

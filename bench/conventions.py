@@ -39,7 +39,8 @@ def main() -> None:
         spec = json.loads((a.results / "cases" / m / "model.json").read_text())
         goldens[(m, p)] = golden
         variants[(m, p, a.convention)] = a.results / "conventions" / m / f"{p}-{a.convention}.kdtr"
-        model = ReferenceModel(spec, open_weights(p, a.results / "models" / m / "fp32", a.results / "models" / m / "int4"),
+        model = ReferenceModel(spec, open_weights(p, a.results / "models" / m / "fp32",
+                                                  a.results / "models" / m / "int4"),
                                dtype=np.float32, **CONVENTIONS[a.convention].settings(spec))
         with open_bundle(golden) as b:
             md = b.metadata

@@ -7,8 +7,8 @@ Why not from an fp32 checkpoint on disk: the layer's fp32 experts are 384 x 3 x 
 more than the free disk of the shared machine. So the quantizer reads straight from the deterministic
 generator (k2vec.stages.weights.make_tensor: the very values the weights stage would have written, tensor by
 tensor) through the quantize stage's own writer (k2vec.model.int4_checkpoint.write_int4: quantize_packed,
-.qw/.sc files, index.json, one syncfs). The generation time is measured apart and taken out; wall and CPU time are both reported
-(on a shared machine CPU time is the one other jobs do not inflate).
+.qw/.sc files, index.json, one syncfs). The generation time is measured apart and taken out; wall and CPU time are both
+reported (on a shared machine CPU time is the one other jobs do not inflate).
 In the same run, per tensor, np.copyto of the same fp32 bytes into a preallocated buffer gives the
 plain-copy bandwidth that the quantizer's GB/s is compared with. Peak RSS: ru_maxrss of this process.
 The int4 directory (~10.5 GB) is deleted at the end unless --keep.

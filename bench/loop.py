@@ -146,7 +146,8 @@ def main() -> None:
     ap.add_argument("--configfile", default=None)
     ap.add_argument("--edits", default="numpy,report,none")
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--no-restore", action="store_true", help="leave the results of the last edit (a later run redoes them)")
+    ap.add_argument("--no-restore", action="store_true",
+                    help="leave the results of the last edit (a later run redoes them)")
     args = ap.parse_args()
     rows = []
     for i in range(args.repeat):
@@ -162,8 +163,8 @@ def main() -> None:
               for key in ("first_job_s", "jobs_done_s", "report_s", "exit_s")]
         floor = (f"{r['first_job_s'] + r['decode_s'] / args.cores + (r['report_s'] or 0.0):.1f}"
                  if r["first_job_s"] is not None else "-")
-        print(f"| {r['edit']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['jobs']} | {r['runs']} | {r['decode_s']:.1f} | "
-              f"{r['run_wall_s']:.1f} | {' | '.join(at)} | {floor} |")
+        print(f"| {r['edit']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['jobs']} | {r['runs']} | "
+              f"{r['decode_s']:.1f} | {r['run_wall_s']:.1f} | {' | '.join(at)} | {floor} |")
 
 
 if __name__ == "__main__":

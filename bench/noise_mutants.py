@@ -61,7 +61,8 @@ def main(names):
         caught = rows["class"].isin(["real", "over-budget"]).mean()
         beyond = {k: t[f"{k}_beyond"].sum() / max(t[f"{k}_cells"].sum(), 1) for k in ("hidden", "logit", "router")}
         print(f"{name:32s} caught {caught:4.2f}  beyond: hidden {beyond['hidden']:4.0%} logits {beyond['logit']:4.0%} "
-              f"routing {beyond['router']:4.0%}  over the noise model on {int(t['verdict'].str.startswith('over').sum())}/{len(t)} "
+              f"routing {beyond['router']:4.0%}  over the noise model on "
+              f"{int(t['verdict'].str.startswith('over').sum())}/{len(t)} "
               f"bundles  {rows['class'].value_counts().to_dict()}", flush=True)
 
 

@@ -116,10 +116,12 @@ def demo(out: Path) -> None:
     def noisy(res, scale):   # bf16-like: logit noise, fingerprint error growing with depth
         for run in res["runs"]:
             for q in run["prompts"]:
-                q["topk_logits"] = (np.asarray(q["topk_logits"]) + rng.normal(0, scale, (len(q["topk_logits"]), 8))).tolist()
+                q["topk_logits"] = (np.asarray(q["topk_logits"])
+                                    + rng.normal(0, scale, (len(q["topk_logits"]), 8))).tolist()
                 if "fingerprints" in q:
                     fp = np.asarray(q["fingerprints"])
-                    err = rng.normal(0, 1, fp.shape) * np.abs(fp).mean() * (2e-4 * 3.0 ** np.arange(fp.shape[1]))[None, :, None]
+                    err = (rng.normal(0, 1, fp.shape) * np.abs(fp).mean()
+                           * (2e-4 * 3.0 ** np.arange(fp.shape[1]))[None, :, None])
                     q["fingerprints"] = (fp + err).tolist()
 
     results = []
@@ -154,7 +156,8 @@ def demo(out: Path) -> None:
     results.append(("cuda-bf16", "fp32", "ddtree-b4", r))
     results.append(("vllm-port", "fp32", "ddtree-b64", {
         "format": "k2vec-engine-result", "version": 1, "status": "failed",
-        "reason": "timed out after 600 s (killed)", "stderr_tail": "INFO loading bundle\nINFO round 3 ...", "runs": []}))
+        "reason": "timed out after 600 s (killed)", "stderr_tail": "INFO loading bundle\nINFO round 3 ...",
+        "runs": []}))
     runs = []
     for i, (engine, prec, mode, res) in enumerate(results):
         res.setdefault("wall_s", float(rng.uniform(0.5, 3)))

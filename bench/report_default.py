@@ -64,7 +64,8 @@ def main() -> None:
         from k2vec.config.engines import float32_counterparts
         cfg = yaml.safe_load(open(os.path.join(a.results_of, "config.yaml")))
         kw.update(mutation_resolution=os.path.join(a.results_of, "results/mutation/mutation_resolution.csv"),
-                  float32_engines=float32_counterparts({n: {"command": e["command"], "precision": e.get("precision", "float32")}
+                  float32_engines=float32_counterparts({n: {"command": e["command"],
+                                                            "precision": e.get("precision", "float32")}
                                                         for n, e in cfg["engines"].items()}))
     logging.disable(logging.CRITICAL)
     with tempfile.TemporaryDirectory() as tmp:

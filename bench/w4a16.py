@@ -131,7 +131,8 @@ def split_configs() -> list:
             (pair, pair), (dict(tc, SORTED=True), dict(tc, SORTED=True, SPLIT_K=2)),
             (pair, dict(pair, SPLIT_K=1, COMBINE=True)),
             wide, dict(wide, PACKED=False),
-            dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SCALE_GROUPS=True, SPLIT_K=3), row, dict(row, SPLIT_K=3),
+            dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, X_WIDE=True, SCALE_GROUPS=True, SPLIT_K=3),
+            row, dict(row, SPLIT_K=3),
             (dict(wpair, SPLIT_GU=True), dict(wpair, SPLIT_K=1, COMBINE=True)),
             (dict(pair, SPLIT_GU=True), dict(pair, SPLIT_K=1, COMBINE=True)),
             (dict(pair, SPLIT_GU=True, SPLIT_K=1), pair),
@@ -576,7 +577,8 @@ def dense_candidates(m: int) -> list[dict]:
     session 15. Measured and dropped in issue 27's session 11 (bench/RESULTS.md): the GEMV over 2-8 rows with the
     biased codes, as 3-D tiles and as a two-row variant of the one-row 2-D tiles, 1.1-3x slower than the tensor-core
     tiles at M = 2-8 (removed from the kernel in session 15); register caps (maxnreg 64-128) on every committed tile,
-    0-100% slower; tensor-core K tiles of 512 and other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles, 1.3-2x slower at every M. Session 15: M = 1
+    0-100% slower; tensor-core K tiles of 512 and other splits at M = 16-64. Earlier: X_WIDE on the tensor-core tiles,
+    1.3-2x slower at every M. Session 15: M = 1
     GEMV tiles 16 x 1024 of 4 warps and 64 x 512 of 8 warps, 1.0-2.2x slower. Session 16: at M = 32 and 64 tiles of
     half and a quarter of the rows (two or four programs per column tile, each dequantizing the whole weight
     again), 528-1056 splits, 1.1-1.6x slower. Session 18: M = 1 GEMV tiles 32 x 512 of 8 warps split to ~132 and

@@ -19,7 +19,8 @@ def test_phases_of_a_run_and_of_a_dry_run(loop):
                                 "exit_s": pytest.approx(1.1)}
     assert loop.jobs_run(run.text) == 6
     dry = loop.Call(wall_s=1.0, cpu_s=1.1, returncode=0, lines=[(0.9, "Nothing to be done.")])
-    assert loop.phases(dry) == {"first_job_s": None, "jobs_done_s": None, "report_s": None, "exit_s": pytest.approx(0.1)}
+    assert loop.phases(dry) == {"first_job_s": None, "jobs_done_s": None, "report_s": None,
+                                "exit_s": pytest.approx(0.1)}
 
 
 def test_the_report_jobs_span_is_its_own_not_another_jobs(loop):

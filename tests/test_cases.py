@@ -103,7 +103,8 @@ def test_report_shows_golden_strength_and_flags_blind_prompts(tmp_path):
         md = b.metadata["summary"]
         routed = [np.unique(np.asarray(b[f"golden.p{i}.router_ids"])[0]) for i in range(b.metadata["prompts"])]
     row = per_golden[per_golden["precision"] == "fp32"].iloc[0]
-    assert row["experts_routed"] == md["experts_routed"] and row["experts_routed"][0] == np.unique(np.concatenate(routed)).size
+    assert (row["experts_routed"] == md["experts_routed"]
+            and row["experts_routed"][0] == np.unique(np.concatenate(routed)).size)
     assert row["n_routed_experts"] == 8 and row["n_group"] == 2 and all(1 <= x <= 2 for x in row["groups_routed"])
     fp32 = per_prompt[per_prompt["precision"] == "fp32"]
     np.testing.assert_allclose(fp32["prompt_router_margin"], md["prompt_router_margin"])

@@ -87,7 +87,8 @@ def test_slice_config_keeps_layers_experts_and_groups(imported, ct_dir):
     # 4 kept experts, 2 in each of the source's 2 groups: 2 groups of 2, topk_group and top-k as the source's
     assert (m["n_routed_experts"], m["n_group"], m["topk_group"], m["num_experts_per_tok"]) == (4, 2, 1, 2)
     assert m["source"]["layers"] == LAYERS and m["source"]["experts"] == EXPERTS
-    assert source_name(m, "model.layers.1.mlp.experts.2.up_proj.weight") == "model.layers.2.mlp.experts.4.up_proj.weight"
+    assert (source_name(m, "model.layers.1.mlp.experts.2.up_proj.weight")
+            == "model.layers.2.mlp.experts.4.up_proj.weight")
     assert source_name(m, "model.layers.0.self_attn.o_proj.weight") == "model.layers.0.self_attn.o_proj.weight"
     assert source_name(m, "lm_head.weight") == "lm_head.weight"
     q = imported[0]["quantization"]

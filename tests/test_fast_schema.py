@@ -99,7 +99,8 @@ def test_valid_results_are_not_sent_to_jsonschema(monkeypatch):
     check_result(result, "greedy", Expectations(n_prompts=1, max_new_tokens=n, vocab_size=4))
     monkeypatch.undo()
     result["runs"][0]["prompts"][0]["topk_logits"][7][1] = float("nan")
-    with pytest.raises(contract_errors.InvalidResult, match="schema at runs/0/prompts/0/topk_logits/7/1: nan is not a finite"):
+    with pytest.raises(contract_errors.InvalidResult,
+                       match="schema at runs/0/prompts/0/topk_logits/7/1: nan is not a finite"):
         check_result(result, "greedy", Expectations(n_prompts=1, max_new_tokens=n, vocab_size=4))
 
 

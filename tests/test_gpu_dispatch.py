@@ -69,7 +69,8 @@ def test_gpu_resource_capped_at_pool_size(tmp_path):
     cfg = default_config()
     cfg["models"] = {"tiny": cfg["models"]["tiny"]}
     cfg["engines"] = {"fakegpu": {
-        "command": f"{{python}} {fake} ok {records} --bundle {{bundle}} --mode {{mode}} --budget {{budget}} --output {{output}}",
+        "command": f"{{python}} {fake} ok {records} --bundle {{bundle}} --mode {{mode}} --budget {{budget}} "
+                   f"--output {{output}}",
         "sources": [str(fake)], "gpus": 1, "precisions": ["fp32"], "sandbox": False}}   # it records outside its scratch
     cfg["gpus"] = {"devices": [0, 1], "lock_dir": str(tmp_path / "locks"), "jobs_per_device": 1}   # a GPU each
     path = write_config(tmp_path / "cap.yaml", cfg)

@@ -108,7 +108,8 @@ score = greedy_decode(model, [p], 3, meta["decoding"]["top_k"], [forced])[0]
 ids = np.asarray(b["drafts.a0.p0.ids"])
 drafts = RecordedDrafts(ids, np.asarray(b["drafts.a0.p0.logprobs"]), np.full(ids.shape[:2], -1, np.int32), p.size)
 tokens, rounds = ddtree_decode(model, [p], [drafts], 4, 8)[0]
-print(json.dumps({"greedy": greedy, "score": score, "forced": forced.tolist(), "tokens": tokens, "rounds": [r.to_json() for r in rounds]}))
+print(json.dumps({"greedy": greedy, "score": score, "forced": forced.tolist(), "tokens": tokens, \
+"rounds": [r.to_json() for r in rounds]}))
 """
 
 
@@ -177,7 +178,8 @@ def test_kv_compaction_equals_reference_on_random_trees(seed):
     rows = {name: rng.standard_normal((d.layers, past + n1) + shape).astype(np.float32)
             for name, shape in (("k_nope", (d.heads, d.nope)), ("k_pe", (d.rope,)), ("v", (d.heads, d.v)))}
     for layer in range(d.layers):
-        ref.write(layer, rows["k_nope"][layer].transpose(1, 0, 2), rows["k_pe"][layer], rows["v"][layer].transpose(1, 0, 2))
+        ref.write(layer, rows["k_nope"][layer].transpose(1, 0, 2), rows["k_pe"][layer],
+                  rows["v"][layer].transpose(1, 0, 2))
         ours.write(layer, *(torch.from_numpy(rows[k][layer]) for k in ("k_nope", "k_pe", "v")))
     ref.commit(np.arange(past + n1))
     ours.commit(past + n1)

@@ -86,7 +86,8 @@ def test_dry_run_without_transformers_leaves_hf_engines_out_with_one_notice(tmp_
     assert "results/runs/hf_" not in res.stdout
     plain = default_config()
     plain["engines"].update(llama_cpp=None, vllm=None)
-    with_hf = snakemake("-n", "--directory", str(tmp_path), "--configfile", str(write_config(tmp_path / "d.yaml", plain)),
+    with_hf = snakemake("-n", "--directory", str(tmp_path),
+                        "--configfile", str(write_config(tmp_path / "d.yaml", plain)),
                         cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     assert not [line for line in with_hf.stderr.splitlines() if line.startswith("k2vec: no run of") and "hf_" in line]
     # each transformers engine: one batch job per bundle (its greedy and score runs); none while left out

@@ -168,7 +168,8 @@ def test_tensor_diff_nan_inf_and_signed_zero():
     from k2vec.kdtr.cli import tensor_diff
     a = np.array([np.nan, 1.0, 0.0, 5.0], np.float32)
     assert tensor_diff(a, a.copy(), "f32") is None
-    assert tensor_diff(a, np.array([np.nan, 1.0, -0.0, 5.0], np.float32), "f32").startswith("0/4 elements differ in value")
+    assert tensor_diff(a, np.array([np.nan, 1.0, -0.0, 5.0], np.float32), "f32").startswith(
+        "0/4 elements differ in value")
     got = tensor_diff(a, np.array([np.nan, np.inf, 0.0, 4.0], np.float32), "f32")
     assert got == "2/4 elements differ, max_abs 1, max_rel 0.2, 1 inf/nan mismatches"
     got = tensor_diff(a, np.array([1.0, 1.0, 0.0, 5.0], np.float32), "f32")
@@ -278,7 +279,8 @@ class _Terminal(io.StringIO):
     (["--tensor", "zzzzzz"], "no tensor 'zzzzzz' among its 7 (`kdtr list "),
     (["--tensor", "f", "--slice", "3"], "--slice '3' of tensor 'f' (shape [3,5]): index 3 is out of bounds for axis 0"),
     (["--tensor", "f", "--slice", "0,0,0"], "--slice '0,0,0' of tensor 'f' (shape [3,5]): too many indices"),
-    (["--tensor", "f", "--slice", "__import__('os')"], "of tensor 'f' (shape [3,5]): \"__import__('os')\" is not an integer"),
+    (["--tensor", "f", "--slice", "__import__('os')"],
+     "of tensor 'f' (shape [3,5]): \"__import__('os')\" is not an integer"),
     (["--tensor", "f", "--slice", "1:2:3:4"], "'1:2:3:4' has more than two ':'"),
     (["--tensor", "f", "--slice", "::0"], "slice step cannot be zero"),
     (["--tensor", "f", "--slice", "1,"], "an empty index"),

@@ -152,7 +152,8 @@ def test_mma_order_words_place_each_code_where_its_mma_thread_reads_it():
                 assert nibble == (codes[r][col] if col < k else 8), (r, b, c, j, e)
 
 
-@pytest.mark.parametrize("group_size, k", [(32, 160), (64, 192), (128, 256)], ids=["g32-partial", "g64-partial", "g128"])
+@pytest.mark.parametrize("group_size, k", [(32, 160), (64, 192), (128, 256)],
+                         ids=["g32-partial", "g64-partial", "g128"])
 def test_mma_order_scales_are_block_major_with_a_partial_blocks_groups_zero(group_size, k):
     from k2vec.engines.gpu_triton.kernels.int4_layout import mma_order_scales
     n, per_block = 3, 128 // group_size

@@ -117,7 +117,8 @@ def test_converter_of_another_version_or_none_is_refused(tmp_path, monkeypatch):
         converter.extract(fake_sdist(tmp_path / "bare.tar.gz", "0.3.36", with_script=False), tmp_path / "b", "0.3.36")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     monkeypatch.setenv(converter.TREE_ENV, str(tmp_path / "nowhere"))
-    with pytest.raises(converter.ConverterError, match="wheel does not ship it; run `python -m k2vec.engines.llama_cpp.converter install`"):
+    with pytest.raises(converter.ConverterError,
+                       match="wheel does not ship it; run `python -m k2vec.engines.llama_cpp.converter install`"):
         converter.find_tree()
 
 

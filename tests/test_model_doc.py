@@ -177,7 +177,8 @@ def doc_shapes(cfg) -> dict[str, list[int]]:
     E, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
 
     def mlp(p, inter):
-        return {p + "gate_proj.weight": [inter, D], p + "up_proj.weight": [inter, D], p + "down_proj.weight": [D, inter]}
+        return {p + "gate_proj.weight": [inter, D], p + "up_proj.weight": [inter, D],
+                p + "down_proj.weight": [D, inter]}
 
     s = {"model.embed_tokens.weight": [V, D], "model.norm.weight": [D], "lm_head.weight": [V, D]}
     for i in range(cfg["num_hidden_layers"]):
@@ -294,13 +295,16 @@ def test_the_constants_table_names_the_codes_constants():
 def test_each_norm_has_the_documented_eps():
     """§2's table: the three decoder norms take rms_norm_eps, the two latent norms the constant."""
     section = TEXT.split("## 2.")[1].split("## 3.")[0]
-    rows = re.findall(r"^\| `model\.(?:layers\.\{i\}\.)?(?:self_attn\.)?(\w+)`[^|]* \| [^|]+ \| (.+?) \|$", section, re.M)
+    rows = re.findall(r"^\| `model\.(?:layers\.\{i\}\.)?(?:self_attn\.)?(\w+)`[^|]* \| [^|]+ \| (.+?) \|$", section,
+                      re.M)
     eps = {name: (cell if "latent" not in cell else float(re.fullmatch(r"`latent_norm_eps` = ([0-9e.-]+), "
                                                                      r"\*\*not\*\* `rms_norm_eps`", cell).group(1)))
            for name, cell in rows}
     assert eps == {"input_layernorm": "`rms_norm_eps` (config)", "post_attention_layernorm": "`rms_norm_eps`",
-                   "norm": "`rms_norm_eps`", "q_a_layernorm": C["latent_norm_eps"], "kv_a_layernorm": C["latent_norm_eps"]}
-    for where in ("q = linear(RMSNorm(linear(h, q_a_proj), q_a_layernorm, ", "c = RMSNorm(a[:, :r_kv], kv_a_layernorm, "):
+                   "norm": "`rms_norm_eps`", "q_a_layernorm": C["latent_norm_eps"],
+                   "kv_a_layernorm": C["latent_norm_eps"]}
+    for where in ("q = linear(RMSNorm(linear(h, q_a_proj), q_a_layernorm, ",
+                  "c = RMSNorm(a[:, :r_kv], kv_a_layernorm, "):
         assert float(re.search(re.escape(where) + r"([0-9e.-]+)\)", DOC).group(1)) == C["latent_norm_eps"], where
 
 
@@ -344,7 +348,8 @@ def test_rope_tables(case):
 
 def test_the_zero_width_ramp_case_uses_the_widening():
     doc = doc_rope_tables(ROPE_CASES[-1].config, 16)
-    assert doc["high"] - doc["low"] == pytest.approx(C["zero_width_ramp"]) and 0 < 5 - doc["low"] < doc["high"] - doc["low"]
+    assert (doc["high"] - doc["low"] == pytest.approx(C["zero_width_ramp"])
+            and 0 < 5 - doc["low"] < doc["high"] - doc["low"])
 
 
 def test_rope_rotates_interleaved_pairs():

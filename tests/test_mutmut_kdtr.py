@@ -179,7 +179,8 @@ def test_directory_that_ends_at_the_end_of_the_file():
     assert len(data) == 320 and struct.unpack_from("<Q", data, 88 + 72)[0] == 320
     data = _edited(bytes(data), (16, _q(256)), (56, _q(0)), (64, _q(256)), (88 + 72, _q(256)), cut=256)
     err = _error(data)   # the directory may reach the end; the empty metadata is the fault
-    assert (err.field, err.offset, err.reason) == ("metadata", 256, "not valid JSON: Expecting value at metadata byte 0")
+    assert (err.field, err.offset, err.reason) == ("metadata", 256,
+                                                   "not valid JSON: Expecting value at metadata byte 0")
 
 
 def test_entry_of_exactly_96_bytes_left_is_parsed():

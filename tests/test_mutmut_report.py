@@ -212,14 +212,16 @@ NEAR, ROUTER = 0.01, 0.02
 # margin, golden_gap, router_margin, noise_credit (the noise model's, report/noise.py) -> class, noise, over_budget
 CASES = [
     ("greedy", "float32", None, None, None, 5e-4, None, 5e-4, None, None, None, None, None, "exact", None, None),
-    ("greedy", "float32", None, None, None, 1e-3, None, 1e-3, None, None, None, None, None, "exact", None, None),  # at the budget
+    # at the budget
+    ("greedy", "float32", None, None, None, 1e-3, None, 1e-3, None, None, None, None, None, "exact", None, None),
     ("greedy", "float32", None, None, None, 2e-3, None, 0, None, None, None, None, None, "over-budget", None,
      "logit error 0.002 > logit_abs 0.001"),
     ("greedy", "float32", None, None, None, 0, None, 3e-3, None, None, None, None, None, "over-budget", None,
      "fingerprint rel. error 0.003 > hidden_rel 0.001"),
     ("greedy", "float32", None, None, None, 2e-3, None, 3e-3, None, None, None, None, None, "over-budget", None,
      "logit error 0.002 > logit_abs 0.001"),                                      # the logit reason first
-    ("greedy", "bfloat16", None, None, None, 7.0, None, 50.0, None, None, None, None, None, "exact", None, None),  # hidden_rel null
+    # hidden_rel null
+    ("greedy", "bfloat16", None, None, None, 7.0, None, 50.0, None, None, None, None, None, "exact", None, None),
     ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.005, 5.0, 0.001, 0.1, "near-tie", 0.1, None),
     ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.01, 5.0, 0.001, 0.1, "router-near-tie", 0.1, None),
     ("greedy", "bfloat16", 3, 0.1, None, 20.0, None, None, None, 0.5, 0.2, 0.02, 0.1, "precision-tie", 0.1, None),
@@ -235,16 +237,16 @@ CASES = [
      "fingerprint rel. error before the divergence 0.002 > hidden_rel 0.001"),
     ("ddtree", "bfloat16", 3, 0.1, None, 20.0, None, None, "kl_mean 0.3 > 0.2", 0.001, 0.1, 0.001, 0.1, "real", 0.1,
      "score run over budget: kl_mean 0.3 > 0.2"),
-    ("greedy", "bfloat16", None, None, None, 1.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, None, "over-budget",
-     None, "score run over budget: kl_mean 0.3 > 0.2"),
-    ("greedy", "bfloat16", None, None, None, 9.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, None, "over-budget",
-     None, "logit error 9 > logit_abs 8"),                       # its own reason before the score run's
+    ("greedy", "bfloat16", None, None, None, 1.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, None,
+     "over-budget", None, "score run over budget: kl_mean 0.3 > 0.2"),
+    ("greedy", "bfloat16", None, None, None, 9.0, None, None, "kl_mean 0.3 > 0.2", None, None, None, None,
+     "over-budget", None, "logit error 9 > logit_abs 8"),        # its own reason before the score run's
     ("score", "bfloat16", None, None, None, 7.5, None, None, None, None, None, None, None, "exact", None, None),
     ("score", "bfloat16", 2, 0.5, 7.5, 7.5, None, None, None, 0.001, 0.1, 0.001, None, "within-budget", None, None),
     ("score", "bfloat16", 2, 0.5, 9.0, 9.0, None, None, None, 0.001, 0.1, 0.001, None, "over-budget", None,
      "logit error 9 > logit_abs 8"),
-    ("score", "bfloat16", None, None, None, 1.0, None, None, "same top-1 0.5 < 0.8", None, None, None, None, "over-budget",
-     None, "score run over budget: same top-1 0.5 < 0.8"),
+    ("score", "bfloat16", None, None, None, 1.0, None, None, "same top-1 0.5 < 0.8", None, None, None, None,
+     "over-budget", None, "score run over budget: same top-1 0.5 < 0.8"),
     ("greedy", None, 3, None, None, 100.0, None, None, None, 0.5, 0.01, 0.5, None, "real", None, None),  # no precision
 ]
 
@@ -289,7 +291,8 @@ def test_score_stats_by_hand():
     assert {k: a[k] for k in ("run", "engine", "model", "precision", "precision_class", "reference", "prompts",
                               "positions", "verdict", "over_budget")} == {
         "run": "a", "engine": "e", "model": "m", "precision": "fp32", "precision_class": "bfloat16",
-        "reference": False, "prompts": 2, "positions": 6, "verdict": "over budget", "over_budget": "kl_mean 0.233 > 0.2"}
+        "reference": False, "prompts": 2, "positions": 6, "verdict": "over budget",
+        "over_budget": "kl_mean 0.233 > 0.2"}
     assert a["same_top1"] == pytest.approx(0.875) and a["kl_mean"] == pytest.approx(1.4 / 6)
     assert a["kl_p99"] == pytest.approx(0.3 + 0.95 * 0.2) and a["kl_max"] == 0.5
     assert a["logit_nmse"] == pytest.approx(1.0 / 15)

@@ -51,7 +51,8 @@ def greedy(edit):
 
 @pytest.mark.parametrize("result, mode, message", [
     ([], "greedy", "result does not match the schema at (top level): [] is not of type 'object'"),
-    (greedy(lambda r: r.update(device=5)), "greedy", "result does not match the schema at device: 5 is not of type 'string'"),
+    (greedy(lambda r: r.update(device=5)), "greedy",
+     "result does not match the schema at device: 5 is not of type 'string'"),
     (greedy(lambda r: r.update(timing={"load_s": -1.5})), "greedy",
      "result does not match the schema at timing/load_s: -1.5 is less than the minimum of 0"),
     (greedy(lambda r: r["runs"][0]["prompts"].pop()), "greedy", "run 0: 1 prompts, the bundle has 2"),
@@ -72,13 +73,17 @@ def greedy(edit):
      "[P + N - 1 fed positions (prompt, then golden tokens)][MoE layers][num_experts_per_tok]"),
     (greedy_routing([[[0, 1], [7, 2]]] * 4), "greedy",
      "prompt 1: router_experts is [4, 2, 2], expected [3, 2, 2]: [N steps][MoE layers][num_experts_per_tok]"),
-    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 2]], [[0, 9], [7, 2]], [[0, 1], [8, 2]]])),
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 2]], [[0, 9], [7, 2]],
+                                                [[0, 1], [8, 2]]])),
      "score", "prompt 1: router_experts[2, 0, 1] = 9 is not an expert (n_routed_experts = 8)"),
-    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 7]], [[0, 1], [7, 2]], [[1, 1], [7, 2]]])),
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 7]], [[0, 1], [7, 2]],
+                                                [[1, 1], [7, 2]]])),
      "score", "prompt 1: router_experts[1, 1] names an expert twice"),
-    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 2]], [[0, 1], [2, 7]], [[1, 2], [0, 2]]])),
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[0, 1], [7, 2]], [[0, 1], [2, 7]],
+                                                [[1, 2], [0, 2]]])),
      "score", None),   # the same expert in two layers, or at two positions, is fine
-    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[2, 1], [1, 2]], [[0, 1], [7, 2]], [[1, 2], [0, 2]]])),
+    (prompt1(lambda p: p.update(router_experts=[[[0, 1], [7, 2]], [[2, 1], [1, 2]], [[0, 1], [7, 2]],
+                                                [[1, 2], [0, 2]]])),
      "score", None),   # experts listed in any order; sorting across layers would see a repeat
     (prompt1(lambda p: p.update(router_experts=[[[0, 2**70], [7, 2]]] * 4)), "score",
      "result does not match the schema at runs/0/prompts/1/router_experts/0/0/1: 1180591620717411303424 is "
@@ -160,7 +165,8 @@ def test_expectations_at_their_edges(tmp_path):
     ({"golden_prompts": 0}, "metadata golden.prompts is 0, expected a positive integer"),
     ({"accuracies": ""}, "metadata golden.ddtree.accuracies is '', expected a list of numbers"),
     ({"hf_config": {"num_hidden_layers": 3}},
-     "metadata hf_config lacks integer num_hidden_layers, first_k_dense_replace, n_routed_experts, num_experts_per_tok"),
+     "metadata hf_config lacks integer num_hidden_layers, first_k_dense_replace, n_routed_experts, "
+     "num_experts_per_tok"),
     ({"golden_prompts": 3}, "tensor prompt.p2.tokens is missing (metadata golden.prompts = 3)"),
     ({"golden_prompts": 2, "prompts": 1}, "tensor prompt.p1.tokens is missing (metadata golden.prompts = 2)"),
 ])
@@ -285,7 +291,8 @@ def test_run_record_and_what_the_engine_is_given(tmp_path, monkeypatch):
     script.write_text(
         "import json, os, sys\n"
         f"json.dump({{'argv': sys.argv[1:], 'python': sys.executable, 'tmp': os.environ['TMPDIR'], "
-        f"'workdir': os.environ['K2VEC_WORKDIR'], 'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), 'cwd': os.getcwd()}}, "
+        f"'workdir': os.environ['K2VEC_WORKDIR'], 'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), "
+        f"'cwd': os.getcwd()}}, "
         f"open({str(seen)!r}, 'w'))\nprint('to stdout')\n"
         f"json.dump({good_result('ddtree')!r}, open(sys.argv[4], 'w'))\n")
     err = tmp_path / "e.log"
@@ -331,8 +338,9 @@ def test_sandboxed_run_hides_the_results_directory(tmp_path):
         "os.makedirs(os.environ['HOME'], exist_ok=True)\n"
         f"json.dump({good_result()!r}, open(sys.argv[2], 'w'))\n")
     r = run_engine(engine="e", command=f"{{python}} {script} {{bundle}} {{output}}", bundle=str(bundle(tmp_path)),
-                   mode="greedy", output=str(results / "run.json"), gpus=0, devices=[], lock_dir=str(tmp_path / "locks"),
-                   timeout_s=30.0, stderr_path=str(results / "e.log"), max_result_mb=1.0,
+                   mode="greedy", output=str(results / "run.json"), gpus=0, devices=[],
+                   lock_dir=str(tmp_path / "locks"), timeout_s=30.0, stderr_path=str(results / "e.log"),
+                   max_result_mb=1.0,
                    scratch_dir=str(tmp_path / "s"), expect=EXPECT, sandbox=True, results_dir=str(results))
     assert r["status"] == "ok", (r["reason"], r.get("stderr_tail"))
     assert r["sandbox"] is True and not (results / "escape.txt").exists()

@@ -23,8 +23,10 @@ def tiny(**settings):
 
 
 REJECTED = [
-    (lambda c: c["models"].update(tiny="tiny"), "models.tiny", "must be a mapping with a 'preset' or a 'checkpoint' key"),
-    (tiny(preset="tinny"), "models.tiny.preset", "unknown preset 'tinny'; choose one of ['k2layer', 'k2slice', 'small', 'tiny']"),
+    (lambda c: c["models"].update(tiny="tiny"), "models.tiny",
+     "must be a mapping with a 'preset' or a 'checkpoint' key"),
+    (tiny(preset="tinny"), "models.tiny.preset",
+     "unknown preset 'tinny'; choose one of ['k2layer', 'k2slice', 'small', 'tiny']"),
     (tiny(hidden=64), "models.tiny.hidden", "unknown model setting; known: " + str(sorted(PRESETS["tiny"]))),
     (tiny(num_hidden_layers=0), "models.tiny.num_hidden_layers", "must be a positive integer, got 0"),
     (tiny(vocab_size=True), "models.tiny.vocab_size", "must be a positive integer, got True"),
@@ -206,8 +208,9 @@ def test_command_template_errors_say_where():
         "for a brace the shell should see, write it twice ({{ or }})")
     assert engine_error({"command": "awk '{print}' {bundle} {output}"}) == (
         "engines.bad.command",
-        "unknown placeholder {print} at character 6 (near \"awk '{print}' {bundle} {output\"); known: {bundle}, {mode}, "
-        "{budget}, {output}, {batch}, {gpus}, {python}; for a brace the shell should see, write it twice ({{ or }})")
+        "unknown placeholder {print} at character 6 (near \"awk '{print}' {bundle} {output\"); "
+        "known: {bundle}, {mode}, {budget}, {output}, {batch}, {gpus}, {python}; "
+        "for a brace the shell should see, write it twice ({{ or }})")
     assert engine_error({"command": "run {bundle} {output} }"}) == (
         "engines.bad.command",
         "stray '}' at character 23 (near 'run {bundle} {output} }'); "

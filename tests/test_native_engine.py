@@ -1,6 +1,7 @@
 """The native C++ engine (engines/native): built by the pipeline (the default run, conftest's `pipeline`) and by
-hand, run on the four default bundles in every mode it implements, and judged `exact` by the report; under AddressSanitizer + UBSan it runs them
-clean; a source edit reruns its build and runs only; without cmake or a C++ compiler it is left out."""
+hand, run on the four default bundles in every mode it implements, and judged `exact` by the report; under
+AddressSanitizer + UBSan it runs them clean; a source edit reruns its build and runs only; without cmake or a C++
+compiler it is left out."""
 import os
 import shutil
 import subprocess
@@ -149,7 +150,8 @@ def test_a_failing_requires_check_leaves_the_engine_out(tmp_path):
         "nlohmann/json.hpp", "nlohmann/k2vec_no_such_header.hpp")
     why = failing_checks(cfg)["native"]
     assert why.startswith("\"printf '#if !__has_include(<nlohmann/k2vec_no_such_header.hpp>)") and \
-        why.endswith("failed (exit code 1: <stdin>:2:2: error: #error nlohmann/k2vec_no_such_header.hpp not found)"), why
+        why.endswith("failed (exit code 1: <stdin>:2:2: error: "
+                     "#error nlohmann/k2vec_no_such_header.hpp not found)"), why
     assert_left_out(tmp_path, cfg, "k2vec: no run of engine native: \"printf '#if !__has_include(<nlohmann/k2vec_no")
 
 

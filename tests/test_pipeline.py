@@ -379,7 +379,8 @@ def test_hf_bf16_engine_with_a_real_bug_is_real_and_fails_the_gate(hf_bug_run, b
 # ------------------------------------------------------------------ GPU slots, failure isolation
 
 def fake_engines(record_dir, kernel):
-    cmd = f"{{python}} {FAKE} {{behaviour}} {record_dir} --bundle {{bundle}} --mode {{mode}} --budget {{budget}} --output {{output}}"
+    cmd = (f"{{python}} {FAKE} {{behaviour}} {record_dir} --bundle {{bundle}} --mode {{mode}} --budget {{budget}} "
+           f"--output {{output}}")
     # unsandboxed: they record where and when they ran in `record_dir`, outside their scratch
     one = {"models": ["tiny"], "precisions": ["fp32"], "modes": ["greedy"], "sandbox": False}
     return {
@@ -434,7 +435,8 @@ def test_failing_engines_give_failed_results(fake_run, engine, reason):
     root = fake_run[0]
     out = root / f"results/runs/{engine}"
     # no partial files; the result and its sha256 record
-    assert sorted(p.name for p in out.iterdir()) == ["tiny-fp32-greedy.json", "tiny-fp32-greedy.json.hmac", "tiny-fp32-greedy.json.sha256"]
+    assert sorted(p.name for p in out.iterdir()) == ["tiny-fp32-greedy.json", "tiny-fp32-greedy.json.hmac",
+                                                     "tiny-fp32-greedy.json.sha256"]
     r = json.loads((out / "tiny-fp32-greedy.json").read_text())
     assert r["status"] == "failed" and reason in r["reason"], r["reason"]
     if engine == "crash":

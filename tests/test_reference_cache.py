@@ -180,7 +180,8 @@ def test_gathered_is_a_new_cache_of_the_selected_rows(model):
     cache = model.new_cache()
     model.forward(ctx, cache=cache)
     model.forward([20, 21, 22], positions=[n, n, n + 1], cache=cache,
-                  mask=np.concatenate([np.ones((3, n), bool), np.array([[1, 0, 0], [0, 1, 0], [0, 1, 1]], bool)], axis=1))
+                  mask=np.concatenate([np.ones((3, n), bool), np.array([[1, 0, 0], [0, 1, 0], [0, 1, 1]], bool)],
+                                      axis=1))
     path = list(range(n)) + [n + 1, n + 2]  # the context, then 21 -> 22
     before = [a.copy() for a in rows_of(cache)]
     new = cache.gathered(path, spare=5)

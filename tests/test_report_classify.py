@@ -99,8 +99,10 @@ def test_divergence_within_the_engines_own_noise_is_a_precision_tie_and_a_bug_is
     })
     r = get(m, "bf16", p, "greedy")
     assert r["class"] == "precision-tie" and r["first_step"] == k
-    assert r["golden_gap"] == pytest.approx(gap) and r["golden_gap"] <= 2 * r["noise"] <= 2 * DEFAULT_BUDGETS["bfloat16"]["logit_abs"]
-    assert get(m, "bug", p)["class"] == "real" and "logit error before the divergence" in get(m, "bug", p)["over_budget"]
+    assert (r["golden_gap"] == pytest.approx(gap)
+            and r["golden_gap"] <= 2 * r["noise"] <= 2 * DEFAULT_BUDGETS["bfloat16"]["logit_abs"])
+    assert (get(m, "bug", p)["class"] == "real"
+            and "logit error before the divergence" in get(m, "bug", p)["over_budget"])
     # float32's budget (1e-3) does not cover a noise of about the gap
     assert get(m, "fp32", p)["class"] == "real"
     # the other prompts of the buggy engine: tokens equal, logits 12 off
@@ -109,7 +111,8 @@ def test_divergence_within_the_engines_own_noise_is_a_precision_tie_and_a_bug_is
         ["exact", "within-budget"])).all()
 
     # the same correct greedy run, but the engine's score run is over budget: no tie credit
-    m2 = judge(tmp_path, goldens, {"bf16": ("greedy", "bfloat16", fine), "bf16#score": ("score", "bfloat16", score_bad)})
+    m2 = judge(tmp_path, goldens, {"bf16": ("greedy", "bfloat16", fine),
+                                   "bf16#score": ("score", "bfloat16", score_bad)})
     assert m2.score_runs.iloc[0]["verdict"] == "over budget"
     r = m2.rows[(m2.rows["prompt"] == p) & (m2.rows["mode"] == "greedy")].iloc[0]
     assert r["class"] == "real" and r["over_budget"].startswith("score run over budget")
@@ -228,7 +231,8 @@ def test_reference_model_without_routed_scaling_fails_a_bfloat16_budget(tmp_path
     m = compute_metrics(runs, goldens)
     sr = m.score_runs.set_index("engine")
     assert sr.loc["correct", "verdict"] == "within budget" and sr.loc["correct", "kl_max"] == 0.0
-    assert sr.loc["noscale", "verdict"] == "over budget" and sr.loc["noscale", "kl_mean"] > DEFAULT_BUDGETS["bfloat16"]["kl_mean"]
+    assert (sr.loc["noscale", "verdict"] == "over budget"
+            and sr.loc["noscale", "kl_mean"] > DEFAULT_BUDGETS["bfloat16"]["kl_mean"])
     assert set(m.rows.loc[m.rows["engine"] == "noscale", "class"]) == {"over-budget"}
     assert set(m.rows.loc[m.rows["engine"] == "correct", "class"]) == {"exact"}
     assert m.strict_problem is not None
@@ -253,7 +257,8 @@ def test_format_effect_row_reproduces_the_fp32_vs_int4_figures(tmp_path, goldens
                           "result": str(tmp_path / "tiny.json"), "reference": True}], goldens)
     assert m.rows.empty   # not an engine under test: nothing for the gate
     (ref,) = m.score_runs.itertuples()
-    assert (ref.engine, ref.reference, ref.verdict, ref.precision_class) == ("int4-format", True, "reference", "float32")
+    assert ((ref.engine, ref.reference, ref.verdict, ref.precision_class)
+            == ("int4-format", True, "reference", "float32"))
     fe, fs = m.format_effect.set_index("prompt"), m.format_steps
     assert fe["first_step"].notna().any()   # else the comparison below says nothing past a divergence
     for p, grp in m.score_reference_steps.groupby("prompt"):

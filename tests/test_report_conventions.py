@@ -206,7 +206,8 @@ def test_only_the_undeclared_convention_fails_the_gate(goldens, variant, results
 def test_the_summary_names_the_convention_and_how_to_accept_it(goldens, variant, results, tmp_path):
     res = build_report([r for r in results if r["engine"] in (RMS.name, "rms-eps-declared", "golden-eps")],
                        fp32(goldens), tmp_path, conventions=variant)
-    assert f"CONVENTION: {RMS.name} tiny/fp32: 8 rows off the golden" in res.summary   # 2 prompts x (greedy, score, 2 accuracies)
+    # 2 prompts x (greedy, score, 2 accuracies)
+    assert f"CONVENTION: {RMS.name} tiny/fp32: 8 rows off the golden" in res.summary
     assert LABEL in res.summary and f"engines.{RMS.name}.conventions: [{NAME}]" in res.summary
     assert f"convention: rms-eps-declared judged against the variant {LABEL} (declared" in res.summary
     named = [line for line in res.summary.splitlines() if line.lower().startswith("  convention:")]

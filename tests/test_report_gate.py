@@ -112,7 +112,8 @@ def test_left_out_engines_are_named_everywhere(tmp_path, goldens, fail_on_left_o
     out = tmp_path / "report"
     why = "no GPU: needs 1 per run, the pool has 0 (gpus.devices)"
     rc = main(["--out", str(out), "--golden", "tiny", "fp32", str(golden), "--run", "e", "tiny", "fp32", "greedy",
-               str(result), "--left-out", "gpu_e", why, "--strict"] + (["--fail-on-left-out"] if fail_on_left_out else []))
+               str(result), "--left-out", "gpu_e", why, "--strict"]
+              + (["--fail-on-left-out"] if fail_on_left_out else []))
     summary = (out / "summary.txt").read_text()
     html = (out / "divergence.html").read_text()
     engines = pd.read_csv(out / "engines.csv", keep_default_na=False)

@@ -222,7 +222,8 @@ def test_counts_are_singular_for_one(one_engine_report):
     plurals_of_one = re.findall(r"\b1 (?:runs|engines|engine runs|rows|prompts|traces|trees)\b", rep.summary + text)
     assert plurals_of_one == []
     assert [plural(n, "engine") for n in (0, 1, 2, 1000)] == ["0 engines", "1 engine", "2 engines", "1,000 engines"]
-    assert plural(1, "row exceeds", "rows exceed") == "1 row exceeds" and plural(3, "row exceeds", "rows exceed") == "3 rows exceed"
+    assert (plural(1, "row exceeds", "rows exceed") == "1 row exceeds"
+            and plural(3, "row exceeds", "rows exceed") == "3 rows exceed")
 
 
 def test_ranks_are_one_based_and_token_ids_plain(one_engine_report):
@@ -237,7 +238,8 @@ def test_ranks_are_one_based_and_token_ids_plain(one_engine_report):
     assert cells.count("2 / 2") == len(rep.rows)
     golden_ids = [int(gold[f"golden.p{p}.tokens"][2]) for p in range(len(rep.rows))]
     engine_ids = [int(gold[f"golden.p{p}.topk_ids"][2, 1]) for p in range(len(rep.rows))]
-    assert sorted(c for c in cells if "\u2192" in c) == sorted(f"{g} \u2192 {e}" for g, e in zip(golden_ids, engine_ids))
+    assert (sorted(c for c in cells if "\u2192" in c)
+            == sorted(f"{g} \u2192 {e}" for g, e in zip(golden_ids, engine_ids)))
     assert (fmt(163839, "id"), fmt(0, "rank"), fmt(163839, "int")) == ("163839", "1", "163,839")
     assert "1 = top" in rep.paths["html"].read_text()
 

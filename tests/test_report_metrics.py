@@ -164,7 +164,8 @@ def test_near_tie_threshold_decides_near_tie_vs_real(tmp_path, goldens, gold):
     for prompt in res["runs"][0]["prompts"]:
         del prompt["router_experts"]
     both = metrics_for(tmp_path, goldens, {"e": ("greedy", res)}, near_tie=margins[p, k] * 1.01, router_near_tie=np.inf)
-    router = metrics_for(tmp_path, goldens, {"e": ("greedy", res)}, near_tie=margins[p, k] * 0.99, router_near_tie=np.inf)
+    router = metrics_for(tmp_path, goldens, {"e": ("greedy", res)}, near_tie=margins[p, k] * 0.99,
+                         router_near_tie=np.inf)
     assert row(both, "e", p)["class"] == "near-tie" and pd.isna(row(both, "e", p)["router_layer"])
     assert row(router, "e", p)["class"] == "router-near-tie"
 

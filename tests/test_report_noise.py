@@ -116,7 +116,8 @@ def test_greedy_only_engines_are_judged_as_fairly(tmp_path, goldens, weights, no
     factor missing (tiny's is 2.5) every row fails."""
     spec = _tiny_spec()
     results = {"correct": {"greedy": emulated(goldens, weights, "greedy")},
-               "no_scaling": {"greedy": emulated(goldens, weights, "greedy", scale=1.0 / spec["routed_scaling_factor"])}}
+               "no_scaling": {"greedy": emulated(goldens, weights, "greedy",
+                                                 scale=1.0 / spec["routed_scaling_factor"])}}
     m = judge(tmp_path, goldens, noise, results)
     assert not classes(m, "correct") & FAILING
     assert classes(m, "no_scaling") <= FAILING
@@ -126,7 +127,8 @@ def test_tie_credit_comes_from_the_noise_model_not_the_engines_own_errors(tmp_pa
     """Two engines flip the same step; one has ten times the other's logit errors before it. Their credit
     is the same, the noise model's at that step, and the noisy one gains no tie the quiet one lacks."""
     from support.synthetic import perfect_result
-    quiet, loud = perfect_result(goldens[("tiny", "fp32")], "greedy"), perfect_result(goldens[("tiny", "fp32")], "greedy")
+    quiet, loud = (perfect_result(goldens[("tiny", "fp32")], "greedy"),
+                   perfect_result(goldens[("tiny", "fp32")], "greedy"))
     step = 6
     for r in (quiet, loud):
         flip(r, 0, step, gold)

@@ -236,7 +236,8 @@ def test_a_clean_engine_is_told_its_resolution_and_its_float32_run(goldens, nois
         return
     (line,) = mine
     assert line.startswith(f"CLEAN {case.name} tiny/fp32: clean at bfloat16 down to hidden-state rel. error "
-                           f"{res['hidden_rel']:.2e} (by layer {', '.join(f'{v:.2e}' for v in res['hidden_rel_layers'])}), "
+                           f"{res['hidden_rel']:.2e} "
+                           f"(by layer {', '.join(f'{v:.2e}' for v in res['hidden_rel_layers'])}), "
                            f"logit error {res['logit_abs']:.2e}, KL {res['kl']:.2e}; ")
     assert line.endswith("bugs smaller than that (e.g. router_logits_bf16 of the catalogue) need the float32 run of "
                          "this engine: correct-fp32 (left out of this run)")
@@ -249,7 +250,8 @@ def test_a_clean_engine_is_told_its_resolution_and_its_float32_run(goldens, nois
 def test_a_bundle_with_no_clean_engine_still_states_its_resolution(goldens, weights, noise, tmp_path):
     m = judge(tmp_path, goldens, noise, {"bug": {"score": emulated(goldens, weights, "score", scale=0.9)}})
     (line,) = [x.strip() for x in summary_text(m).splitlines() if x.strip().startswith("resolution ")]
-    assert line.startswith("resolution tiny/fp32 at bfloat16: the noise model's verdict resolves hidden-state rel. error ")
+    assert line.startswith("resolution tiny/fp32 at bfloat16: the noise model's verdict resolves "
+                           "hidden-state rel. error ")
     assert line.endswith("need a float32 run (no mutation run: `snakemake mutation_report` names the catalogue's "
                          "bugs below it)")
     assert "CLEAN" not in summary_text(m)
@@ -263,12 +265,13 @@ class FamilyCase:
 
 
 FAMILY_CASES = [
-    FamilyCase("dtype-flag", {"hf_fp32": ("OMP_NUM_THREADS=1 {python} -m k2vec.engines.hf --dtype float32 --batch {batch}",
-                                          "float32"),
-                              "hf_bf16": ("OMP_NUM_THREADS=2 {python} -m k2vec.engines.hf --dtype bfloat16 --batch {batch}",
-                                          "bfloat16")}, {"hf_bf16": "hf_fp32"}),
+    FamilyCase("dtype-flag", {"hf_fp32": ("OMP_NUM_THREADS=1 {python} -m k2vec.engines.hf --dtype float32 "
+                                          "--batch {batch}", "float32"),
+                              "hf_bf16": ("OMP_NUM_THREADS=2 {python} -m k2vec.engines.hf --dtype bfloat16 "
+                                          "--batch {batch}", "bfloat16")}, {"hf_bf16": "hf_fp32"}),
     FamilyCase("another-program", {"numpy": ("{python} -m k2vec.engines.numpy_engine --batch {batch}", "float32"),
-                                   "gpu_bf16": ("{python} -m k2vec.engines.gpu_triton --batch {batch}", "bfloat16")}, {}),
+                                   "gpu_bf16": ("{python} -m k2vec.engines.gpu_triton --batch {batch}", "bfloat16")},
+               {}),
     FamilyCase("first-by-name", {"b32": ("./eng --fp32 --output {output}", "float32"),
                                  "a32": ("./eng --output {output}", "float32"),
                                  "bf": ("./eng --bf16 --output {output}", "bfloat16")}, {"bf": "a32"}),
@@ -287,7 +290,8 @@ def test_the_default_config_names_each_reduced_engine_its_float32_one():
 
     from conftest import REPO
     cfg = yaml.safe_load((REPO / "config.yaml").read_text())
-    engines = {n: {"command": e["command"], "precision": e.get("precision", "float32")} for n, e in cfg["engines"].items()}
+    engines = {n: {"command": e["command"], "precision": e.get("precision", "float32")}
+               for n, e in cfg["engines"].items()}
     assert float32_counterparts(engines) == {"gpu_bf16": "gpu_fp32", "hf_bf16": "hf_fp32"}
 
 
@@ -338,7 +342,8 @@ def test_the_mutation_run_writes_what_the_report_reads(tmp_path):
     path = tmp_path / "mutation_resolution.csv"
     by_bundle.to_csv(path, index=False)
     nm = _model(np.ones((2, 10, 3)), np.ones((2, 10)), np.ones((2, 10)), np.ones((2, 10)))
-    read = resolution_table({(m, p, "bfloat16"): nm for m, p in shas}, {k: SimpleNamespace(sha256=s) for k, s in shas.items()},
+    read = resolution_table({(m, p, "bfloat16"): nm for m, p in shas},
+                            {k: SimpleNamespace(sha256=s) for k, s in shas.items()},
                             RULE, path).set_index("precision")["below"]
     assert read["fp32"] == ["router_logits_bf16"] and read["int4"] == ["experts_gelu"]
     scores = pd.DataFrame({"mutant": ["router_logits_bf16", "experts_gelu", "experts_gelu"],

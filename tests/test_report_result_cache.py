@@ -1,5 +1,5 @@
-"""The report's result cache (k2vec/engines/contract/result_cache.py): a second report parses only the results whose bytes
-changed, writes the same outputs as a report without a cache, and keeps only its own entries; a report whose plots
+"""The report's result cache (k2vec/engines/contract/result_cache.py): a second report parses only the results whose
+bytes changed, writes the same outputs as a report without a cache, and keeps only its own entries; a report whose plots
 are all cached does not load matplotlib."""
 import json
 import subprocess
@@ -81,8 +81,8 @@ def test_a_report_with_its_plots_cached_does_not_load_matplotlib(tmp_path, golde
     loaded = []
     for out in ("a", "b"):   # the first draws the plots, the second finds them all in the cache
         res = subprocess.run([sys.executable, "-c", script, str(spec), str(tmp_path / out), str(tmp_path / "cache")],
-                             capture_output=True, text=True, env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
-                             timeout=300)
+                             capture_output=True, text=True,
+                             env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"}, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         loaded.append(res.stdout.strip() != "[]")
     assert loaded == [True, False]

@@ -31,12 +31,13 @@ def tiny_config() -> dict:
     config["engines"] = {"numpy": engine}
     engine["precisions"] = ["int4"]
     # one run per process (rule engine_run): the hold below follows the greedy run's {mode}
-    engine["command"] = ("OPENBLAS_NUM_THREADS=1 {python} -m k2vec.engines.numpy_engine --bundle {bundle} --mode {mode} "
-                         "--budget {budget} --output {output}")
+    engine["command"] = ("OPENBLAS_NUM_THREADS=1 {python} -m k2vec.engines.numpy_engine --bundle {bundle} "
+                         "--mode {mode} --budget {budget} --output {output}")
     # unsandboxed: the held engine announces its pid in a file outside its scratch directory
     engine["sandbox"] = False
     # With the variable set, the greedy run's engine stays alive after writing its result until killed.
-    engine["command"] += (f' && if [ -n "${HOLD_ENGINE_ENV}" ] && [ {{mode}} = greedy ]; then echo $$ > "${HOLD_ENGINE_ENV}.tmp"'
+    engine["command"] += (f' && if [ -n "${HOLD_ENGINE_ENV}" ] && [ {{mode}} = greedy ]; then'
+                          f' echo $$ > "${HOLD_ENGINE_ENV}.tmp"'
                           f' && mv "${HOLD_ENGINE_ENV}.tmp" "${HOLD_ENGINE_ENV}"; exec sleep 600; fi')
     return config
 
@@ -241,7 +242,8 @@ def test_sigkill_in_each_stage_in_turn_then_plain_rerun_completes_identically(cl
     res = plain_snakemake(root, "--cores", "2")
     assert res.returncode == 0, res.stderr[-4000:]
     assert "removed the Snakemake lock left by a killed run" in res.stderr
-    assert "temporary file(s) or directories of killed runs" in res.stderr and str(left[0].relative_to(root)) in res.stderr
+    assert ("temporary file(s) or directories of killed runs" in res.stderr
+            and str(left[0].relative_to(root)) in res.stderr)
     assert temporaries(root / "results") == []
     assert not list((root / ".snakemake/locks").glob("*.lock"))
     resumed = outputs(root)

@@ -108,7 +108,8 @@ def score_result():
                 "topk_logits": [[2.0, 1.0], [3.0, 3.0], [1.0, -1.0]],
                 "router_experts": [[[0, 1], [7, 2]]] * (P + 3 - 1),
                 "fingerprints": [[[0.5] * 4] * 3] * 3}
-    return {"format": "k2vec-engine-result", "version": 1, "runs": [{"drafter": None, "prompts": [prompt(4, 9), prompt(2, 8)]}]}
+    return {"format": "k2vec-engine-result", "version": 1,
+            "runs": [{"drafter": None, "prompts": [prompt(4, 9), prompt(2, 8)]}]}
 
 
 def test_score_mode_result_is_accepted():

@@ -45,8 +45,9 @@ def fake_nvidia_smi(tmp_path, monkeypatch, body: str | None = None) -> None:
 def run_on(tmp_path, command, gpus=0, devices=(), timeout_s=10.0, max_result_mb=1.0, expect=EXPECT,
            bundle=None):
     out = tmp_path / "results" / "run.json"
-    result = run_engine(engine="fake", command=command, bundle=bundle or tiny_bundle(tmp_path), mode="greedy", output=str(out),
-                        expect=expect, gpus=gpus, devices=list(devices), lock_dir=str(tmp_path / "locks"),
+    result = run_engine(engine="fake", command=command, bundle=bundle or tiny_bundle(tmp_path), mode="greedy",
+                        output=str(out), expect=expect, gpus=gpus, devices=list(devices),
+                        lock_dir=str(tmp_path / "locks"),
                         timeout_s=timeout_s, stderr_path=str(tmp_path / "stderr.log"), max_result_mb=max_result_mb,
                         scratch_dir=str(tmp_path / "scratch"))
     assert json.loads(out.read_text()) == result
@@ -182,7 +183,8 @@ HEAD = '{"format": "k2vec-engine-result", "version": 1, "runs": [{"drafter": nul
      f"nests arrays/objects 200003 deep (reached at byte {len(HEAD) + 199999}); the limit is {MAX_RESULT_NESTING}"),
     ("nested 300 deep in a free key", dump_with("r['timing'] = {'x': json.loads('[' * 300 + ']' * 300)}"),
      "nests arrays/objects 302 deep"),
-    ("5,000-digit integer", raw(f"{HEAD!r} + '[{{\"tokens\": [' + '9' * 5000 + ', 1, 1]}}, {{\"tokens\": [2, 2, 2]}}]}}]}}'"),
+    ("5,000-digit integer",
+     raw(f"{HEAD!r} + '[{{\"tokens\": [' + '9' * 5000 + ', 1, 1]}}, {{\"tokens\": [2, 2, 2]}}]}}]}}'"),
      "holds a number the JSON reader refuses: Exceeds the limit (4300 digits)"),
     ("output is a directory", "os.mkdir(out); open(os.path.join(out, 'x.json'), 'w').write('{}')", "is a directory"),
     ("output is a symlink", "os.symlink('/etc/hostname', out)", "is a symbolic link"),
@@ -191,7 +193,8 @@ HEAD = '{"format": "k2vec-engine-result", "version": 1, "runs": [{"drafter": nul
      "result holds NaN: every number must be finite"),
     ("Infinity logits", dump_with("r['runs'][0]['prompts'][1]['topk_logits'] = [[1.0], [float('-inf')], [0.5]]"),
      "result holds -Infinity"),
-    ("1e999 logits", raw(f"{HEAD!r} + '[{{\"tokens\": [1, 1, 1], \"topk_logits\": [[1e999]]}}, {{\"tokens\": [2, 2, 2]}}]}}]}}'"),
+    ("1e999 logits",
+     raw(f"{HEAD!r} + '[{{\"tokens\": [1, 1, 1], \"topk_logits\": [[1e999]]}}, {{\"tokens\": [2, 2, 2]}}]}}]}}'"),
      "schema at runs/0/prompts/0/topk_logits/0/0: inf is not a finite number"),
     ("1e999 in a free key", dump_with("r['timing'] = {'load_s': 1.0, 'mine': 7}") +
      "t = open(out).read(); open(out, 'w').write(t.replace('7', '1e999'))",
@@ -361,7 +364,8 @@ def test_hostile_engines_are_failed_rows_in_the_report_and_the_rest_completes(ho
 
 def test_detached_process_is_gone_after_the_run(hostile_run):
     root, records = hostile_run
-    (pid,) = [r["pid"] for r in (json.loads(p.read_text()) for p in records.glob("*.json")) if r["behaviour"] == "detach"]
+    (pid,) = [r["pid"] for r in (json.loads(p.read_text()) for p in records.glob("*.json"))
+              if r["behaviour"] == "detach"]
     marker = f"1000.{pid}".encode()
     alive = [p for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(p)]
     assert alive == []

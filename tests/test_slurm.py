@@ -161,9 +161,10 @@ def test_every_job_went_through_sbatch_with_its_partition_and_gpus(runs):
     assert submitted and len(submitted) == len(jobs), runs["log"][-3000:]
     assert all(j["state"] == "COMPLETED" and j["partition"] == PARTITION for j in jobs.values()), jobs
     # config slurm.partition reached every rule, the trivial ones ran in the main process
-    assert {re.search(r"rule_(\w+)/", line)[1] for line in re.findall(r"has been submitted with SLURM jobid.*", runs["log"])} \
-        == {"weights", "quantize", "export_compressed_tensors", "golden", "bundle", "format_effect", "engine_batch_numpy",
-            "engine_run", "report"}
+    assert {re.search(r"rule_(\w+)/", line)[1]
+            for line in re.findall(r"has been submitted with SLURM jobid.*", runs["log"])} \
+        == {"weights", "quantize", "export_compressed_tensors", "golden", "bundle", "format_effect",
+            "engine_batch_numpy", "engine_run", "report"}
     assert all(j["workdir"] == str(runs["remote"]) for j in jobs.values()), jobs
     # sbatch --gpus=fake:1 for each probe run, no GPU for anything else
     gpu_jobs = {p["slurm_job_id"] for p in probe_runs(runs["remote"])}
@@ -205,8 +206,9 @@ def test_outputs_under_slurm_are_identical_to_a_local_run(runs):
 def test_nothing_to_rerun_after_the_slurm_run(runs, cluster):
     # Snakemake records each job's metadata (params included) in the submitting process: a plain rerun
     # on the submit host finds everything current.
-    res = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--workflow-profile", str(REPO / "profiles" / "slurm"),
-                          "--slurm-no-account"], cwd=runs["remote"], capture_output=True, text=True, timeout=600,
+    res = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--workflow-profile",
+                          str(REPO / "profiles" / "slurm"), "--slurm-no-account"],
+                         cwd=runs["remote"], capture_output=True, text=True, timeout=600,
                          env={**os.environ, **cluster})
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Nothing to be done" in res.stdout + res.stderr, (res.stdout + res.stderr)[-3000:]

@@ -26,7 +26,8 @@ def job_resources(stdout: str) -> dict[str, dict[str, str]]:
 # A GPU engine's runs, a CPU engine's run and every stage before them (the whole default DAG takes
 # much longer to list).
 TARGETS = [f"results/runs/{engine}/tiny-int4-{mode}.json" for engine in ("gpu_fp32", "gpu_bf16")
-           for mode in ("greedy", "score")] + ["results/runs/numpy/tiny-int4-greedy.json", "results/format-effect/tiny.json"]
+           for mode in ("greedy", "score")] + ["results/runs/numpy/tiny-int4-greedy.json",
+                                               "results/format-effect/tiny.json"]
 
 
 def dry_run(tmp_path, overlay: dict) -> dict[str, dict[str, str]]:
@@ -43,7 +44,8 @@ def test_partitions_and_gpu_model_reach_the_jobs(tmp_path):
     jobs = dry_run(tmp_path, {"slurm": {"partition": "cpu", "gpu_partition": "gpu", "gpu_model": "h200"}})
     gpu_runs = {o: r for o, r in jobs.items() if o.startswith("results/runs/gpu_")}
     assert {t for t in TARGETS if t.startswith("results/runs/gpu_")} <= set(gpu_runs)
-    assert all(r["gpu"] == "1" and r["gpu_model"] == "h200" and r["slurm_partition"] == "gpu" for r in gpu_runs.values())
+    assert all(r["gpu"] == "1" and r["gpu_model"] == "h200" and r["slurm_partition"] == "gpu"
+               for r in gpu_runs.values())
     cpu_runs = {o: r for o, r in jobs.items() if o.startswith("results/runs/") and o not in gpu_runs}
     assert cpu_runs and all(r["gpu"] == "0" and "gpu_model" not in r and r["slurm_partition"] == "cpu"
                             for r in cpu_runs.values())

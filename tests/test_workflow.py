@@ -316,7 +316,8 @@ def test_overlay_disabling_an_unknown_engine_is_refused(tmp_path):
     res = snakemake("--cores", "1", "--directory", str(tmp_path), "--configfile", str(cfg), cwd=tmp_path)
     assert res.returncode != 0
     assert "Invalid configuration" in res.stderr and "engines.nmpy" in res.stderr, res.stderr[-1500:]
-    assert "known engines: gpu_bf16, gpu_fp32, hf_bf16, hf_fp32, llama_cpp, native, numpy, vllm" in res.stderr, res.stderr[-1500:]
+    assert ("known engines: gpu_bf16, gpu_fp32, hf_bf16, hf_fp32, llama_cpp, native, numpy, vllm"
+            in res.stderr), res.stderr[-1500:]
     assert not (tmp_path / "results").exists()
 
 

@@ -108,7 +108,8 @@ def main(argv: list[str]) -> int:
     for p in problems:
         print(p)
     n = len(a & b)
-    print(f"{n} output files: {identical} byte-identical, {n - identical - len([p for p in problems if p.startswith('differs')])} "
+    print(f"{n} output files: {identical} byte-identical, "
+          f"{n - identical - len([p for p in problems if p.startswith('differs')])} "
           f"equal apart from clock and checkout, {len(problems)} problem(s)")
     return 1 if problems else 0
 

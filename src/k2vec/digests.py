@@ -185,5 +185,6 @@ def check_keyed_record(path: str | os.PathLike, key: bytes) -> str:
     got = keyed_file_digest(path, key)
     if not hmac.compare_digest(got, expected):
         raise IntegrityError(f"{path}: its HMAC-SHA256 under the integrity key differs from the one the engine "
-                             f"runner recorded in {keyed_record_path(path).name}: the file, or the record, changed since")
+                             f"runner recorded in {keyed_record_path(path).name}: "
+                             "the file, or the record, changed since")
     return got

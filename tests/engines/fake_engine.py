@@ -31,7 +31,8 @@ args = ap.parse_args()
 start = time.time()
 meta = open_bundle(args.bundle).metadata
 n_new = meta["decoding"]["max_new_tokens"] - (1 if args.behaviour == "short" else 0)
-drafters = [None] if args.mode in ("greedy", "score") else [{"accuracy": a} for a in meta["golden"]["ddtree"]["accuracies"]]
+drafters = ([None] if args.mode in ("greedy", "score")
+            else [{"accuracy": a} for a in meta["golden"]["ddtree"]["accuracies"]])
 one = {"tokens": [0] * n_new}
 if args.mode == "score":   # score mode requires the top-k (docs/engine-contract.md section 4)
     one.update(topk_ids=[[0]] * n_new, topk_logits=[[0.0]] * n_new)
@@ -71,8 +72,8 @@ if args.behaviour == "dir":
 else:
     with open(args.output, "w") as fh:
         fh.write(texts.get(args.behaviour) or json.dumps(result))
-record = {"behaviour": args.behaviour, "pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-          "start": start, "end": time.time(),
+record = {"behaviour": args.behaviour, "pid": os.getpid(),
+          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time(),
           "bundle": args.bundle, "mode": args.mode, "budget": args.budget}
 try:
     with open(os.path.join(args.record_dir, f"{os.getpid()}-{time.time_ns()}.json"), "w") as fh:

@@ -1,4 +1,5 @@
-"""The `engines:` section resolved: defaults, command templates checked, source globs expanded, the runs each engine gets."""
+"""The `engines:` section resolved: defaults, command templates checked, source globs expanded, the runs each engine
+gets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A model entry with `checkpoint:` resolved from the user's checkpoint: its architecture, its quantization, the files its slice reads (docs/checkpoint-import.md)."""
+"""A model entry with `checkpoint:` resolved from the user's checkpoint: its architecture, its quantization, the files
+its slice reads (docs/checkpoint-import.md)."""
 
 from __future__ import annotations
 

@@ -214,8 +214,8 @@ def _result(m: dict[str, Any], config: dict[str, Any], mode: str) -> int:
 
 def output_disk(m: dict[str, Any], config: dict[str, Any], modes: list[str]) -> Need:
     """Disk of every output of one model whose runs are `modes` (a mode per engine run): checkpoints, INT4
-    files, goldens, noise models, convention variants, bundles, run results and the format-effect table. An upper bound within
-    about 2x of what a run writes (tests/test_pipeline.py measures the default config's)."""
+    files, goldens, noise models, convention variants, bundles, run results and the format-effect table. An upper bound
+    within about 2x of what a run writes (tests/test_pipeline.py measures the default config's)."""
     c = counts(m)
     q = config["quantization"]
     custom = "targets" in q or "ignore" in q

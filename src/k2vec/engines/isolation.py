@@ -213,8 +213,9 @@ def sandbox_command(command: str, *, bundle: Path, scratch: Path, hidden: Path, 
     if cache is not None:
         args += ["--bind", str(cache), str(cache), "--setenv", "XDG_CACHE_HOME", str(cache),
                  "--setenv", "TRITON_CACHE_DIR", str(cache / "triton")]
-    args += ["--bind", str(scratch), str(scratch), "--remount-ro", str(hidden), "--setenv", "HOME", str(home), "--setenv", "USER", "nobody",
-             "--setenv", "LOGNAME", "nobody", "--chdir", str(scratch / "work"), "bash", "-c", command]
+    args += ["--bind", str(scratch), str(scratch), "--remount-ro", str(hidden), "--setenv", "HOME", str(home),
+             "--setenv", "USER", "nobody", "--setenv", "LOGNAME", "nobody", "--chdir", str(scratch / "work"),
+             "bash", "-c", command]
     return args
 
 

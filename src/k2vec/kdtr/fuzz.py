@@ -110,7 +110,8 @@ _BYTES = [0x00, 0x01, 0x7F, 0x80, 0xFF, 0x20, 0x2E, 0x2F, 0x5C, 0x22, 0x7B, 0x7D
 
 _KEY_PAIRS = [  # (key, key) spelled in JSON; equal after unescaping unless noted
     ('"dup"', '"dup"'), ('"dup"', '"d\\u0075p"'), ('"\\ud83d\\ude00"', '"\U0001F600"'),
-    ('"a\\nb"', '"a\\u000Ab"'), ('"a\\/b"', '"a/b"'), ('"\\t\\b\\f\\r\\"\\\\"', '"\\u0009\\u0008\\u000c\\u000d\\u0022\\u005c"'),
+    ('"a\\nb"', '"a\\u000Ab"'), ('"a\\/b"', '"a/b"'),
+    ('"\\t\\b\\f\\r\\"\\\\"', '"\\u0009\\u0008\\u000c\\u000d\\u0022\\u005c"'),
     ('"\u00e9"', '"\\u00E9"'), ('"dup"', '"dUp"'), ('"e\u0301"', '"\u00e9"'), ('"ab"', '"a"'),
     ('"\\ud83d\\ude00"', '"\\ud83d\\ude01"'), ('"\U0001F600a"', '"\\ud83d\\ude00b"'),
 ]  # the last five pairs differ
@@ -207,7 +208,8 @@ def mutate(rng: random.Random, seeds: list[bytes]) -> bytes:
             buf[rng.randrange(size)] = rng.choice(_BYTES)
         seal = rng.random() < 0.5
     elif kind == 6:  # truncation (sometimes with file_size fixed up so the deeper checks run)
-        cut = rng.choice([rng.randrange(size), rng.randrange(min(size, data_offset + 1)), rng.choice([0, 3, 4, 7, 8, 87, 88])])
+        cut = rng.choice([rng.randrange(size), rng.randrange(min(size, data_offset + 1)),
+                          rng.choice([0, 3, 4, 7, 8, 87, 88])])
         del buf[min(cut, size):]
         if rng.random() < 0.5 and len(buf) >= HEADER_SIZE:
             buf[16:24] = len(buf).to_bytes(8, "little")
@@ -315,7 +317,8 @@ def malformed_cases() -> list[tuple[str, bytes, str, int, str]]:
                             (50, "header", 50), (87, "header", 87), (200, "header.file_size", 16),
                             (size - 1, "header.file_size", 16)]:
         case(f"truncated-{cut}", field, off, data=base[:cut], seal=False)
-    case("truncated-with-fixed-size", "dir[2].nbytes", e2 + 80, seq(lambda b: b.__delitem__(slice(580, None)), put(16, 8, 580)))
+    case("truncated-with-fixed-size", "dir[2].nbytes", e2 + 80,
+         seq(lambda b: b.__delitem__(slice(580, None)), put(16, 8, 580)))
     case("bad-magic", "header.magic", 0, put(0, 4, int.from_bytes(b"GGUF", "little")), seal=False)
     case("unknown-version", "header.version", 4, put(4, 4, 2))
     case("header-crc", "header.header_crc32", 84, put(40, 1, base[40] ^ 1), seal=False)
@@ -339,13 +342,16 @@ def malformed_cases() -> list[tuple[str, bytes, str, int, str]]:
     case("name-len-zero", "dir[0].name_len", e0, put(e0, 2, 0))
     case("name-len-over-cap", "dir[0].name_len", e0, put(e0, 2, 257))
     case("name-len-past-dir", "dir[2].name_len", e2, put(e2, 2, 200))
-    for cid, byte in [("nul", 0), ("slash", 0x2F), ("backslash", 0x5C), ("space", 0x20), ("non-utf8", 0xFF), ("non-ascii", 0xC3)]:
+    for cid, byte in [("nul", 0), ("slash", 0x2F), ("backslash", 0x5C), ("space", 0x20), ("non-utf8", 0xFF),
+                      ("non-ascii", 0xC3)]:
         case(f"name-{cid}", "dir[1].name", e1 + ENTRY_SIZE, put(e1 + ENTRY_SIZE, 1, byte))
-    case("name-dotdot", "dir[1].name", e1 + ENTRY_SIZE, seq(put(e1, 2, 3), put(e1 + ENTRY_SIZE, 3, int.from_bytes(b"..b", "little"))))
+    case("name-dotdot", "dir[1].name", e1 + ENTRY_SIZE,
+         seq(put(e1, 2, 3), put(e1 + ENTRY_SIZE, 3, int.from_bytes(b"..b", "little"))))
     case("name-dot", "dir[0].name", e0 + ENTRY_SIZE, put(e0 + ENTRY_SIZE, 1, ord(".")))
     case("name-padding", "dir[1].name", e1 + ENTRY_SIZE, put(e1 + ENTRY_SIZE + 5, 1, 1))
     case("name-duplicate", "dir[1].name", e1 + ENTRY_SIZE, put(e1 + ENTRY_SIZE, 1, ord("a")))
-    case("name-unsorted", "dir[1].name", e1 + ENTRY_SIZE, seq(put(e0 + ENTRY_SIZE, 1, ord("z")), put(e1 + ENTRY_SIZE, 1, ord("y"))))
+    case("name-unsorted", "dir[1].name", e1 + ENTRY_SIZE,
+         seq(put(e0 + ENTRY_SIZE, 1, ord("z")), put(e1 + ENTRY_SIZE, 1, ord("y"))))
     # 6 entries of 112 bytes: a 672-byte directory "fits" floor(672 / 96) = 7 entries by the count check
     six = bundle_bytes([(f"tensor_{i}_", np.zeros(1, np.uint8)) for i in range(6)], {})
     case("entry-past-dir", "dir[6]", dir_off + 672, put(24, 8, 7), data=six)
@@ -354,7 +360,8 @@ def malformed_cases() -> list[tuple[str, bytes, str, int, str]]:
     case("rank-over-cap", "dir[1].rank", e1 + 3, put(e1 + 3, 1, 9))
     case("packing-unknown", "dir[2].packing", e2 + 4, put(e2 + 4, 1, 2))
     case("packing-int4-on-f32", "dir[0].packing", e0 + 4, put(e0 + 4, 1, 1))
-    case("packing-int4-0d", "dir[2].packing", e2 + 4, seq(put(e2 + 4, 1, 1), put(e2 + 3, 1, 0), put(e2 + 8, 8, 0), put(e2 + 80, 8, 1)))
+    case("packing-int4-0d", "dir[2].packing", e2 + 4,
+         seq(put(e2 + 4, 1, 1), put(e2 + 3, 1, 0), put(e2 + 8, 8, 0), put(e2 + 80, 8, 1)))
     case("entry-reserved", "dir[0].reserved", e0 + 5, put(e0 + 6, 1, 1))
     case("entry-reserved2", "dir[0].reserved", e0 + 5, put(e0 + 92, 4, 1))
     case("dims-beyond-rank", "dir[1].dims", e1 + 16, put(e1 + 16, 8, 5))

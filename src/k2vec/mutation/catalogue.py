@@ -327,7 +327,8 @@ def _no_renorm(p, model):
 
 
 def _no_scaling(p, model):
-    _route_with(p, lambda route, logits, bias, d: route(logits, bias, dataclasses.replace(d, routed_scaling_factor=1.0)))
+    _route_with(p,
+                lambda route, logits, bias, d: route(logits, bias, dataclasses.replace(d, routed_scaling_factor=1.0)))
 
 
 def _groups_ignored(p, model):
@@ -432,7 +433,8 @@ def _expert_offset(p, model):
 # ------------------------------------------------------------------------------ LM head, final norm
 
 def _lm_head_tied(p, model):
-    _swap_weights(p, model, lambda name, fetch: fetch("model.embed_tokens.weight" if name == "lm_head.weight" else name))
+    _swap_weights(p, model,
+                  lambda name, fetch: fetch("model.embed_tokens.weight" if name == "lm_head.weight" else name))
 
 
 def _final_norm_weight_missing(p, model):

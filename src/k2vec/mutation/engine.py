@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = contract_parser(__doc__.splitlines()[0])
     ap.add_argument("--mutant", metavar="NAME", required=True,
                     help="the fault of the mutant catalogue to inject (docs/mutants.md)")
-    ap.add_argument("--precision", choices=list(FORMATS), help="the numpy engine's emulated precision (default: float64)")
+    ap.add_argument("--precision", choices=list(FORMATS),
+                    help="the numpy engine's emulated precision (default: float64)")
     args = ap.parse_args(argv)
     for r in contract_runs(ap, args):   # a fresh model per run: a fault may keep state in it
         with injected(args.mutant) as install:

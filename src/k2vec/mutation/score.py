@@ -191,12 +191,15 @@ def _bundle_resolution(noise_table: pd.DataFrame, resolution: pd.DataFrame, rows
     out["resolvable"] = np.where(out["tree_ahead"].notna(), out["tree_ahead"] >= REQUIRED_CATCH_RATE,
                                  t["verdict"].str.startswith("over").to_numpy())
     sha = resolution.set_index(["model", "precision", "precision_class"])["golden_sha256"]
-    out["golden_sha256"] = sha.reindex(pd.MultiIndex.from_frame(t[["model", "precision", "precision_class"]])).to_numpy()
+    out["golden_sha256"] = sha.reindex(
+        pd.MultiIndex.from_frame(t[["model", "precision", "precision_class"]])).to_numpy()
     out = out.merge(planned, on=["mutant", "compute"])
     rate = rows.groupby(["mutant", "precision_class", "model", "precision"])["caught"].mean()
-    out["catch_rate"] = rate.reindex(pd.MultiIndex.from_frame(out[["mutant", "compute", "model", "precision"]])).to_numpy()
+    out["catch_rate"] = rate.reindex(
+        pd.MultiIndex.from_frame(out[["mutant", "compute", "model", "precision"]])).to_numpy()
     out["below"] = ~out["resolvable"] & ~(out["catch_rate"] >= REQUIRED_CATCH_RATE)
-    return out[MUTATION_RESOLUTION_COLUMNS].sort_values(["compute", "mutant", "model", "precision"]).reset_index(drop=True)
+    return (out[MUTATION_RESOLUTION_COLUMNS].sort_values(["compute", "mutant", "model", "precision"])
+            .reset_index(drop=True))
 
 
 def _resolution(scores: pd.DataFrame, by_bundle: pd.DataFrame) -> pd.DataFrame:
@@ -213,7 +216,8 @@ def _resolution(scores: pd.DataFrame, by_bundle: pd.DataFrame) -> pd.DataFrame:
     keys = pd.MultiIndex.from_arrays([scores["mutant"], scores["compute"]])
     scores["float32_beyond"] = g["frac"].reindex(keys).to_numpy(float)
     over = g["over"].reindex(keys).to_numpy(object)
-    scores["resolvable"] = np.where(scores["compute"] == "float32", True, np.where(pd.isna(over), True, over)).astype(bool)
+    scores["resolvable"] = np.where(scores["compute"] == "float32", True,
+                                    np.where(pd.isna(over), True, over)).astype(bool)
     caught = scores["catch_rate"] >= REQUIRED_CATCH_RATE
     scores["verdict"] = np.select(
         [caught, scores["compute"] == "float32", ~scores["resolvable"]],
@@ -296,7 +300,8 @@ def render_mutation_html(res: MutationResult, controls: Mapping[str, str], contr
 def write_mutation_report(runs: Sequence[Mapping[str, Any]], goldens: Any, out_dir: str | Path,
                           mutants: Mapping[str, Mapping[str, str]], controls: Mapping[str, str], *,
                           near_tie: float = 1e-3, router_near_tie: float = 1e-3, fingerprint_rtol: float = 1e-3,
-                          budgets: Mapping[str, Mapping[str, Any]] | None = None, noise: Mapping[str, Any] | None = None,
+                          budgets: Mapping[str, Mapping[str, Any]] | None = None,
+                          noise: Mapping[str, Any] | None = None,
                           noise_rule: Mapping[str, Any] | None = None) -> MutationResult:
     """Rule `mutation_report`: build_mutation_report, its summary line logged (run it inside the stage's
     stage_logging) and printed. runs: the controls' and every mutant's run records; goldens: as the

@@ -387,7 +387,8 @@ def causal_mask(n_cached: int, t: int) -> np.ndarray:
 
 
 def group_scores(grouped: np.ndarray) -> np.ndarray:
-    """noaux_tc's group score: the sum of each group's two best biased scores ([T, groups, per group] -> [T, groups])."""
+    """noaux_tc's group score: the sum of each group's two best biased scores
+    ([T, groups, per group] -> [T, groups])."""
     return np.sum(np.sort(grouped, axis=-1)[..., -2:], axis=-1)
 
 

@@ -90,8 +90,8 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
 
     results = ResultCache(cache)
     m: Metrics = compute_metrics(runs, goldens, near_tie=near_tie, router_near_tie=router_near_tie,
-                                 fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise, conventions=conventions,
-                                 noise_rule=noise_rule, integrity_key=integrity_key,
+                                 fingerprint_rtol=fingerprint_rtol, budgets=budgets, noise=noise,
+                                 conventions=conventions, noise_rule=noise_rule, integrity_key=integrity_key,
                                  mutation_resolution=mutation_resolution, result_cache=results)
     m = dataclasses.replace(m, left_out=dict(left_out or {}), fail_on_left_out=fail_on_left_out,
                             float32_engines=dict(float32_engines or {}))
@@ -120,8 +120,8 @@ def build_report(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[str, 
     write_text_atomic(paths["engines_csv"], engine_table(runs, m.left_out).to_csv(index=False))
     write_text_atomic(paths["summary"], summary)
     write_text_atomic(paths["html"], render_html(m, pngs, summary))
-    return ReportResult(m.rows, m.runs, m.steps, m.acceptance, m.score_runs, m.format_effect, m.format_steps, m.format_models,
-                        summary, m.strict_problem, paths)
+    return ReportResult(m.rows, m.runs, m.steps, m.acceptance, m.score_runs, m.format_effect, m.format_steps,
+                        m.format_models, summary, m.strict_problem, paths)
 
 
 def engine_table(runs: Sequence[Mapping[str, Any]], left_out: Mapping[str, str]) -> pd.DataFrame:
@@ -204,9 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="an engine's declared compute precision (float32, bfloat16, float16, fp8; default float32)")
     ap.add_argument("--noise", nargs=4, action="append", default=[], metavar=("MODEL", "PRECISION", "CLASS", "PATH"),
                     help="a noise model (results/noise/MODEL/PRECISION-CLASS.kdtr) for the engines of that class")
-    ap.add_argument("--convention", nargs=4, action="append", default=[], metavar=("MODEL", "PRECISION", "VARIANT", "PATH"),
-                    help="a convention variant's golden (results/conventions/MODEL/PRECISION-VARIANT.kdtr): failing engines "
-                         "are checked against it")
+    ap.add_argument("--convention", nargs=4, action="append", default=[],
+                    metavar=("MODEL", "PRECISION", "VARIANT", "PATH"),
+                    help="a convention variant's golden (results/conventions/MODEL/PRECISION-VARIANT.kdtr): "
+                         "failing engines are checked against it")
     ap.add_argument("--declare", nargs=2, action="append", default=[], metavar=("ENGINE", "CONVENTION"),
                     help="a convention an engine follows (engines.<name>.conventions): judged against that variant")
     ap.add_argument("--budgets", help="JSON file: per precision, budgets laid over the defaults (report.budgets)")
@@ -221,8 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the mutation run's results/mutation/mutation_resolution.csv: name the catalogue's bugs below "
                          "each reduced-precision verdict's resolution")
     ap.add_argument("--float32-engine", nargs=2, action="append", default=[], metavar=("ENGINE", "FLOAT32_ENGINE"),
-                    help="the float32 engine of a reduced-precision engine's command family, named where it passes clean")
-    ap.add_argument("--strict", action="store_true", help="exit 1 when the strict verdict fails (report/gate.py): a real divergence, an over-budget row, a failed run or a DDTree tree that differs")
+                    help="the float32 engine of a reduced-precision engine's command family, named where it "
+                         "passes clean")
+    ap.add_argument("--strict", action="store_true",
+                    help="exit 1 when the strict verdict fails (report/gate.py): a real divergence, an over-budget "
+                         "row, a failed run or a DDTree tree that differs")
     a = ap.parse_args(argv)
     declared = dict(a.precision_class)
     follows: dict[str, list[str]] = {}

@@ -83,7 +83,8 @@ def classify(rows: pd.DataFrame, budgets, *, near_tie: float, router_near_tie: f
     noise model judges the row, noise_credit, noise_over and noise_router_credit (report/noise.py)."""
     rows = rows.copy()
     kind = rows["kind"].to_numpy()
-    logit_lim, hidden_lim = _limit(budgets, rows["precision_class"], "logit_abs"), _limit(budgets, rows["precision_class"], "hidden_rel")
+    logit_lim, hidden_lim = (_limit(budgets, rows["precision_class"], "logit_abs"),
+                             _limit(budgets, rows["precision_class"], "hidden_rel"))
     is_score = kind == "score"
     has_div = rows["first_step"].notna().to_numpy()
     # A divergent step always shows an error of half the gap, and everything after it differs: a

@@ -63,7 +63,8 @@ def compare_tree(rounds: Sequence[Mapping[str, Any]], tr: Mapping[str, np.ndarra
     for r in range(min(len(e["sizes"]), len(g_sizes))):
         es, gs = slice(e_off[r], e_off[r + 1]), slice(tr["node_offsets"][r], tr["node_offsets"][r + 1])
         n = min(e["sizes"][r], g_sizes[r])
-        parts = [("token", e["tokens"][es], tr["node_tokens"][gs]), ("parent", e["parents"][es], tr["node_parents"][gs])]
+        parts = [("token", e["tokens"][es], tr["node_tokens"][gs]),
+                 ("parent", e["parents"][es], tr["node_parents"][gs])]
         if e["depths"] is not None:
             parts.append(("depth", e["depths"][es], tr["node_depths"][gs]))
         bad = np.zeros(n, bool)

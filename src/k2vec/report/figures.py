@@ -7,8 +7,8 @@ from __future__ import annotations
 import pandas as pd
 
 COLORS = {"exact": "#43a047", "within-budget": "#9ccc65", "near-tie": "#fdd835", "router-near-tie": "#fb8c00",
-          "precision-tie": "#4fc3f7", "convention": "#7e57c2", "over-budget": "#ad1457", "real": "#e53935", "failed": "#37474f",
-          "changed": "#8e24aa"}
+          "precision-tie": "#4fc3f7", "convention": "#7e57c2", "over-budget": "#ad1457", "real": "#e53935",
+          "failed": "#37474f", "changed": "#8e24aa"}
 
 PLOTS = {  # file name -> (element id, caption)
     "match_grid.png": ("plot-match-grid", "Match grid: every run x accuracy (rows) against every prompt (columns), "

@@ -45,7 +45,8 @@ def format_effect(opened: dict[tuple[str, str], Golden], th: dict[str, float], b
         # steps compared = matched + the divergent one; same top-1 on all but the divergent one
         compared = np.minimum(df["matched_steps"] + 1, fp.N)
         df["same_top1"] = df["matched_steps"] / compared   # censored: the divergent step is the only miss
-        df["int4_margin"] = np.where(df["first_step"].notna(), q.margins[shared, np.minimum(df["matched_steps"].astype(int), fp.N - 1)], np.nan)
+        df["int4_margin"] = np.where(df["first_step"].notna(),
+                                     q.margins[shared, np.minimum(df["matched_steps"].astype(int), fp.N - 1)], np.nan)
         frames.append(df)
         steps = steps.assign(model=model, prompt=shared[steps["i"].to_numpy()]).drop(columns="i")
         step_frames.append(steps)

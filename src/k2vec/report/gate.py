@@ -2,8 +2,9 @@
 --strict` and the report's banner alike.
 
 A row fails when its run diverged for real, went over the budget of its declared precision
-(docs/report.md), matched a convention it did not declare (`convention`), failed, or changed after it ran; and when its DDTree tree differs from the golden
-trace although every token matches (a tree-construction bug: DDTree's tokens are lossless by design).
+(docs/report.md), matched a convention it did not declare (`convention`), failed, or changed after it ran; and when its
+DDTree tree differs from the golden trace although every token matches (a tree-construction bug: DDTree's tokens are
+lossless by design).
 With report.fail_on_left_out, a configured engine that got no run fails it too."""
 
 from __future__ import annotations

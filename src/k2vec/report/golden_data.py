@@ -54,14 +54,17 @@ class Golden:
         if md.get("kind") == "k2vec-bundle":
             self.sha256, md = md.get("golden_sha256"), md.get("golden") or {}
         if md.get("kind") != "k2vec-golden":
-            raise ReportError(f"{path} is not a golden file nor a bundle holding one (metadata kind {md.get('kind')!r})")
+            raise ReportError(f"{path} is not a golden file nor a bundle holding one "
+                              f"(metadata kind {md.get('kind')!r})")
         if (md.get("model"), md.get("precision")) != (model, precision):
             raise ReportError(f"{path} holds the golden of model {md.get('model')!r} precision "
                               f"{md.get('precision')!r}, but was given for {model!r} {precision!r}")
         variant = variant_key((md.get("reference") or {}).get("conventions") or ()) or None
         if variant != self.variant:
-            raise ReportError(f"{path} holds the golden of {'convention variant ' + repr(variant) if variant else 'the reference'}"
-                              f", but was given as {'convention variant ' + repr(self.variant) if self.variant else 'the golden'}")
+            raise ReportError(f"{path} holds the golden of "
+                              f"{'convention variant ' + repr(variant) if variant else 'the reference'}"
+                              ", but was given as "
+                              f"{'convention variant ' + repr(self.variant) if self.variant else 'the golden'}")
         self.metadata = md
         self.n_prompts, self.N, self.K = int(md["prompts"]), int(md["max_new_tokens"]), int(md["top_k"])
         self.moe_layers = np.asarray(md.get("moe_layers", []), np.int64)

@@ -170,8 +170,8 @@ def convention_lines(rows: pd.DataFrame) -> list[str]:
                        f"[{', '.join(v.split('+'))}]) to judge {e} against it")
     declared = named[named["class"] != "convention"]
     for (e, v), grp in declared.groupby(["engine", "convention"]):
-        lines.append(f"convention: {e} judged against the variant {variant_label(v)} (declared: engines.{e}.conventions), "
-                     f"not the golden")
+        lines.append(f"convention: {e} judged against the variant {variant_label(v)} "
+                     f"(declared: engines.{e}.conventions), not the golden")
     return lines
 
 
@@ -225,18 +225,20 @@ def summary_text(m: Metrics) -> str:
     fp = rows.dropna(subset=["first_bad_step"])
     if len(fp):
         r = fp.sort_values(["first_bad_step", "first_bad_layer"]).iloc[0]
-        lines.append(f"  fingerprints: {plural(len(fp), 'row exceeds', 'rows exceed')} rtol {m.thresholds['fingerprint_rtol']:g}; earliest "
+        lines.append(f"  fingerprints: {plural(len(fp), 'row exceeds', 'rows exceed')} "
+                     f"rtol {m.thresholds['fingerprint_rtol']:g}; earliest "
                      f"{_row_where(r)} {_step_layer(r['first_bad_step'], r['first_bad_layer'], False)} "
                      f"(rel err {fmt(r['first_bad_rel_err'], 'e')})")
     rt = rows.dropna(subset=["router_diff_step"])
     if len(rt):
         r = rt.sort_values(["router_diff_step", "router_diff_layer"]).iloc[0]
-        lines.append(f"  router: {plural(len(rt), 'row chooses', 'rows choose')} different experts; earliest {_row_where(r)} "
-                     f"{_step_layer(r['router_diff_step'], r['router_diff_layer'], False)}")
+        lines.append(f"  router: {plural(len(rt), 'row chooses', 'rows choose')} different experts; "
+                     f"earliest {_row_where(r)} {_step_layer(r['router_diff_step'], r['router_diff_layer'], False)}")
     trees = rows["tree_match"].dropna()
     if len(trees):
         bad = rows[rows["tree_match"] == False]  # noqa: E712
-        line = f"  DDTree: {len(bad)} of {plural(len(trees), 'tree')} {'differs' if len(bad) == 1 else 'differ'} from the golden traces"
+        line = (f"  DDTree: {len(bad)} of {plural(len(trees), 'tree')} {'differs' if len(bad) == 1 else 'differ'} "
+                "from the golden traces")
         if len(bad):
             r = bad.iloc[0]
             node = "" if _na(r["first_tree_diff_node"]) else f" node {int(r['first_tree_diff_node'])}"
@@ -259,7 +261,8 @@ def summary_text(m: Metrics) -> str:
         lines.append(f"  throughput: {t.median():.1f} tokens/s median over {plural(len(t), 'run')} (wall clock)")
     for _, r in m.format_models.iterrows():
         lines.append(f"  format effect {r['model']} (fp32 vs int4 golden): {r['diverged']} of "
-                     f"{plural(int(r['prompts']), 'prompt')} {'diverges' if r['diverged'] == 1 else 'diverge'}; same top-1 {100 * r['same_top1_rate']:.1f}% of compared steps; mean KL "
+                     f"{plural(int(r['prompts']), 'prompt')} {'diverges' if r['diverged'] == 1 else 'diverge'}; "
+                     f"same top-1 {100 * r['same_top1_rate']:.1f}% of compared steps; mean KL "
                      f"{fmt(r['kl_mean'], 'e')}")
     blind = m.prompt_strength[m.prompt_strength["blind"]] if not m.prompt_strength.empty else m.prompt_strength
     if len(blind):   # their rows cannot show a real divergence: say so next to the verdict
@@ -288,7 +291,8 @@ h2 { font-size: 17px; margin: 28px 0 8px; padding-bottom: 4px; border-bottom: 2p
 .verdict h2 { border: 0; margin: 0 0 6px; padding: 0; }
 pre { font: 12px/1.4 "DejaVu Sans Mono", Menlo, Consolas, monospace; white-space: pre-wrap; margin: 0; }
 table { border-collapse: collapse; width: 100%; font-size: 12.5px; }
-th, td { padding: 4px 7px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; white-space: nowrap; }
+th, td { padding: 4px 7px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; \
+white-space: nowrap; }
 th { background: #f0f2f5; position: sticky; top: 0; font-weight: 600; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 td.wrap { white-space: normal; min-width: 200px; max-width: 420px; }
@@ -332,7 +336,8 @@ def _noise_section(m: Metrics) -> str:
     return ('<section id="noise"><h2>Noise model</h2><div class="card"><p class="note">Each reduced-precision '
             'engine against what correct engines of its precision show on the same case (emulated rounding '
             f'schedules, docs/report.md "Noise model"): a cell is beyond at over {rule.get("margin", 0):g}x their '
-            f'largest error ({rule.get("margin", 0) ** 2:g}x their largest KL); over the noise model at more than {rule.get("fraction", 0):.0%} of at least '
+            f'largest error ({rule.get("margin", 0) ** 2:g}x their largest KL); over the noise model at more than '
+            f'{rule.get("fraction", 0):.0%} of at least '
             f'{rule.get("min_cells", 0)} cells of a kind. The held-out column is the worst fraction a correct '
             'schedule shows when judged against the others: the rule\'s false-alarm margin on this case.</p>'
             + _table("noise-table", header, body) + "</div>" + _resolution_card(m) + "</section>")
@@ -349,7 +354,8 @@ def _resolution_card(m: Metrics) -> str:
     rule = m.thresholds.get("noise_rule", {})
     clean = clean_engines(m.rows, m.noise_table)
     header = [("model/precision", ""), ("precision", ""), ("resolves", "wrap"), ("judged steps", "num"),
-              ("catalogue mutants below it (float32 effect)", "wrap"), ("clean engines: the run that sees below", "wrap")]
+              ("catalogue mutants below it (float32 effect)", "wrap"),
+              ("clean engines: the run that sees below", "wrap")]
     body = []
     for _, r in res.iterrows():
         below = r["below"]
@@ -358,10 +364,12 @@ def _resolution_card(m: Metrics) -> str:
         body.append([_e(f"{r['model']}/{r['precision']}"), _e(r["precision_class"]), _e(resolution_words(r)),
                      fmt(r["step_cells"], "int"),
                      _e(r["mutation_note"]) if not isinstance(below, list) else _e(", ".join(below) or "none"),
-                     "<br>".join(f"<b>{_e(e)}</b>: {_e(float32_advice(e, m.float32_engines, m.left_out))}" for e in mine)
+                     "<br>".join(f"<b>{_e(e)}</b>: {_e(float32_advice(e, m.float32_engines, m.left_out))}"
+                                 for e in mine)
                      or "\u2013"])
     return ('<div class="card" id="resolution"><p class="note">Resolution: the smallest error of each kind that '
-            f'the verdict calls over the noise model, were an engine off by it at every cell: {rule.get("margin", 0):g}x '
+            'the verdict calls over the noise model, were an engine off by it at every cell: '
+            f'{rule.get("margin", 0):g}x '
             f'the noise model\'s largest error at the {rule.get("fraction", 0):.0%} quantile of judged cells, '
             f'{rule.get("margin", 0) ** 2:g}x for KL, which is second order in the logit error (docs/report.md '
             '"Resolution"). An engine of that precision that passes clean is clean down to it, no '
@@ -379,7 +387,8 @@ def badge(cls: str) -> str:
 
 
 def _class_bar(r: pd.Series, total: int) -> str:
-    parts = "".join(f'<span title="{c}: {int(r[c])}" style="width:{100 * r[c] / total:.2f}%;background:{COLORS[c]}"></span>'
+    parts = "".join(f'<span title="{c}: {int(r[c])}" '
+                    f'style="width:{100 * r[c] / total:.2f}%;background:{COLORS[c]}"></span>'
                     for c in CLASSES if r[c])
     return f'<span class="bar">{parts}</span>'
 
@@ -412,7 +421,8 @@ def _summary_table(m: Metrics) -> str:
               ("GPU", "wrap")]
     body = []
     for _, r in runs.iterrows():
-        tau = "\u2013" if _na(r["accept_mean_engine"]) else f"{r['accept_mean_engine']:.2f} / {r['accept_mean_golden']:.2f}"
+        tau = ("\u2013" if _na(r["accept_mean_engine"])
+               else f"{r['accept_mean_engine']:.2f} / {r['accept_mean_golden']:.2f}")
         trees = "\u2013" if not r["trees"] else f"{int(r['trees_differ'])} of {int(r['trees'])}"
         body.append([
             _e(r["label"]) + ("" if _na(r["reason"]) else f'<div class="reason">{_e(r["reason"])}</div>'),
@@ -434,7 +444,8 @@ def _divergence_table(m: Metrics) -> str:
     d = d.assign(sev=d["class"].map(SEVERITY), label=row_labels(d)).sort_values(
         ["sev", "run", "accuracy", "prompt"], ascending=[False, True, True, True], kind="stable")
     d, note = _capped(d, MAX_DETAIL_ROWS, "divergent prompts (worst first)")
-    header = [("run", "label"), ("prompt", "num"), ("class", ""), ("step", "num"), ("token golden \u2192 engine", "num"),
+    header = [("run", "label"), ("prompt", "num"), ("class", ""), ("step", "num"),
+              ("token golden \u2192 engine", "num"),
               ("ranks g\u2208e / e\u2208g", "num"), ("golden margin", "num"), ("gap / noise", "num"),
               ("router near-tie", "note-cell"), ("max |\u0394logit|", "num"), ("max KL", "num"),
               ("first bad fingerprint", "note-cell"), ("router differs", "note-cell")]
@@ -445,8 +456,8 @@ def _divergence_table(m: Metrics) -> str:
         body.append([
             _e(r["label"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_step"], "int"),
             f"{fmt(r['golden_token'], 'id')} \u2192 {fmt(r['engine_token'], 'id')}",
-            f'{fmt(r["golden_rank_in_engine"], "rank")} / {fmt(r["engine_rank_in_golden"], "rank")}', fmt(r["margin"], "e"),
-            f'{fmt(r["golden_gap"], "e")} / {fmt(r["noise"], "e")}', router,
+            f'{fmt(r["golden_rank_in_engine"], "rank")} / {fmt(r["engine_rank_in_golden"], "rank")}',
+            fmt(r["margin"], "e"), f'{fmt(r["golden_gap"], "e")} / {fmt(r["noise"], "e")}', router,
             fmt(r["logit_abs_max"], "e"), fmt(r["kl_max"], "e"),
             _step_layer(r["first_bad_step"], r["first_bad_layer"]),
             _step_layer(r["router_diff_step"], r["router_diff_layer"]),
@@ -491,13 +502,14 @@ def _tree_table(m: Metrics) -> str:
                 f'{"matches" if n == 1 else "match"} the golden trees exactly.</p>')
     bad = bad.assign(label=row_labels(bad))
     bad, note = _capped(bad, MAX_DETAIL_ROWS, "differing trees")
-    header = [("run", ""), ("prompt", "num"), ("class", ""), ("round", "num"), ("node", "num"), ("what differs", "wrap"),
-              ("\u03c4 engine", "num"), ("\u03c4 golden", "num")]
+    header = [("run", ""), ("prompt", "num"), ("class", ""), ("round", "num"), ("node", "num"),
+              ("what differs", "wrap"), ("\u03c4 engine", "num"), ("\u03c4 golden", "num")]
     body = [[_e(r["label"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_tree_diff_round"], "int"),
              fmt(r["first_tree_diff_node"], "int"), _e(r["tree_diff_what"]), fmt(r["accept_mean_engine"], "f2"),
              fmt(r["accept_mean_golden"], "f2")] for _, r in bad.iterrows()]
-    return f'<p class="note">{len(bad)} of {plural(n, "DDTree trace")} {"differs" if len(bad) == 1 else "differ"} from the golden.</p>' + \
-        _table("tree-table", header, body) + note
+    return (f'<p class="note">{len(bad)} of {plural(n, "DDTree trace")} '
+            f'{"differs" if len(bad) == 1 else "differ"} from the golden.</p>'
+            + _table("tree-table", header, body) + note)
 
 
 def _failure_table(m: Metrics) -> str:
@@ -522,16 +534,18 @@ def _format_section(m: Metrics) -> str:
     out = ['<section id="format-effect"><h2>Format effect (fp32 vs int4 golden)</h2>',
            '<p class="note">How far INT4 quantization moves the model: the int4 golden compared to the fp32 golden '
            'as if it were an engine. Both decode their own tokens, so steps are compared up to and including the '
-           'first divergence. Same top-1 = matched steps / compared steps, pooled over prompts. Compared: the prompts both '
-           'goldens share (the int4 prompts stage re-draws a prompt blind under the int4 weights).</p>']
+           'first divergence. Same top-1 = matched steps / compared steps, pooled over prompts. Compared: the prompts '
+           'both goldens share (the int4 prompts stage re-draws a prompt blind under the int4 weights).</p>']
     if m.format_models.empty:
         out.append('<p class="note" id="format-model-table">No model has both an fp32 and an int4 golden.</p>')
     else:
         header = [("model", ""), ("prompts", "num"), ("diverged", "num"), ("same top-1", "num"),
                   ("mean first div. step", "num"), ("mean KL", "num"), ("max KL", "num"), ("top-k overlap", "num"),
                   ("max |\u0394logit|", "num")]
-        body = [[_e(r["model"]), str(r["prompts"]) + (f" (int4 re-drew {', '.join(map(str, r['int4_redrawn_prompts']))})"
-                                                     if len(r["int4_redrawn_prompts"]) else ""), str(r["diverged"]), fmt(r["same_top1_rate"], "pct"),
+        body = [[_e(r["model"]),
+                 str(r["prompts"]) + (f" (int4 re-drew {', '.join(map(str, r['int4_redrawn_prompts']))})"
+                                      if len(r["int4_redrawn_prompts"]) else ""),
+                 str(r["diverged"]), fmt(r["same_top1_rate"], "pct"),
                  fmt(r["mean_first_step"], "f2"), fmt(r["kl_mean"], "e"), fmt(r["kl_max"], "e"),
                  fmt(r["topk_overlap"], "pct"), fmt(r["logit_abs_max"], "e")] for _, r in m.format_models.iterrows()]
         out.append('<div class="card">' + _table("format-model-table", header, body) + "</div>")
@@ -543,7 +557,8 @@ def _format_section(m: Metrics) -> str:
         for _, r in m.format_effect.iterrows():
             body.append([_e(r["model"]), str(int(r["prompt"])), badge(r["class"]), fmt(r["first_step"], "int"),
                          f"{fmt(r['fp32_token'], 'id')} \u2192 {fmt(r['int4_token'], 'id')}",
-                         fmt(r["fp32_rank_in_int4"], "rank"), fmt(r["int4_rank_in_fp32"], "rank"), fmt(r["fp32_margin"], "e"),
+                         fmt(r["fp32_rank_in_int4"], "rank"), fmt(r["int4_rank_in_fp32"], "rank"),
+                         fmt(r["fp32_margin"], "e"),
                          fmt(r["int4_margin"], "e"), fmt(r["same_top1"], "pct"), fmt(r["kl_mean"], "e"),
                          fmt(r["logit_abs_max"], "e"), _step_layer(r["first_bad_step"], r["first_bad_layer"]),
                          _step_layer(r["router_diff_step"], r["router_diff_layer"])])
@@ -641,7 +656,8 @@ def render_html(m: Metrics, pngs: dict[str, bytes], summary: str) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         "<title>k2vec divergence report</title>", f"<style>{CSS}</style></head><body><main>",
         "<h1>k2vec divergence report</h1>",
-        f'<p class="sub">{plural(n_runs, "engine run")}, {plural(len(rows), "prompt row")}. Thresholds: near_tie {th["near_tie"]:g}, '
+        f'<p class="sub">{plural(n_runs, "engine run")}, {plural(len(rows), "prompt row")}. '
+        f'Thresholds: near_tie {th["near_tie"]:g}, '
         f'router_near_tie {th["router_near_tie"]:g}, fingerprint_rtol {th["fingerprint_rtol"]:g}. '
         f"k2vec {_e(__version__)}.</p>",
         f'<section id="verdict" class="card verdict {"ok" if ok else "fail"}">'

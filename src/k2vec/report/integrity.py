@@ -108,7 +108,8 @@ class RunChecks:
         if not isinstance(bundle, Mapping):
             return None   # not written by the runner (e.g. tests/support/synthetic.py): no bundle to check
         given = spec.get("bundle")
-        return self._bundle_problem(str(given or bundle.get("path")), str(bundle.get("sha256")), spec, given is not None)
+        return self._bundle_problem(str(given or bundle.get("path")), str(bundle.get("sha256")), spec,
+                                    given is not None)
 
     def _bundle_problem(self, path: str, used: str, spec: Mapping[str, Any], given: bool) -> str | None:
         if path not in self._bundles:

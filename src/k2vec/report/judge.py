@@ -291,7 +291,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m k2vec.report.
     ap = argparse.ArgumentParser(prog=prog, description="Judge one engine result as the divergence report would: "
                                  "per prompt its class and where it diverges, then PASSED or FAILED by the strict "
                                  "verdict. Exit 0: passed, 1: failed, 2: an input cannot be read.")
-    ap.add_argument("--bundle", required=True, help="the bundle the engine ran on (results/bundles/MODEL-PRECISION.kdtr)")
+    ap.add_argument("--bundle", required=True,
+                    help="the bundle the engine ran on (results/bundles/MODEL-PRECISION.kdtr)")
     ap.add_argument("--result", required=True, help="the engine's result JSON")
     ap.add_argument("--mode", help="greedy, score or ddtree-b<budget> (default: recorded in the result, else its "
                     "file name MODEL-PRECISION-MODE.json)")
@@ -315,8 +316,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m k2vec.report.
     try:
         budgets = read_budgets(a.budgets)
         j = judge(a.bundle, a.result, mode=a.mode, precision_class=a.precision_class, noise=a.noise,
-                  golden=a.golden, alone=a.alone, conventions=a.convention, variant=a.variant, near_tie=a.near_tie, router_near_tie=a.router_near_tie,
-                  fingerprint_rtol=a.fingerprint_rtol, budgets=budgets)
+                  golden=a.golden, alone=a.alone, conventions=a.convention, variant=a.variant, near_tie=a.near_tie,
+                  router_near_tie=a.router_near_tie, fingerprint_rtol=a.fingerprint_rtol, budgets=budgets)
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

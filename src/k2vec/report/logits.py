@@ -61,8 +61,8 @@ def compare_logits(g: Golden, datas: Sequence[Mapping[str, Any]], prompt: np.nda
     R, N, K = len(datas), g.N, g.K
     cols = {c: np.full(R, np.nan) for c in LOGIT_COLUMNS}
     steps = pd.DataFrame(columns=STEP_COLUMNS)
-    t_idx = np.array([r for r, d in enumerate(datas) if d.get("topk_ids") is not None and d.get("topk_logits") is not None],
-                     np.int64)
+    t_idx = np.array([r for r, d in enumerate(datas)
+                      if d.get("topk_ids") is not None and d.get("topk_logits") is not None], np.int64)
     if not t_idx.size:
         return cols, steps
     ke = max((len(datas[r]["topk_ids"][0]) for r in t_idx if len(datas[r]["topk_ids"])), default=1)

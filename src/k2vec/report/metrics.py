@@ -55,9 +55,9 @@ __all__ = ["ROW_COLUMNS", "Metrics", "ReportError", "compute_metrics"]
 # Columns of divergence.csv, in order (rows DataFrame).
 ROW_COLUMNS = [
     "run", "engine", "model", "precision", "precision_class", "mode", "budget", "accuracy", "prompt", "status",
-    "class", "convention", "first_step", "matched_steps", "same_top1", "golden_token", "engine_token", "golden_rank_in_engine",
-    "engine_rank_in_golden", "margin", "golden_gap", "noise", "over_budget", "router_margin", "router_layer",
-    "router_position", "router_evidence",
+    "class", "convention", "first_step", "matched_steps", "same_top1", "golden_token", "engine_token",
+    "golden_rank_in_engine", "engine_rank_in_golden", "margin", "golden_gap", "noise", "over_budget", "router_margin",
+    "router_layer", "router_position", "router_evidence",
     "logit_steps", "topk_overlap", "logit_abs_max", "logit_abs_mean", "logit_abs_p99", "logit_rel_max",
     "logit_rel_mean", "logit_rel_p99", "logit_nmse", "kl_mean", "kl_p99", "kl_max",
     "first_bad_step", "first_bad_layer", "first_bad_rel_err", "fingerprint_rel_max", "fingerprint_rel_before",
@@ -318,7 +318,8 @@ def compute_metrics(runs: Sequence[Mapping[str, Any]], goldens: Mapping[tuple[st
                                     for (m, p, c), nm in models.items() for rec in nm.calibration(rule)])
         return Metrics(rows, runs_df, steps, acceptance, score_runs, fe, fe_steps, fe_models, ref_steps,
                        {**th, "budgets": budgets, "noise_rule": vars(rule)}, strength, prompt_strength, calibration,
-                       noise_table(rows, calibration, rule), resolution_table(models, opened, rule, mutation_resolution))
+                       noise_table(rows, calibration, rule),
+                       resolution_table(models, opened, rule, mutation_resolution))
     finally:
         for g in [*opened.values(), *variants.values()]:
             g.close()
@@ -412,7 +413,8 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
             g_len = tr["accept_lengths"]
             g_i.append(i)
             g_means.append(tr["accept_mean"])
-            hist_rows.append((b["model"], b["precision"], b["mode"], b["accuracy"], "golden", b["run"], b["prompt"], g_len))
+            hist_rows.append((b["model"], b["precision"], b["mode"], b["accuracy"], "golden", b["run"], b["prompt"],
+                              g_len))
             rounds = items[i].data.get("rounds")
             if rounds is None:   # the engine gave no rounds: tokens are still compared, the tree is not
                 continue
@@ -423,7 +425,8 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
                 e_mean = float(e_len.mean()) if e_len.size else np.nan
             tree_i.append(i)
             tree_vals.append((match, np.nan if rnd is None else rnd, np.nan if node is None else node, what, e_mean))
-            hist_rows.append((b["model"], b["precision"], b["mode"], b["accuracy"], b["engine"], b["run"], b["prompt"], e_len))
+            hist_rows.append((b["model"], b["precision"], b["mode"], b["accuracy"], b["engine"], b["run"], b["prompt"],
+                              e_len))
         if g_i:
             put(np.array(g_i), "accept_mean_golden", g_means)
         if tree_i:
@@ -452,7 +455,8 @@ def _engine_metrics_inner(runs, opened: dict[tuple[str, str], Golden], th: dict[
         for c in ("router_margin", "router_layer", "router_position"):
             base.loc[tie, c] = flippable[c][tie]
         base["router_evidence"] = base["router_evidence"].astype(object)
-        base.loc[tie, "router_evidence"] = "a golden decision a correct engine may flip (DDTree results record no routing)"
+        base.loc[tie, "router_evidence"] = ("a golden decision a correct engine may flip "
+                                            "(DDTree results record no routing)")
     # score statistics first: a run over its budget gets no tie credit in its greedy / DDTree rows either
     judged = base["status"] == "ok"
     scored = score_stats(base[judged & (base["kind"] == "score")], steps, budgets,
@@ -520,7 +524,8 @@ def _tamper_columns(items: list[_Item], loaded, checks: RunChecks) -> None:
     """tamper_proof and tamper_note of every row (report/integrity.py, RunChecks.tamper_verdict): a run
     is tamper-proof only if nothing that ran unsandboxed was judged beside it."""
     unsandboxed = sorted({it.base["engine"] for it in items if it.base.pop("ran_unsandboxed", False)})
-    verdicts = {r_i: checks.tamper_verdict(spec, res, status, unsandboxed) for r_i, (spec, res, status) in loaded.items()}
+    verdicts = {r_i: checks.tamper_verdict(spec, res, status, unsandboxed)
+                for r_i, (spec, res, status) in loaded.items()}
     for it in items:
         note = verdicts.get(it.base["run"])
         it.base["tamper_proof"], it.base["tamper_note"] = note is None, note
@@ -572,8 +577,8 @@ def _run_summary(rows: pd.DataFrame, stderr: dict[int, str | None]) -> pd.DataFr
         trees=("tree_match", "count"), trees_differ=("tree_bad", "sum"),
         accept_mean_engine=("accept_mean_engine", "mean"), accept_mean_golden=("accept_mean_golden", "mean"),
         tokens_per_s=("tokens_per_s", "first"), decode_tokens_per_s=("decode_tokens_per_s", "first"),
-        wall_s=("wall_s", "first"), device=("device", "first"), gpu=("gpu", "first"), reason=("reason", "first"), result=("result", "first"),
-        tamper_proof=("tamper_proof", "first"), tamper_note=("tamper_note", "first"),
+        wall_s=("wall_s", "first"), device=("device", "first"), gpu=("gpu", "first"), reason=("reason", "first"),
+        result=("result", "first"), tamper_proof=("tamper_proof", "first"), tamper_note=("tamper_note", "first"),
     )
     agg = agg.join(counts[list(CLASSES)]).reset_index()
     agg["worst"] = np.asarray(CLASSES, dtype=object)[agg["worst"].to_numpy()]

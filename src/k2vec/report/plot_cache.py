@@ -6,7 +6,8 @@ same pixels again. A plot's key is the sha256 of its name, the meaning of the co
 (k2vec.pipeline.code_digest: PLOT_CODE, the plots module and the package modules it imports), the versions of
 matplotlib, numpy and pandas, and the pickled arguments; its PNG is kept as `<key>.<sha256 of the PNG>.png`
 (k2vec/entry_store.py; a damaged file is drawn again). The runs' clock columns are taken out of
-what a plot is given (CLOCK_COLUMNS). The cache keeps the entries of the last report only. The bytes written are those a fresh drawing gives (tests/test_report_plot_cache.py).
+what a plot is given (CLOCK_COLUMNS). The cache keeps the entries of the last report only. The bytes written are those a
+fresh drawing gives (tests/test_report_plot_cache.py).
 """
 
 from __future__ import annotations

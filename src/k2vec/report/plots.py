@@ -82,7 +82,8 @@ def match_grid(rows: pd.DataFrame) -> bytes:
                                  SEVERITY["router-near-tie"]: 1, SEVERITY["near-tie"]: 2, SEVERITY["precision-tie"]: 2,
                                  SEVERITY["failed"]: 3, SEVERITY["changed"]: 3, SEVERITY["within-budget"]: 4,
                                  SEVERITY["exact"]: 4})
-        keep = per.assign(rank=rank).sort_values(["rank", "bad", "order"], ascending=[True, False, True]).head(MAX_GRID_ROWS)
+        keep = per.assign(rank=rank).sort_values(["rank", "bad", "order"],
+                                                 ascending=[True, False, True]).head(MAX_GRID_ROWS)
         shown = keep["worst"].value_counts()
         total = per["worst"].value_counts()
         parts = [f"{int(shown.get(SEVERITY[c], 0))}/{int(total.get(SEVERITY[c], 0))} {c}"
@@ -145,7 +146,8 @@ def match_grid(rows: pd.DataFrame) -> bytes:
                 ax.text(p, r, str(int(s)), ha="center", va="center", fontsize=7,
                         color="black" if sev in (1, 2) else "white")
     ax.legend(handles=_legend_handles(), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    ax.set_title(note or f"{plural(n_all, 'run x accuracy row')} x {plural(n_prompts, 'prompt')} (cell: first divergent step)",
+    ax.set_title(note or f"{plural(n_all, 'run x accuracy row')} x {plural(n_prompts, 'prompt')} "
+                         "(cell: first divergent step)",
                  loc="left", fontsize=9, color="#a00" if note else "#333", pad=18)
     return _png(fig)
 
@@ -161,7 +163,9 @@ def logit_error(rows: pd.DataFrame, steps: pd.DataFrame) -> bytes:
     worst = st.groupby("row")["abs_max"].max()
     nonzero = worst[worst > 0].index
     if not len(nonzero):
-        return _empty(f"{'the' if len(worst) == 1 else 'all'} {plural(len(worst), 'row with top-k logits matches', 'rows with top-k logits match')} the golden exactly (zero error)", title)
+        return _empty(f"{'the' if len(worst) == 1 else 'all'} "
+                      f"{plural(len(worst), 'row with top-k logits matches', 'rows with top-k logits match')} "
+                      "the golden exactly (zero error)", title)
     fig = Figure(figsize=(13, 4.2), layout="constrained")
     axes = fig.subplots(1, 2)
     n_rows, n_zero = len(worst), int((worst == 0).sum())
@@ -196,7 +200,8 @@ def logit_error(rows: pd.DataFrame, steps: pd.DataFrame) -> bytes:
         if col == "abs_max" and len(nonzero) <= 8:
             ax.legend(fontsize=7, loc="lower right")
         _mark_floor(ax, floor)
-    note = f"{len(nonzero)} of {plural(n_rows, 'row')} with top-k {'has' if len(nonzero) == 1 else 'have'} a nonzero error"
+    note = (f"{len(nonzero)} of {plural(n_rows, 'row')} with top-k {'has' if len(nonzero) == 1 else 'have'} "
+            "a nonzero error")
     if n_zero:
         note += f"; {plural(n_zero, 'exact-zero row')} not drawn"
     if len(nonzero) > MAX_LINES:
@@ -312,9 +317,11 @@ def acceptance(hist: pd.DataFrame) -> bytes:
             mean = float((s.index * s).sum() / total)
             off = (j - (len(series) - 1) / 2) * width
             if src == "golden":
-                ax.bar(lens + off, s / total, width, facecolor="#bdbdbd", edgecolor="black", label=f"golden \u03c4={mean:.2f}")
+                ax.bar(lens + off, s / total, width, facecolor="#bdbdbd", edgecolor="black",
+                       label=f"golden \u03c4={mean:.2f}")
             else:
-                ax.bar(lens + off, s / total, width, color=palette[(j - 1) % len(palette)], label=f"{src} \u03c4={mean:.2f}")
+                ax.bar(lens + off, s / total, width, color=palette[(j - 1) % len(palette)],
+                       label=f"{src} \u03c4={mean:.2f}")
         acc = "" if key[4] < 0 else f" p={key[4]:g}"
         ax.set_title(f"{key[0]}/{key[1]} {key[3]}{acc}", fontsize=9)
         ax.set_xticks(lens)
@@ -378,7 +385,8 @@ def format_effect(fe: pd.DataFrame, fe_steps: pd.DataFrame, n_steps: dict[str, i
     ax2.set_ylim(0, max(n_steps.values(), default=1) * 1.1 + 0.5)
     ax2.set_xlabel("prompt")
     ax2.set_ylabel("first divergent step")
-    ax2.set_title("first divergent step per prompt (hatched \u2713: none within max_new_tokens)", fontsize=9, loc="left")
+    ax2.set_title("first divergent step per prompt (hatched \u2713: none within max_new_tokens)", fontsize=9,
+                  loc="left")
     ax2.legend(fontsize=8)
     ax2.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=11, x=0.01, ha="left")

@@ -35,8 +35,9 @@ MUTATION_RESOLUTION_FILE = "mutation_resolution.csv"
 MUTATION_RESOLUTION_COLUMNS = ["mutant", "compute", "model", "precision", "golden_sha256", "hidden_beyond",
                                "logit_beyond", "kl_beyond", "router_beyond", "tree_ahead", "resolvable", "catch_rate",
                                "below"]
-RESOLUTION_COLUMNS = ["model", "precision", "precision_class", "golden_sha256", "hidden_rel", "hidden_rel_layers", "logit_abs", "kl",
-                      "hidden_cells", "step_cells", "below", "below_ddtree", "mixing_scale", "mutation_note"]
+RESOLUTION_COLUMNS = ["model", "precision", "precision_class", "golden_sha256", "hidden_rel", "hidden_rel_layers",
+                      "logit_abs", "kl", "hidden_cells", "step_cells", "below", "below_ddtree", "mixing_scale",
+                      "mutation_note"]
 EXAMPLES = 4   # mutants named in a summary line ("e.g. ...")
 # The mixing-weight ladder: catalogue mutants (k2vec.mutation.catalogue) that put the routed experts' mixing weights
 # off by growing amounts (at K2's routed_scaling_factor 2.827). The smallest step a bundle's verdict sees at a

@@ -38,7 +38,8 @@ def make_variant(case: dict[str, Any], weights: Mapping[str, np.ndarray], precis
         stored = [np.asarray(g[f"prompt.p{i}.tokens"]) for i in range(md["prompts"])]
         if len(stored) != len(prompts) or any(not np.array_equal(a, b) for a, b in zip(stored, prompts)):
             raise ConventionError(f"{golden_path} was made from other prompts than the case's: rebuild it")
-        drafts = {(a, i): RecordedDrafts(np.array(g[f"drafts.a{a}.p{i}.ids"]), np.array(g[f"drafts.a{a}.p{i}.logprobs"]),
+        drafts = {(a, i): RecordedDrafts(np.array(g[f"drafts.a{a}.p{i}.ids"]),
+                                         np.array(g[f"drafts.a{a}.p{i}.logprobs"]),
                                          np.full(g[f"drafts.a{a}.p{i}.ids"].shape[:2], -1, np.int32), len(prompts[i]))
                   for a in range(len(md["ddtree"]["accuracies"])) for i in range(len(prompts))}
     tensors, metadata = make_golden(case, weights, precision, conventions, drafts)

@@ -1,4 +1,5 @@
-"""Rule `export_compressed_tensors`: the INT4 model in compressed-tensors' `pack-quantized` layout (vLLM and SGLang load it)."""
+"""Rule `export_compressed_tensors`: the INT4 model in compressed-tensors' `pack-quantized` layout (vLLM and SGLang load
+it)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ class DequantizedWeights(Mapping[str, np.ndarray]):
     """The fp32 checkpoint with every quantized weight replaced by its dequantized INT4 value."""
 
     def __init__(self, fp32: Checkpoint, int4_dir: str | Path):
-        # Imported here: the fp32 side never runs the quantizer (its stages do not declare it, k2vec.pipeline.code_digest).
+        # Imported here: the fp32 side never runs the quantizer (its stages do not declare it,
+        # k2vec.pipeline.code_digest).
         from k2vec.model.int4_checkpoint import open_int4
 
         self.fp32, self.int4 = fp32, open_int4(int4_dir)
@@ -93,7 +94,8 @@ def make_golden(case: dict[str, Any], weights: Mapping[str, np.ndarray], precisi
     model_spec, decoding = case["model"], case["decoding"]
     if "tokens" not in case["prompts"]:
         raise ValueError("the case's prompts section holds settings only: draw the prompts first "
-                         "(k2vec.stages.prompts.draw_prompts, the prompts stage: results/prompts/{model}-{precision}.json)")
+                         "(k2vec.stages.prompts.draw_prompts, the prompts stage: "
+                         "results/prompts/{model}-{precision}.json)")
     prompts = case["prompts"]["tokens"]
     n_new, top_k = decoding["max_new_tokens"], decoding["top_k"]
     dd = decoding["ddtree"]

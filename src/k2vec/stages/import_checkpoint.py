@@ -276,7 +276,8 @@ def import_checkpoint(model: Mapping[str, Any], quantization: Mapping[str, Any],
                 "location": "fp32 checkpoint",
                 "note": "these tensors are not quantized; read them from the fp32 checkpoint this directory "
                         "was imported with",
-                "tensors": {n: {"dtype": "float32", "shape": shapes[n]} for n in sorted(set(shapes) - set(imp.entries))},
+                "tensors": {n: {"dtype": "float32", "shape": shapes[n]}
+                            for n in sorted(set(shapes) - set(imp.entries))},
             },
         }
         (int4_tmp / INT4_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -1,8 +1,8 @@
 """Prompt drawing with rejection of blind prompts: the `prompts` stage (docs/golden-format.md).
 
 A prompt is *blind* under a set of weights when the golden is near-tied at one of its prompt
-positions: a router margin (k-th minus (k+1)-th biased expert score, or the kept groups' lead where smaller) below `router_near_tie` at any
-prompt position and MoE layer, or a top-1/top-2 logit gap below `near_tie` at its last position
+positions: a router margin (k-th minus (k+1)-th biased expert score, or the kept groups' lead where smaller) below
+`router_near_tie` at any prompt position and MoE layer, or a top-1/top-2 logit gap below `near_tie` at its last position
 (step 0). An engine that routes a near-tied prompt position otherwise is excused by the report for
 every later divergence of that row (class `router-near-tie`), so such a row cannot show a real bug.
 

@@ -1,4 +1,5 @@
-"""What a result must hold for one bundle: prompt count, lengths, vocabulary, layers, experts (read from the bundle, verified)."""
+"""What a result must hold for one bundle: prompt count, lengths, vocabulary, layers, experts (read from the bundle,
+verified)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Result files: read with limits on size and nesting (hostile JSON fails, never hangs), written atomically with their digest."""
+"""Result files: read with limits on size and nesting (hostile JSON fails, never hangs), written atomically with their
+digest."""
 
 from __future__ import annotations
 

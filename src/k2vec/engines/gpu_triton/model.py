@@ -166,7 +166,8 @@ class BundleLoader:
                                                      group_size=self.group_size, scale_dtype=self.scale_dtype,
                                                      device=self.device))
         if flags == {False}:
-            gate_up = torch.stack([torch.cat([self.dense(g), self.dense(u)]) for g, u in zip(names["gate"], names["up"])])
+            gate_up = torch.stack([torch.cat([self.dense(g), self.dense(u)])
+                                   for g, u in zip(names["gate"], names["up"])])
             return RoutedExperts(gate_up=gate_up, down=torch.stack([self.dense(n) for n in names["down"]]))
         raise GpuEngineError(f"{prefix}experts: some routed experts are quantized and some are not; "
                              "the engine needs one kind per layer")
@@ -186,7 +187,8 @@ def load_layers(loader: BundleLoader, d: Dims) -> list[Layer]:
         else:
             attn.update(q_a=loader.linear(a + "q_a_proj.weight"), q_a_norm=loader.dense(a + "q_a_layernorm.weight"),
                         q_b=loader.linear(a + "q_b_proj.weight"))
-        layer = Layer(attn, loader.dense(p + "input_layernorm.weight"), loader.dense(p + "post_attention_layernorm.weight"))
+        layer = Layer(attn, loader.dense(p + "input_layernorm.weight"),
+                      loader.dense(p + "post_attention_layernorm.weight"))
         if i < d.first_dense:
             layer.mlp = loader.mlp(p + "mlp.", d.intermediate)
         else:

@@ -153,7 +153,8 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
     programmatic dependent, see _grid_wait) is dropped in the interpreter and on a `device` older than sm_90."""
     unknown = sorted(set(config) - CONFIG_KEYS)
     if unknown:
-        raise ValueError(f"tile config {config}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(CONFIG_KEYS))}")
+        raise ValueError(f"tile config {config}: unknown key(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(CONFIG_KEYS))}")
     cfg = {"X_PLANES": False, "X_WIDE": False, "SCALE_GROUPS": False, "PACKED": True, "PREFETCH": False,
            "CODES_ASM": False, "BIASED_CODES": False, "MMA_ORDER": False, "PDL": False, "SPLIT_REDUCE": False,
            **config}
@@ -167,7 +168,8 @@ def tile_config(config: dict, group_size: int, interpret: bool, device=None) -> 
     if cfg["X_WIDE"]:   # natural-order x, split into planes in registers: no plane-major copy
         cfg["X_PLANES"] = False
     if cfg["PREFETCH"] and not (cfg["X_WIDE"] and cfg["SCALE_GROUPS"] and cfg["BLOCK_M"] == 1):
-        raise ValueError(f"PREFETCH (the one-row CUDA-core GEMV) needs BLOCK_M 1, X_WIDE and SCALE_GROUPS, got {config}")
+        raise ValueError(f"PREFETCH (the one-row CUDA-core GEMV) needs BLOCK_M 1, X_WIDE and SCALE_GROUPS, "
+                         f"got {config}")
     if cfg["CODES_ASM"] and not cfg["PREFETCH"]:
         raise ValueError(f"CODES_ASM is an option of the PREFETCH one-row path, got {config}")
     if cfg["BIASED_CODES"] and not cfg["PREFETCH"]:

@@ -80,7 +80,8 @@ def _split_sum_at(ws_ptr, tile, offs, mask, SPLIT_K: tl.constexpr, PARTS: tl.con
 def _split_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, n_tiles, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, CHUNK_M: tl.constexpr, PDL: tl.constexpr):
     """SPLIT_REDUCE: rows chunk * CHUNK_M .. of output tile `tile` (pid_m * n_tiles + pid_n, as the GEMM numbers its
-    tiles) as the sum of the SPLIT_K float32 partials the GEMM's programs wrote, in split order: _split_sum's sum (_split_sum_at)."""
+    tiles) as the sum of the SPLIT_K float32 partials the GEMM's programs wrote, in split order: _split_sum's sum
+    (_split_sum_at)."""
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
     _grid_wait(PDL)     # launched as the GEMM's dependent: its partials are written and visible after this

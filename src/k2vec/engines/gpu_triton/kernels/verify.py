@@ -155,7 +155,8 @@ def check_moe(m: int, num_experts: int, hidden: int, inter: int, top_k: int, use
     """fused_moe vs float64; flip corrupts one nibble of a used expert's gate/up weight after the reference;
     ids_dtype: the expert ids as torch's topk gives them (int64) or as int32."""
     name = (f"moe m{m} e{num_experts} h{hidden} i{inter} top{top_k} used{used_experts} g{group_size} "
-            f"{scale_dtype} {act}" + (f" flip-{flip}" if flip else "") + ("" if ids_dtype == "int64" else f" {ids_dtype}"))
+            f"{scale_dtype} {act}" + (f" flip-{flip}" if flip else "")
+            + ("" if ids_dtype == "int64" else f" {ids_dtype}"))
     gen = generator(device, name)
     if experts is None:
         experts = random_experts(num_experts, hidden, inter, group_size, scale_dtype, gen, device)

@@ -24,8 +24,8 @@ from k2vec.engines.gpu_triton.kernels.dequant import _bf16_planes, _code, _load_
 from k2vec.engines.gpu_triton.kernels.gemv import _gemv_tile, _split8
 from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4
 from k2vec.engines.gpu_triton.kernels.mma import _dot, _mma_order_tile
-from k2vec.engines.gpu_triton.kernels.sync import (_grid_wait, _k_range, _split_arrive, _split_is_last, _split_reduce_kernel,
-                                                   _split_sum, split_buffers)
+from k2vec.engines.gpu_triton.kernels.sync import (_grid_wait, _k_range, _split_arrive, _split_is_last,
+                                                   _split_reduce_kernel, _split_sum, split_buffers)
 from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, fit_tile, runs_on, w4a16_cuda_launch
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
