@@ -788,16 +788,18 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
 
 def cuda_candidates(n: int, k: int, m: int) -> list:
     """CUDA tiles for the sweep: 4-16 warps per block, 100-264 blocks, every cluster size that splits K evenly; two
-    tiles per warp (half the B reads, twice the codes in flight per step) from M = 8 on, with 4 or 8 steps in
-    flight."""
+    tiles per warp (half the B reads, twice the codes in flight per step) from M = 8 on, with 4 or 8 steps in flight;
+    from M = 16 on, the scales folded into the weights too (FOLD), and four tiles per warp with them (2 or 4 steps in
+    flight)."""
     out = []
-    for nwn, nwk, cl, pf, ch, tpw in itertools.product((1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (4, 8, 16),
-                                                      (1, 2, 4), (1, 2)):
-        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw)
+    for nwn, nwk, cl, pf, ch, tpw, fold in itertools.product((1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8),
+                                                            (2, 4, 8, 16), (1, 2, 4), (1, 2, 4), (False, True)):
+        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, fold)
         steps = tile.steps(k)
+        in_flight = {1: (8, 16), 2: (4, 8), 4: (2, 4)}[tpw]
         if (tile.fits(n, k, m) and 100 <= n // tile.rows * cl <= 264 and 4 <= nwn * nwk <= 16
-                and (pf == 8 or pf <= steps) and (ch == 1 or ch <= steps)
-                and (pf in (8, 16) if tpw == 1 else m >= 8 and pf in (4, 8))):
+                and (pf == max(in_flight) or pf <= steps) and (ch == 1 or ch <= steps) and pf in in_flight
+                and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold)):
             out.append(tile)
     return out
 
@@ -840,9 +842,9 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> tuple[list[dict], list[
                 rows.append(dict(k=k, n=n, m=m, tile=asdict(tile), us=us, rel_err=verify.rel_err(out, ref)))
             here = [r for r in rows if (r["k"], r["n"], r["m"]) == (k, n, m)]
             best = min(here, key=lambda r: r["us"])
-            one = min((r["us"] for r in here if r["tile"]["tpw"] == 1), default=float("nan"))
+            one = min((r["us"] for r in here if r["tile"]["tpw"] == 1 and not r["tile"]["fold"]), default=float("nan"))
             log(f"cuda sweep {k}->{n} M={m}: best {best['us']:.2f} us {best['tile']} (rel err {best['rel_err']:.1e}, "
-                f"{anchor['bf16_us'] / best['us']:.2f}x bf16); best of one tile per warp {one:.2f} us; committed "
+                f"{anchor['bf16_us'] / best['us']:.2f}x bf16); best of one tile per warp, scales unfolded {one:.2f} us; committed "
                 f"{anchor['kernel']} {anchor['committed_us']:.2f} us; bf16 {anchor['bf16_us']:.2f} us")
         del weights, w_bf16
         torch.cuda.empty_cache()

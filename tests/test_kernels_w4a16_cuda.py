@@ -117,6 +117,7 @@ TILE_CASES = [
     TileCase("two tiles per warp: 128-row blocks", CudaTile(4, 2, 2, 4, tpw=2), 7168, 2048, 64, True),
     TileCase("two tiles per warp: N not in whole 128-row blocks", CudaTile(4, 2, 2, 4, tpw=2), 4160, 2048, 16, False),
     TileCase("three tiles per warp", CudaTile(1, 2, 2, 4, tpw=3), 2048, 7168, 16, False),
+    TileCase("four tiles per warp", CudaTile(1, 4, 2, 4, tpw=4), 7168, 2048, 64, True),
 ]
 
 
@@ -128,7 +129,7 @@ def test_tile_fits(case):
 def test_m_tiles_and_defines():
     assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
     assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, TPW=1, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2,
-                                                                SF32=1)
+                                                                SF32=1, FOLD=0)
     assert CudaTile(2, 4, 2, 4, tpw=2).rows == 64
 
 
@@ -184,6 +185,10 @@ GPU_CASES = [
     GpuCase("a cluster of 4, 33 rows", 33, 1024, 1024, CudaTile(4, 1, 4, 2, ch=2)),
     GpuCase("two tiles per warp, 64 rows, a cluster of 2", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=2, tpw=2)),
     GpuCase("two tiles per warp, 9 rows, float32 scales", 9, 1024, 1536, CudaTile(1, 4, 2, 8, ch=4, tpw=2),
+            "float32"),
+    GpuCase("scales folded, four tiles per warp, 64 rows", 64, 2048, 1024,
+            CudaTile(2, 2, 2, 4, ch=2, tpw=4, fold=True)),
+    GpuCase("scales folded, float32 scales, 20 rows", 20, 1024, 1024, CudaTile(2, 2, 1, 8, ch=4, tpw=2, fold=True),
             "float32"),
 ]
 

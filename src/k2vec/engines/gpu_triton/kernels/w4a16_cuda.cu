@@ -16,7 +16,9 @@
 // Compile-time constants (w4a16_cuda.py defines them): NWN warps along N, TPW 16-row tiles per warp (each B operand
 // read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K
 // steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in flight, CH steps of x per copy to shared
-// memory; SF32 1 for float32 scales (else bf16).
+// memory; SF32 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded
+// to bf16 as the Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the
+// accumulator registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -71,6 +73,21 @@ __device__ __forceinline__ u32 code_pair(u32 w, int p) {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(t), "r"(0x3f803f80u), "r"(0xc308c308u));
     return r;
 }
+
+#if FOLD
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// one row's scale as a bf16 pair for both halves of an A register
+__device__ __forceinline__ u32 scale_pair(float s) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(r) : "f"(s));
+    return r;
+}
+#endif
 
 // cp.async.wait_group takes an immediate: at most `pending` of this thread's groups still in flight (more than 7:
 // wait for 7, which waits longer than needed and stays correct)
@@ -146,7 +163,9 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     for (int u = 0; u < TPW; ++u)
 #pragma unroll
         for (int m = 0; m < MT; ++m) acc[u][m][0] = acc[u][m][1] = acc[u][m][2] = acc[u][m][3] = 0.0f;
+#if !FOLD
     const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#endif
     const u16* xw = xg + g * XSW + 4 * t;
 
 #pragma unroll
@@ -169,7 +188,23 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {              // the step's two groups
+            float s_g[TPW], s_h[TPW];              // the group's scales of rows g and g + 8
+#pragma unroll
+            for (int u = 0; u < TPW; ++u) {
+#if SF32
+                s_g[u] = h ? sc[u].g1 : sc[u].g0, s_h[u] = h ? sc[u].h1 : sc[u].h0;
+#else
+                const u32 sbits = h ? sc[u].grp1 : sc[u].grp0;
+                s_g[u] = lo_bf16(sbits), s_h[u] = hi_bf16(sbits);
+#endif
+            }
+#if FOLD
+            u32 f_g[TPW], f_h[TPW];
+#pragma unroll
+            for (int u = 0; u < TPW; ++u) f_g[u] = scale_pair(s_g[u]), f_h[u] = scale_pair(s_h[u]);
+#else
             float part_acc[TPW][MT][4];
+#endif
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj) {       // two K sub-steps of 16 per group
                 const int j = 2 * h + jj;
@@ -179,32 +214,36 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
                     const u32 rg = h ? c[u].g1 : c[u].g0, rh = h ? c[u].h1 : c[u].h0;
                     a[u][0] = code_pair(rg, 2 * jj), a[u][1] = code_pair(rh, 2 * jj);
                     a[u][2] = code_pair(rg, 2 * jj + 1), a[u][3] = code_pair(rh, 2 * jj + 1);
+#if FOLD
+                    a[u][0] = mul_bf16x2(a[u][0], f_g[u]), a[u][1] = mul_bf16x2(a[u][1], f_h[u]);
+                    a[u][2] = mul_bf16x2(a[u][2], f_g[u]), a[u][3] = mul_bf16x2(a[u][3], f_h[u]);
+#endif
                 }
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     const XPair b = *reinterpret_cast<const XPair*>(xw + m * 8 * XSW + s * 64 + 16 * j);
 #pragma unroll
                     for (int u = 0; u < TPW; ++u)
+#if FOLD
+                        mma(acc[u][m], a[u][0], a[u][1], a[u][2], a[u][3], b.lo, b.hi, acc[u][m]);
+#else
                         mma(part_acc[u][m], a[u][0], a[u][1], a[u][2], a[u][3], b.lo, b.hi,
                             jj ? part_acc[u][m] : zero);
+#endif
                 }
             }
+#if !FOLD
 #pragma unroll
             for (int u = 0; u < TPW; ++u) {
-#if SF32
-                const float s_g = h ? sc[u].g1 : sc[u].g0, s_h = h ? sc[u].h1 : sc[u].h0;
-#else
-                const u32 sbits = h ? sc[u].grp1 : sc[u].grp0;
-                const float s_g = lo_bf16(sbits), s_h = hi_bf16(sbits);
-#endif
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
-                    acc[u][m][0] += part_acc[u][m][0] * s_g;
-                    acc[u][m][1] += part_acc[u][m][1] * s_g;
-                    acc[u][m][2] += part_acc[u][m][2] * s_h;
-                    acc[u][m][3] += part_acc[u][m][3] * s_h;
+                    acc[u][m][0] += part_acc[u][m][0] * s_g[u];
+                    acc[u][m][1] += part_acc[u][m][1] * s_g[u];
+                    acc[u][m][2] += part_acc[u][m][2] * s_h[u];
+                    acc[u][m][3] += part_acc[u][m][3] * s_h[u];
                 }
             }
+#endif
         }
     }
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -76,13 +76,15 @@ def supported(n: int, k: int, group_size: int, scale_dtype: torch.dtype) -> bool
 @dataclass(frozen=True)
 class CudaTile:
     """A launch: NWN warps along N of TPW 16-row tiles each and NWK warps along K per block, CL blocks along K in a
-    cluster, PF K steps of codes in flight per warp, x copied to shared memory CH steps at a time."""
+    cluster, PF K steps of codes in flight per warp, x copied to shared memory CH steps at a time; fold: the scales
+    applied to the weights before the MMA (rounded to bf16) rather than to each group's product in float32."""
     nwn: int
     nwk: int
     cl: int
     pf: int
     ch: int = 2
     tpw: int = 1
+    fold: bool = False
 
     @property
     def rows(self) -> int:
@@ -96,7 +98,7 @@ class CudaTile:
         steps = self.steps(k)
         return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % self.rows == 0
                 and self.rows % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
-                and self.tpw in (1, 2)
+                and self.tpw in (1, 2, 4)
                 and 1 <= m <= MAX_ROWS and self.shared_bytes(k, m) <= SHARED_LIMIT)
 
     def shared_bytes(self, k: int, m: int) -> int:
@@ -106,7 +108,7 @@ class CudaTile:
     def defines(self, k: int, m: int, float32_scales: bool) -> dict[str, int]:
         steps = self.steps(k)
         return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
-                    PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales))
+                    PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales), FOLD=int(self.fold))
 
 
 def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
