@@ -787,19 +787,23 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
 # ---------------------------------------------------------------- report
 
 def cuda_candidates(n: int, k: int, m: int) -> list:
-    """CUDA tiles for the sweep: 4-16 warps per block, 100-264 blocks, every cluster size that splits K evenly; two
-    tiles per warp (half the B reads, twice the codes in flight per step) from M = 8 on, with 4 or 8 steps in flight;
-    from M = 16 on, the scales folded into the weights too (FOLD), and four tiles per warp with them (2 or 4 steps in
-    flight)."""
+    """CUDA tiles for the sweep: 4-16 warps per block, 100-264 blocks per SM's worth of blocks, every cluster size that
+    splits K evenly; two tiles per warp (half the B reads, twice the codes in flight per step) from M = 8 on, with 4
+    or 8 steps in flight; from M = 16 on, the scales folded into the weights too (FOLD), and four tiles per warp with
+    them (2 or 4 steps in flight); and with the steps in flight in a shared-memory ring (RING: deeper, and no
+    registers held) in one or two blocks per SM, clusters of 1-2 (larger ones do not all fit at once), 2-8 K warps,
+    x in chunks of 2-4 steps."""
     out = []
-    for nwn, nwk, cl, pf, ch, tpw, fold in itertools.product((1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8),
-                                                            (2, 4, 8, 16), (1, 2, 4), (1, 2, 4), (False, True)):
-        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, fold)
+    for nwn, nwk, cl, pf, ch, tpw, fold, ring, minb in itertools.product(
+            (1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (2, 4, 8, 12, 16, 24), (1, 2, 4), (1, 2, 4),
+            (False, True), (False, True), (1, 2)):
+        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, fold, ring, minb)
         steps = tile.steps(k)
-        in_flight = {1: (8, 16), 2: (4, 8), 4: (2, 4)}[tpw]
-        if (tile.fits(n, k, m) and 100 <= n // tile.rows * cl <= 264 and 4 <= nwn * nwk <= 16
+        in_flight = ({1: (12, 24), 2: (8, 12), 4: (4,)} if ring else {1: (8, 16), 2: (4, 8), 4: (2, 4)})[tpw]
+        if (tile.fits(n, k, m) and 100 <= n // tile.rows * cl <= 264 * minb and 4 <= nwn * nwk <= 16
                 and (pf == max(in_flight) or pf <= steps) and (ch == 1 or ch <= steps) and pf in in_flight
-                and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold)):
+                and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold) and (minb == 1 or ring and nwn * nwk <= 8)
+                and (not ring or cl <= 2 and ch >= 2 and nwk >= 2)):
             out.append(tile)
     return out
 

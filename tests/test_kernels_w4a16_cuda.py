@@ -118,6 +118,12 @@ TILE_CASES = [
     TileCase("two tiles per warp: N not in whole 128-row blocks", CudaTile(4, 2, 2, 4, tpw=2), 4160, 2048, 16, False),
     TileCase("three tiles per warp", CudaTile(1, 2, 2, 4, tpw=3), 2048, 7168, 16, False),
     TileCase("four tiles per warp", CudaTile(1, 4, 2, 4, tpw=4), 7168, 2048, 64, True),
+    # 14 steps a warp: a ring of 15 slots x 640 bytes per warp, 76,800 bytes beside x's 116,736 and the partials' 4,096
+    TileCase("steps in flight in shared memory", CudaTile(1, 8, 1, 24, ring=True), 2048, 7168, 4, True),
+    TileCase("a ring past the shared memory", CudaTile(2, 8, 1, 24, ring=True), 2048, 7168, 4, False),
+    TileCase("two blocks per SM", CudaTile(2, 2, 2, 12, ring=True, minb=2), 2048, 7168, 4, True),
+    TileCase("two blocks per SM that do not both fit", CudaTile(1, 8, 1, 24, ring=True, minb=2), 2048, 7168, 4, False),
+    TileCase("three blocks per SM", CudaTile(2, 2, 2, 12, ring=True, minb=3), 2048, 7168, 4, False),
 ]
 
 
@@ -129,8 +135,12 @@ def test_tile_fits(case):
 def test_m_tiles_and_defines():
     assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
     assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, TPW=1, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2,
-                                                                SF32=1, FOLD=0)
+                                                                SF32=1, FOLD=0, RING=0, MINB=1)
     assert CudaTile(2, 4, 2, 4, tpw=2).rows == 64
+    # the ring: PF + 1 slots per warp of 32 lanes x 16 bytes of codes and 8 lane groups x 16 bytes of scales
+    plain, ring = CudaTile(1, 8, 1, 24), CudaTile(1, 8, 1, 24, ring=True)
+    assert ring.shared_bytes(7168, 4) - plain.shared_bytes(7168, 4) == 8 * 15 * (32 * 16 + 8 * 16)    # 14 steps
+    assert ring.shared_bytes(2048, 4) - plain.shared_bytes(2048, 4) == 8 * 5 * (32 * 16 + 8 * 16)   # 4 steps a warp
 
 
 @dataclass(frozen=True)
@@ -190,6 +200,17 @@ GPU_CASES = [
             CudaTile(2, 2, 2, 4, ch=2, tpw=4, fold=True)),
     GpuCase("scales folded, float32 scales, 20 rows", 20, 1024, 1024, CudaTile(2, 2, 1, 8, ch=4, tpw=2, fold=True),
             "float32"),
+    # the ring: refilled (16 steps a warp, 12 in flight), never refilled (8 steps, 12 asked for), x in chunks of 1
+    # step (the most cp.async groups pending), two blocks per SM, two tiles per warp in a cluster, folded scales
+    GpuCase("ring, 12 of 16 steps in flight, 3 rows", 3, 1024, 2048, CudaTile(2, 2, 1, 12, ch=2, ring=True)),
+    GpuCase("ring, all 8 steps in flight, float32 scales", 5, 1024, 1024, CudaTile(2, 2, 1, 12, ch=4, ring=True),
+            "float32"),
+    GpuCase("ring, x a step at a time, 16 rows", 16, 512, 4096, CudaTile(1, 4, 1, 12, ch=1, ring=True)),
+    GpuCase("ring, two blocks per SM", 8, 2048, 2048, CudaTile(2, 2, 1, 24, ch=2, ring=True, minb=2)),
+    GpuCase("ring, two tiles per warp, a cluster of 2, 9 rows, float32 scales", 9, 1024, 2048,
+            CudaTile(2, 2, 2, 8, ch=2, tpw=2, ring=True), "float32"),
+    GpuCase("ring, scales folded, four tiles per warp, 64 rows", 64, 1024, 1024,
+            CudaTile(2, 2, 2, 4, ch=2, tpw=4, fold=True, ring=True)),
 ]
 
 

@@ -16,7 +16,8 @@
 // Compile-time constants (w4a16_cuda.py defines them): NWN warps along N, TPW 16-row tiles per warp (each B operand
 // read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K
 // steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in flight, CH steps of x per copy to shared
-// memory; SF32 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded
+// memory; RING 1: codes and scales in flight through shared memory rather than registers (below); MINB blocks per
+// SM the registers are budgeted for (__launch_bounds__); SF32 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded
 // to bf16 as the Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the
 // accumulator registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost).
 
@@ -38,6 +39,7 @@ struct alignas(8) XPair { u32 lo, hi; };             // x[k .. k + 1], x[k + 2 .
 #define XSW (STEPS * 64 + 16)        // x row stride in a K warp group's slice (bf16): +32 bytes spreads rows over banks
 #define MROWS (MT * 8)
 #define NCH ((STEPS + CH - 1) / CH)  // chunks of x per K warp group
+#define RS (PF + 1)                  // RING: slots per warp
 
 __device__ __forceinline__ Codes load_codes(const Codes* p) {
     Codes c;
@@ -89,20 +91,34 @@ __device__ __forceinline__ u32 scale_pair(float s) {
 }
 #endif
 
-// cp.async.wait_group takes an immediate: at most `pending` of this thread's groups still in flight (more than 7:
-// wait for 7, which waits longer than needed and stays correct)
+// cp.async.wait_group takes an immediate: at most `pending` of this thread's groups still in flight (more than 63:
+// wait for 63, which waits longer than needed and stays correct); the K loop is unrolled, so the switch folds
+#define WAIT_CASE(n) case n: asm volatile("cp.async.wait_group " #n ";" ::: "memory"); break;
+#define WAIT_CASES8(a) WAIT_CASE(a##0) WAIT_CASE(a##1) WAIT_CASE(a##2) WAIT_CASE(a##3) WAIT_CASE(a##4) \
+    WAIT_CASE(a##5) WAIT_CASE(a##6) WAIT_CASE(a##7)
 __device__ __forceinline__ void cp_async_wait(int pending) {
     switch (pending) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    WAIT_CASE(0) WAIT_CASE(1) WAIT_CASE(2) WAIT_CASE(3) WAIT_CASE(4) WAIT_CASE(5) WAIT_CASE(6) WAIT_CASE(7)
+    WAIT_CASE(8) WAIT_CASE(9) WAIT_CASES8(1) WAIT_CASES8(2) WAIT_CASES8(3) WAIT_CASES8(4) WAIT_CASES8(5)
+    WAIT_CASE(60) WAIT_CASE(61) WAIT_CASE(62)
+    default: asm volatile("cp.async.wait_group 63;" ::: "memory"); break;
     }
 }
+
+#if RING
+// one step of a tile into a slot of the warp's ring: each lane its own 16 bytes of codes, lane (g, 0) the scales
+// of lane group g
+__device__ __forceinline__ void copy_step(Codes* cdst, const Codes* csrc, Scales* sdst, const Scales* ssrc, int t) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_addr(cdst)), "l"(csrc) : "memory");
+    if (t == 0) {
+#if SF32
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(shared_addr(sdst)), "l"(ssrc) : "memory");
+#else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(shared_addr(sdst)), "l"(ssrc) : "memory");
+#endif
+    }
+}
+#endif
 
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -111,7 +127,7 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1)
+extern "C" __global__ void __launch_bounds__(NT, MINB)
 w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scales* __restrict__ scales,
           u16* __restrict__ y, int M, int N, int K) {
     extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
@@ -130,6 +146,24 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     // warp is ksteps steps further on)
     const Codes* cp = codes + ((size_t)tile * ksteps + step0) * 32 + lane;
     const Scales* sp = scales + ((size_t)tile * ksteps + step0) * 8 + g;
+#if RING
+    // RING: the steps in flight land in the warp's ring of RS slots, step s in slot s % RS, one cp.async group per
+    // step: a lane reads back its own codes (cp.async.wait_group orders them for it) and its lane group's scales,
+    // copied by lane (g, 0) (a __syncwarp after the wait shows them to the others). Groups in commit order: steps
+    // 0 .. PF - 1, then x's NCH chunks, then one per refill (step s + PF, issued at step s)
+    unsigned char* ring = smem + NWK * MROWS * XSW * 2 + NWK * MROWS * N_CTA * 4;
+    Codes* rc = reinterpret_cast<Codes*>(ring) + (size_t)warp * RS * TPW * 32 + lane;      // [warp][RS][TPW][32]
+    Scales* rsc = reinterpret_cast<Scales*>(ring + NWN * NWK * RS * TPW * 32 * 16)         // [warp][RS][TPW][8]
+                  + (size_t)warp * RS * TPW * 8 + g;
+#pragma unroll
+    for (int s = 0; s < PF; ++s) {
+#pragma unroll
+        for (int u = 0; u < TPW; ++u)
+            copy_step(rc + (s * TPW + u) * 32, cp + ((size_t)u * ksteps + s) * 32, rsc + (s * TPW + u) * 8,
+                      sp + ((size_t)u * ksteps + s) * 8, t);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+#else
     Codes cw[PF][TPW];
     Scales sw[PF][TPW];
 #pragma unroll
@@ -140,6 +174,7 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
             sw[s][u] = load_scales(sp + ((size_t)u * ksteps + s) * 8);
         }
     }
+#endif
 
     // x may be the previous kernel's output: wait for it (PDL). Each K warp group (the NWN warps of one wk) copies
     // the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each, and starts
@@ -170,21 +205,45 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
+#if RING
+        if (s + PF < STEPS) {                      // step s + PF into the slot every lane read at step s - 1
+            __syncwarp();
+#pragma unroll
+            for (int u = 0; u < TPW; ++u)
+                copy_step(rc + (((s + PF) % RS) * TPW + u) * 32, cp + ((size_t)u * ksteps + s + PF) * 32,
+                          rsc + (((s + PF) % RS) * TPW + u) * 8, sp + ((size_t)u * ksteps + s + PF) * 8, t);
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+        {   // step s landed, and x's chunk of it: the groups committed after the later of the two may stay pending
+            const int refills = s + 1 < STEPS - PF ? s + 1 : STEPS - PF;
+            cp_async_wait(s < PF ? NCH - 1 - s / CH + refills : refills - (s - PF) - 1);
+        }
+        if (s % CH == 0 && NWN > 1)                // x's chunk landed for every lane of the K warp group
+            asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
+        else
+            __syncwarp();                          // the scales lane (g, 0) copied
+#else
         if (s % CH == 0) {                         // this chunk of x landed, for every lane of the group
             cp_async_wait(NCH - 1 - s / CH);
             if (NWN == 1) __syncwarp();
             else asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
         }
+#endif
         Codes c[TPW];
         Scales sc[TPW];
 #pragma unroll
         for (int u = 0; u < TPW; ++u) {
+#if RING
+            c[u] = rc[((s % RS) * TPW + u) * 32];
+            sc[u] = rsc[((s % RS) * TPW + u) * 8];
+#else
             c[u] = cw[s % PF][u];
             sc[u] = sw[s % PF][u];
             if (s + PF < STEPS) {
                 cw[s % PF][u] = load_codes(cp + ((size_t)u * ksteps + s + PF) * 32);
                 sw[s % PF][u] = load_scales(sp + ((size_t)u * ksteps + s + PF) * 8);
             }
+#endif
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {              // the step's two groups

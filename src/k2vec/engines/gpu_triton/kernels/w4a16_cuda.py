@@ -25,7 +25,7 @@ from k2vec.errors import K2VecError
 
 SOURCE = Path(__file__).with_name("w4a16_cuda.cu")
 MAX_ROWS = 64          # x rows: eight m8 tiles
-SHARED_LIMIT = 232_448  # bytes of shared memory a block may opt in to on sm_90
+SM_SHARED = 233_472    # bytes of shared memory of an sm_90 SM: each resident block takes its own and 1 KB more
 
 
 class CudaKernelError(K2VecError):
@@ -77,7 +77,9 @@ def supported(n: int, k: int, group_size: int, scale_dtype: torch.dtype) -> bool
 class CudaTile:
     """A launch: NWN warps along N of TPW 16-row tiles each and NWK warps along K per block, CL blocks along K in a
     cluster, PF K steps of codes in flight per warp, x copied to shared memory CH steps at a time; fold: the scales
-    applied to the weights before the MMA (rounded to bf16) rather than to each group's product in float32."""
+    applied to the weights before the MMA (rounded to bf16) rather than to each group's product in float32; ring:
+    the steps in flight held in shared memory (a ring of PF + 1 slots per warp, filled by cp.async) rather than in
+    registers; minb: blocks per SM the registers are budgeted for (two: half the registers per thread)."""
     nwn: int
     nwk: int
     cl: int
@@ -85,6 +87,8 @@ class CudaTile:
     ch: int = 2
     tpw: int = 1
     fold: bool = False
+    ring: bool = False
+    minb: int = 1
 
     @property
     def rows(self) -> int:
@@ -98,17 +102,21 @@ class CudaTile:
         steps = self.steps(k)
         return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % self.rows == 0
                 and self.rows % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
-                and self.tpw in (1, 2, 4)
-                and 1 <= m <= MAX_ROWS and self.shared_bytes(k, m) <= SHARED_LIMIT)
+                and self.tpw in (1, 2, 4) and self.minb in (1, 2) and 1 <= m <= MAX_ROWS
+                and self.minb * (self.shared_bytes(k, m) + 1024) <= SM_SHARED)
 
     def shared_bytes(self, k: int, m: int) -> int:
+        """x's slices, the partial sums, and with `ring` the warps' rings (codes, and scales sized for float32)."""
         rows = 8 * m_tiles(m)
-        return self.nwk * rows * (self.steps(k) * 64 + 16) * 2 + self.nwk * rows * self.rows * 4
+        slots = self.nwn * self.nwk * (min(self.pf, self.steps(k)) + 1) * self.tpw
+        ring = slots * (32 * 16 + 8 * 16) if self.ring else 0
+        return self.nwk * rows * (self.steps(k) * 64 + 16) * 2 + self.nwk * rows * self.rows * 4 + ring
 
     def defines(self, k: int, m: int, float32_scales: bool) -> dict[str, int]:
         steps = self.steps(k)
         return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
-                    PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales), FOLD=int(self.fold))
+                    PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales), FOLD=int(self.fold),
+                    RING=int(self.ring), MINB=self.minb)
 
 
 def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
