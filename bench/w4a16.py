@@ -16,8 +16,9 @@ One call does everything (device time is scarce):
 
     python3 bench/w4a16.py --out DIR [--sweep] [--skip-correctness]
     python3 bench/w4a16.py --out DIR --trips    # the dense tiles against K trips per program (split, stages)
-    python3 bench/w4a16.py --out DIR --cuda-sweep [--ms 8,16]   # the CUDA kernel's tiles on the K2 shapes, beside
-                                                                  # the committed call and bf16 cuBLAS
+    python3 bench/w4a16.py --out DIR --cuda-sweep [--ms 8,16] [--experimental]   # the CUDA kernel's tiles on the K2
+                                      # shapes (or only those of options no table uses), beside the committed call
+                                      # and bf16 cuBLAS
     TRITON_INTERPRET=1 python bench/w4a16.py --out DIR --smoke     # CPU plumbing check on tiny shapes
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ from k2vec.engines.gpu_triton.kernels.configs import (  # noqa: E402
 from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts  # noqa: E402
 from k2vec.engines.gpu_triton.kernels import w4a16_cuda  # noqa: E402
 from k2vec.engines.gpu_triton.kernels.w4a16 import cuda_tile  # noqa: E402
-from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, m_tiles  # noqa: E402
 
 MS = (1, 2, 4, 8, 16, 32, 64)
 GROUPS = (32, 64, 128)
@@ -790,33 +791,44 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
     """CUDA tiles for the sweep: 4-16 warps per block, 100-264 blocks per SM's worth of blocks, every cluster size that
     splits K evenly; two tiles per warp (half the B reads, twice the codes in flight per step) from M = 8 on, with 4
     or 8 steps in flight; from M = 16 on, the scales folded into the weights too (FOLD), and four tiles per warp with
-    them (2 or 4 steps in flight); and with the steps in flight in a shared-memory ring (RING: deeper, and no
-    registers held) in one or two blocks per SM, clusters of 1-2 (larger ones do not all fit at once), 2-8 K warps,
-    x in chunks of 2-4 steps."""
+    them (2 or 4 steps in flight). Then the shared-memory rings, in clusters of 1-2 (larger ones do not all fit at
+    once) of 2-8 K warps: the steps in flight in a ring per warp (RING: deeper, and no registers held), x in a ring
+    of 2 or 4 chunks of 2 steps (NXR: a few KB where the whole slice took up to 200), each in one or two blocks per
+    SM (two: up to 16 rows of accumulators a warp, within 128 registers)."""
     out = []
-    for nwn, nwk, cl, pf, ch, tpw, fold, ring, minb in itertools.product(
+    for nwn, nwk, cl, pf, ch, tpw, fold, ring, nxr, minb in itertools.product(
             (1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (2, 4, 8, 12, 16, 24), (1, 2, 4), (1, 2, 4),
-            (False, True), (False, True), (1, 2)):
-        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, fold, ring, minb)
+            (False, True), (False, True), (0, 2, 4), (1, 2)):
+        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, fold, ring, minb, nxr)
         steps = tile.steps(k)
         in_flight = ({1: (12, 24), 2: (8, 12), 4: (4,)} if ring else {1: (8, 16), 2: (4, 8), 4: (2, 4)})[tpw]
         if (tile.fits(n, k, m) and 100 <= n // tile.rows * cl <= 264 * minb and 4 <= nwn * nwk <= 16
                 and (pf == max(in_flight) or pf <= steps) and (ch == 1 or ch <= steps) and pf in in_flight
-                and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold) and (minb == 1 or ring and nwn * nwk <= 8)
-                and (not ring or cl <= 2 and ch >= 2 and nwk >= 2)):
+                and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold)
+                and (minb == 1 or (ring or nxr) and nwn * nwk <= 8 and tpw * m_tiles(m) <= 2)
+                and (not (ring or nxr) or cl <= 2 and nwk >= 2 and nwn * nwk in (4, 8) and (not fold or m >= 32))
+                and (not ring or nxr or ch >= 2) and (not nxr or ch == 2)):
             out.append(tile)
     return out
 
 
-def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> tuple[list[dict], list[dict]]:
+def experimental(tile: CudaTile) -> bool:
+    """A tile of the kernel's options not yet in a committed table: folded scales, the rings, two blocks per SM."""
+    return tile.fold or tile.ring or bool(tile.nxr) or tile.minb > 1
+
+
+def cuda_sweep(device, log, ms: tuple[int, ...] = MS, only_experimental: bool = False) -> tuple[list[dict], list[dict]]:
     """Every CUDA tile on the three K2 shapes at each of `ms` (compiled in threads first, or loaded from the CUBIN
-    cache: w4a16_cuda.cached_cubin), timed as time_dense times, checked against float64; logs the best per M beside
-    the anchors timed in the same run (the committed tables' call, whichever kernel they pick, and bf16 cuBLAS), and
-    the best per M bucket (summed over its M)."""
+    cache: w4a16_cuda.cached_cubin), or only the experimental ones, timed as time_dense times, checked against
+    float64; logs the best per M beside the anchors timed in the same run (the committed tables' call, whichever
+    kernel they pick, and bf16 cuBLAS), and the best per M bucket (summed over its M)."""
+    def candidates(n, k, m):
+        return [t for t in cuda_candidates(n, k, m) if experimental(t) or not only_experimental]
+
     major, minor = torch.cuda.get_device_capability(device)
     source = w4a16_cuda.SOURCE.read_text()
     variants = {tuple(t.defines(k, m, False).items()) for k, n in DENSE_SHAPES for m in ms
-                for t in cuda_candidates(n, k, m)}
+                for t in candidates(n, k, m)}
     t0 = time.perf_counter()
     compiler = w4a16_cuda.nvrtc_version()
     with ThreadPoolExecutor(16) as pool:     # NVRTC releases the GIL
@@ -838,7 +850,7 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> tuple[list[dict], list[
             anchor = dict(k=k, n=n, m=m, kernel="CUDA" if cuda_tile(entry, weights[0], xs[0]) else "Triton",
                           committed_us=committed_us(xs, weights, outs), bf16_us=bf16_us(xs, w_bf16))
             anchors.append(anchor)
-            for tile in cuda_candidates(n, k, m):
+            for tile in candidates(n, k, m):
                 out = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
                 w4a16_cuda.w4a16_cuda_linear(xs[0], weights[0].cuda, n, k, out, tile)
                 us = graph_time_us([lambda x=x, w=w, o=o, t=tile: w4a16_cuda.w4a16_cuda_linear(x, w.cuda, n, k, o, t)
@@ -846,10 +858,10 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS) -> tuple[list[dict], list[
                 rows.append(dict(k=k, n=n, m=m, tile=asdict(tile), us=us, rel_err=verify.rel_err(out, ref)))
             here = [r for r in rows if (r["k"], r["n"], r["m"]) == (k, n, m)]
             best = min(here, key=lambda r: r["us"])
-            one = min((r["us"] for r in here if r["tile"]["tpw"] == 1 and not r["tile"]["fold"]), default=float("nan"))
+            old = min((r["us"] for r in here if not experimental(CudaTile(**r["tile"]))), default=float("nan"))
             log(f"cuda sweep {k}->{n} M={m}: best {best['us']:.2f} us {best['tile']} (rel err {best['rel_err']:.1e}, "
-                f"{anchor['bf16_us'] / best['us']:.2f}x bf16); best of one tile per warp, scales unfolded {one:.2f} us; committed "
-                f"{anchor['kernel']} {anchor['committed_us']:.2f} us; bf16 {anchor['bf16_us']:.2f} us")
+                f"{anchor['bf16_us'] / best['us']:.2f}x bf16); best without the experimental options {old:.2f} us; "
+                f"committed {anchor['kernel']} {anchor['committed_us']:.2f} us; bf16 {anchor['bf16_us']:.2f} us")
         del weights, w_bf16
         torch.cuda.empty_cache()
     for k, n in DENSE_SHAPES:
@@ -983,6 +995,8 @@ def main() -> None:
     parser.add_argument("--cuda-sweep", action="store_true", help="only the CUDA kernel's tiles on the K2 shapes")
     parser.add_argument("--ms", type=lambda text: tuple(int(m) for m in text.split(",")), default=MS,
                         help="--cuda-sweep: these M only (comma-separated)")
+    parser.add_argument("--experimental", action="store_true",
+                        help="--cuda-sweep: only the tiles of options no committed table uses (experimental())")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--workers", type=int, default=10)
@@ -1012,7 +1026,7 @@ def main() -> None:
         trip_scan(torch.device("cuda:0"), log)
         return
     if args.cuda_sweep:
-        rows, anchors = cuda_sweep(torch.device("cuda:0"), log, args.ms)
+        rows, anchors = cuda_sweep(torch.device("cuda:0"), log, args.ms, args.experimental)
         (args.out / "cuda_sweep.json").write_text(json.dumps({"tiles": rows, "anchors": anchors}, indent=1))
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"

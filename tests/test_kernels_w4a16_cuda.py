@@ -124,6 +124,8 @@ TILE_CASES = [
     TileCase("two blocks per SM", CudaTile(2, 2, 2, 12, ring=True, minb=2), 2048, 7168, 4, True),
     TileCase("two blocks per SM that do not both fit", CudaTile(1, 8, 1, 24, ring=True, minb=2), 2048, 7168, 4, False),
     TileCase("three blocks per SM", CudaTile(2, 2, 2, 12, ring=True, minb=3), 2048, 7168, 4, False),
+    TileCase("64 rows of x in a ring of chunks", CudaTile(4, 2, 2, 8, nxr=4), 4096, 7168, 64, True),
+    TileCase("a ring of one chunk", CudaTile(4, 2, 2, 8, nxr=1), 4096, 7168, 16, False),
 ]
 
 
@@ -135,12 +137,16 @@ def test_tile_fits(case):
 def test_m_tiles_and_defines():
     assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
     assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, TPW=1, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2,
-                                                                SF32=1, FOLD=0, RING=0, MINB=1)
+                                                                SF32=1, FOLD=0, RING=0, MINB=1, NXR=0)
     assert CudaTile(2, 4, 2, 4, tpw=2).rows == 64
     # the ring: PF + 1 slots per warp of 32 lanes x 16 bytes of codes and 8 lane groups x 16 bytes of scales
     plain, ring = CudaTile(1, 8, 1, 24), CudaTile(1, 8, 1, 24, ring=True)
     assert ring.shared_bytes(7168, 4) - plain.shared_bytes(7168, 4) == 8 * 15 * (32 * 16 + 8 * 16)    # 14 steps
     assert ring.shared_bytes(2048, 4) - plain.shared_bytes(2048, 4) == 8 * 5 * (32 * 16 + 8 * 16)   # 4 steps a warp
+    # x's ring: 14 steps a warp in chunks of 4 (4 chunks), a ring of 3 of them (or of all 4 where 6 are asked for)
+    chunks = CudaTile(1, 8, 1, 8, ch=4, nxr=3)
+    assert chunks.defines(7168, 4, False)["NXR"] == 3 and CudaTile(1, 8, 1, 8, ch=4, nxr=6).x_chunks(7168) == 4
+    assert plain.shared_bytes(7168, 4) - chunks.shared_bytes(7168, 4) == 8 * 8 * ((14 * 64 + 16) - 3 * (4 * 64 + 16)) * 2
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,16 @@ GPU_CASES = [
             CudaTile(2, 2, 2, 8, ch=2, tpw=2, ring=True), "float32"),
     GpuCase("ring, scales folded, four tiles per warp, 64 rows", 64, 1024, 1024,
             CudaTile(2, 2, 2, 4, ch=2, tpw=4, fold=True, ring=True)),
+    # x in a ring of chunks: refilled (16 steps a warp in 8 chunks, 3 slots), with the codes' ring, a chunk a step,
+    # a last chunk shorter than the others (14 steps in chunks of 4), 64 rows
+    GpuCase("x's ring, 3 of 8 chunks, 6 rows", 6, 1024, 2048, CudaTile(2, 2, 1, 8, ch=2, nxr=3)),
+    GpuCase("x's ring with the codes' ring, two blocks per SM", 8, 1024, 2048,
+            CudaTile(2, 2, 1, 12, ch=2, ring=True, minb=2, nxr=2)),
+    GpuCase("x's ring, a chunk a step, float32 scales, 16 rows", 16, 512, 4096, CudaTile(1, 4, 1, 8, ch=1, nxr=4),
+            "float32"),
+    GpuCase("x's ring, a short last chunk, a cluster of 2", 12, 512, 3584, CudaTile(1, 2, 2, 12, ch=4, ring=True,
+                                                                                   nxr=2)),
+    GpuCase("x's ring, 64 rows, scales folded", 64, 1024, 2048, CudaTile(2, 2, 1, 8, ch=2, tpw=2, fold=True, nxr=3)),
 ]
 
 

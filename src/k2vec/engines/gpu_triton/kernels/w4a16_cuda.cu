@@ -16,7 +16,9 @@
 // Compile-time constants (w4a16_cuda.py defines them): NWN warps along N, TPW 16-row tiles per warp (each B operand
 // read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K
 // steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in flight, CH steps of x per copy to shared
-// memory; RING 1: codes and scales in flight through shared memory rather than registers (below); MINB blocks per
+// memory; NXR 0: a K warp group's whole slice of x in shared memory, else a ring of NXR (>= 2) chunks of it, each
+// refilled with a later chunk once the group's warps are past it; RING 1: codes and scales in flight through shared
+// memory rather than registers (below); MINB blocks per
 // SM the registers are budgeted for (__launch_bounds__); SF32 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded
 // to bf16 as the Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the
 // accumulator registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost).
@@ -37,6 +39,12 @@ struct alignas(8) XPair { u32 lo, hi; };             // x[k .. k + 1], x[k + 2 .
 #define N_CTA (16 * NWN * TPW)
 #define KC (NWK * STEPS * 64)        // K elements of one block
 #define XSW (STEPS * 64 + 16)        // x row stride in a K warp group's slice (bf16): +32 bytes spreads rows over banks
+#define XCW (CH * 64 + 16)           // NXR: x row stride in a chunk's slot
+#if NXR
+#define X_BYTES (NWK * NXR * MROWS * XCW * 2)
+#else
+#define X_BYTES (NWK * MROWS * XSW * 2)
+#endif
 #define MROWS (MT * 8)
 #define NCH ((STEPS + CH - 1) / CH)  // chunks of x per K warp group
 #define RS (PF + 1)                  // RING: slots per warp
@@ -105,6 +113,39 @@ __device__ __forceinline__ void cp_async_wait(int pending) {
     }
 }
 
+__device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
+
+// chunk ch of a K warp group's slice of x (its live rows) to dst, row stride `stride`, by the group's NWN warps; one
+// cp.async group
+__device__ __forceinline__ void copy_x(u16* dst, int stride, const u16* __restrict__ x, int M, int K, int kg0, int ch,
+                                       int wn, int lane) {
+    const int s0 = ch * CH, per_row = (STEPS - s0 < CH ? STEPS - s0 : CH) * 8;   // 16-byte pieces
+    for (int p = wn * 32 + lane; p < M * per_row; p += NWN * 32) {
+        const int row = p / per_row, piece = p % per_row;
+        const u16* src = x + (size_t)row * K + kg0 + s0 * 64 + piece * 8;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                     :: "r"(shared_addr(dst + row * stride + piece * 8)), "l"(src) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+#if NXR
+// The cp.async groups in commit order: (RING) steps 0 .. PF - 1; chunks 0 .. NXR - 1 of x; then per step s, (RING)
+// step s + PF, and at the start of chunk c >= 1 (after the group's barrier) chunk c - 1 + NXR into chunk c - 1's slot.
+__device__ __forceinline__ constexpr int ring_at(int s) { return RING && s + PF < STEPS ? 1 : 0; }
+__device__ __forceinline__ constexpr int groups_before(int s) {     // committed by steps 0 .. s - 1
+    return (RING ? imin(s, STEPS - PF) : 0) + imax(0, imin((s + CH - 1) / CH - 1, NCH - NXR));
+}
+// groups that may stay in flight at step s's wait: those committed after the later of its codes and its x chunk
+__device__ __forceinline__ constexpr int pending_at(int s) {
+    const int base = (RING ? PF : 0) + NXR, c = s / CH, refilled = (c - NXR + 1) * CH;
+    const int need_x = c < NXR ? (RING ? PF : 0) + c : base + groups_before(refilled) + ring_at(refilled);
+    const int need_c = !RING ? 0 : s < PF ? s : base + groups_before(s - PF);
+    return base + groups_before(s) + ring_at(s) - 1 - imax(need_x, need_c);
+}
+#endif
+
 #if RING
 // one step of a tile into a slot of the warp's ring: each lane its own 16 bytes of codes, lane (g, 0) the scales
 // of lane group g
@@ -131,8 +172,8 @@ extern "C" __global__ void __launch_bounds__(NT, MINB)
 w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scales* __restrict__ scales,
           u16* __restrict__ y, int M, int N, int K) {
     extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
-    u16* xs = reinterpret_cast<u16*>(smem);                                      // [NWK][MROWS][XSW]
-    float* part = reinterpret_cast<float*>(smem + NWK * MROWS * XSW * 2);        // [NWK][MROWS][N_CTA]
+    u16* xs = reinterpret_cast<u16*>(smem);                      // [NWK][MROWS][XSW], NXR: [NWK][NXR][MROWS][XCW]
+    float* part = reinterpret_cast<float*>(smem + X_BYTES);      // [NWK][MROWS][N_CTA]
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
@@ -151,7 +192,7 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     // step: a lane reads back its own codes (cp.async.wait_group orders them for it) and its lane group's scales,
     // copied by lane (g, 0) (a __syncwarp after the wait shows them to the others). Groups in commit order: steps
     // 0 .. PF - 1, then x's NCH chunks, then one per refill (step s + PF, issued at step s)
-    unsigned char* ring = smem + NWK * MROWS * XSW * 2 + NWK * MROWS * N_CTA * 4;
+    unsigned char* ring = smem + X_BYTES + NWK * MROWS * N_CTA * 4;
     Codes* rc = reinterpret_cast<Codes*>(ring) + (size_t)warp * RS * TPW * 32 + lane;      // [warp][RS][TPW][32]
     Scales* rsc = reinterpret_cast<Scales*>(ring + NWN * NWK * RS * TPW * 32 * 16)         // [warp][RS][TPW][8]
                   + (size_t)warp * RS * TPW * 8 + g;
@@ -177,21 +218,20 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #endif
 
     // x may be the previous kernel's output: wait for it (PDL). Each K warp group (the NWN warps of one wk) copies
-    // the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each, and starts
-    // on a chunk as soon as it has landed (rows past M are never read into the live outputs: left unwritten)
+    // the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each (all of them,
+    // or with NXR the first NXR into the ring's slots), and starts on a chunk as soon as it has landed (rows past M
+    // are never read into the live outputs: left unwritten)
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    u16* xg = xs + wk * MROWS * XSW;
     const int kg0 = kblock * KC + wk * STEPS * 64;
+#if NXR
+    u16* xg = xs + wk * NXR * MROWS * XCW;
 #pragma unroll
-    for (int ch = 0; ch < NCH; ++ch) {
-        const int s0 = ch * CH, per_row = (STEPS - s0 < CH ? STEPS - s0 : CH) * 8;   // 16-byte pieces
-        for (int p = wn * 32 + lane; p < M * per_row; p += NWN * 32) {
-            const int row = p / per_row, col = s0 * 64 + (p % per_row) * 8;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                         :: "r"(shared_addr(xg + row * XSW + col)), "l"(x + (size_t)row * K + kg0 + col) : "memory");
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    }
+    for (int ch = 0; ch < NXR; ++ch) copy_x(xg + ch * MROWS * XCW, XCW, x, M, K, kg0, ch, wn, lane);
+#else
+    u16* xg = xs + wk * MROWS * XSW;
+#pragma unroll
+    for (int ch = 0; ch < NCH; ++ch) copy_x(xg + ch * CH * 64, XSW, x, M, K, kg0, ch, wn, lane);
+#endif
 
     float acc[TPW][MT][4];
 #pragma unroll
@@ -201,7 +241,11 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #if !FOLD
     const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #endif
+#if NXR
+    const u16* xw = xg + g * XCW + 4 * t;
+#else
     const u16* xw = xg + g * XSW + 4 * t;
+#endif
 
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
@@ -215,8 +259,12 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
             asm volatile("cp.async.commit_group;" ::: "memory");
         }
         {   // step s landed, and x's chunk of it: the groups committed after the later of the two may stay pending
+#if NXR
+            cp_async_wait(pending_at(s));
+#else
             const int refills = s + 1 < STEPS - PF ? s + 1 : STEPS - PF;
             cp_async_wait(s < PF ? NCH - 1 - s / CH + refills : refills - (s - PF) - 1);
+#endif
         }
         if (s % CH == 0 && NWN > 1)                // x's chunk landed for every lane of the K warp group
             asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
@@ -224,10 +272,18 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
             __syncwarp();                          // the scales lane (g, 0) copied
 #else
         if (s % CH == 0) {                         // this chunk of x landed, for every lane of the group
+#if NXR
+            cp_async_wait(pending_at(s));
+#else
             cp_async_wait(NCH - 1 - s / CH);
+#endif
             if (NWN == 1) __syncwarp();
             else asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
         }
+#endif
+#if NXR
+        if (s % CH == 0 && s >= CH && s / CH - 1 + NXR < NCH)   // every warp of the group is past chunk c - 1: its slot
+            copy_x(xg + ((s / CH - 1) % NXR) * MROWS * XCW, XCW, x, M, K, kg0, s / CH - 1 + NXR, wn, lane);
 #endif
         Codes c[TPW];
         Scales sc[TPW];
@@ -280,7 +336,12 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
                 }
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
+#if NXR
+                    const XPair b = *reinterpret_cast<const XPair*>(xw + ((s / CH) % NXR) * MROWS * XCW + m * 8 * XCW
+                                                                   + (s % CH) * 64 + 16 * j);
+#else
                     const XPair b = *reinterpret_cast<const XPair*>(xw + m * 8 * XSW + s * 64 + 16 * j);
+#endif
 #pragma unroll
                     for (int u = 0; u < TPW; ++u)
 #if FOLD

@@ -79,7 +79,8 @@ class CudaTile:
     cluster, PF K steps of codes in flight per warp, x copied to shared memory CH steps at a time; fold: the scales
     applied to the weights before the MMA (rounded to bf16) rather than to each group's product in float32; ring:
     the steps in flight held in shared memory (a ring of PF + 1 slots per warp, filled by cp.async) rather than in
-    registers; minb: blocks per SM the registers are budgeted for (two: half the registers per thread)."""
+    registers; minb: blocks per SM the registers are budgeted for (two: half the registers per thread); nxr: 0, x's
+    whole K slice in shared memory, else a ring of nxr (at least 2) chunks of it."""
     nwn: int
     nwk: int
     cl: int
@@ -89,6 +90,7 @@ class CudaTile:
     fold: bool = False
     ring: bool = False
     minb: int = 1
+    nxr: int = 0
 
     @property
     def rows(self) -> int:
@@ -102,21 +104,29 @@ class CudaTile:
         steps = self.steps(k)
         return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % self.rows == 0
                 and self.rows % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
-                and self.tpw in (1, 2, 4) and self.minb in (1, 2) and 1 <= m <= MAX_ROWS
+                and self.tpw in (1, 2, 4) and self.minb in (1, 2) and self.nxr != 1 and 1 <= m <= MAX_ROWS
                 and self.minb * (self.shared_bytes(k, m) + 1024) <= SM_SHARED)
 
     def shared_bytes(self, k: int, m: int) -> int:
-        """x's slices, the partial sums, and with `ring` the warps' rings (codes, and scales sized for float32)."""
-        rows = 8 * m_tiles(m)
-        slots = self.nwn * self.nwk * (min(self.pf, self.steps(k)) + 1) * self.tpw
+        """x's slices (or their rings of chunks), the partial sums, and with `ring` the warps' rings (codes, and scales
+        sized for float32)."""
+        rows, steps = 8 * m_tiles(m), self.steps(k)
+        slots = self.nwn * self.nwk * (min(self.pf, steps) + 1) * self.tpw
         ring = slots * (32 * 16 + 8 * 16) if self.ring else 0
-        return self.nwk * rows * (self.steps(k) * 64 + 16) * 2 + self.nwk * rows * self.rows * 4 + ring
+        ch = min(self.ch, steps)
+        x = (self.nwk * self.x_chunks(k) * rows * (ch * 64 + 16) if self.nxr else self.nwk * rows * (steps * 64 + 16))
+        return x * 2 + self.nwk * rows * self.rows * 4 + ring
+
+    def x_chunks(self, k: int) -> int:
+        """NXR: the chunks in x's ring (0: the whole slice)."""
+        ch = min(self.ch, self.steps(k))
+        return min(self.nxr, -(-self.steps(k) // ch)) if self.nxr else 0
 
     def defines(self, k: int, m: int, float32_scales: bool) -> dict[str, int]:
         steps = self.steps(k)
         return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
                     PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales), FOLD=int(self.fold),
-                    RING=int(self.ring), MINB=self.minb)
+                    RING=int(self.ring), MINB=self.minb, NXR=self.x_chunks(k))
 
 
 def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
