@@ -791,7 +791,8 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
     """CUDA tiles for the sweep: 4-16 warps per block, 100-264 blocks per SM's worth of blocks, every cluster size that
     splits K evenly; two tiles per warp (half the B reads, twice the codes in flight per step) from M = 8 on, with 4
     or 8 steps in flight; from M = 16 on, the scales folded into the weights too (FOLD), and four tiles per warp with
-    them (2 or 4 steps in flight). Then the shared-memory rings, in clusters of 1-2 (larger ones do not all fit at
+    them (2 or 4 steps in flight; at 64 rows only with the codes' ring, whose registers they need). Then the
+    shared-memory rings, in clusters of 1-2 (larger ones do not all fit at
     once) of 2-8 K warps: the steps in flight in a ring per warp (RING: deeper, and no registers held), x in a ring
     of 2 or 4 chunks of 2 steps (NXR: a few KB where the whole slice took up to 200), each in one or two blocks per
     SM (two: up to 16 rows of accumulators a warp, within 128 registers)."""
@@ -804,7 +805,7 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
         in_flight = ({1: (12, 24), 2: (8, 12), 4: (4,)} if ring else {1: (8, 16), 2: (4, 8), 4: (2, 4)})[tpw]
         if (tile.fits(n, k, m) and 100 <= n // tile.rows * cl <= 264 * minb and 4 <= nwn * nwk <= 16
                 and (pf == max(in_flight) or pf <= steps) and (ch == 1 or ch <= steps) and pf in in_flight
-                and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold)
+                and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold and (ring or m <= 32))
                 and (minb == 1 or (ring or nxr) and nwn * nwk <= 8 and tpw * m_tiles(m) <= 2)
                 and (not (ring or nxr) or cl <= 2 and nwk >= 2 and nwn * nwk in (4, 8) and (not fold or m >= 32))
                 and (not ring or nxr or ch >= 2) and (not nxr or ch == 2)):

@@ -202,7 +202,7 @@ GPU_CASES = [
     GpuCase("two tiles per warp, 64 rows, a cluster of 2", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=2, tpw=2)),
     GpuCase("two tiles per warp, 9 rows, float32 scales", 9, 1024, 1536, CudaTile(1, 4, 2, 8, ch=4, tpw=2),
             "float32"),
-    GpuCase("scales folded, four tiles per warp, 64 rows", 64, 2048, 1024,
+    GpuCase("scales folded, four tiles per warp, 32 rows", 32, 2048, 1024,
             CudaTile(2, 2, 2, 4, ch=2, tpw=4, fold=True)),
     GpuCase("scales folded, float32 scales, 20 rows", 20, 1024, 1024, CudaTile(2, 2, 1, 8, ch=4, tpw=2, fold=True),
             "float32"),
@@ -490,28 +490,47 @@ class WaitCase:
 WAIT_CASES = [
     WaitCase("14 steps a warp, x in 4 chunks", CudaTile(1, 8, 1, 8, ch=4), 7168),
     WaitCase("16 steps a warp, x in 8 chunks", CudaTile(4, 2, 1, 8, ch=2), 2048),
-    WaitCase("28 steps a warp, a chunk a step: waits past 7 clamped", CudaTile(1, 4, 1, 8, ch=1), 7168),
+    WaitCase("56 steps a warp, a chunk a step: waits past 63 clamped", CudaTile(1, 2, 1, 8, ch=1), 7168),
     WaitCase("x in one chunk", CudaTile(2, 4, 1, 8, ch=16), 2048),
+    WaitCase("codes' ring, 12 of 14 steps in flight", CudaTile(1, 8, 1, 12, ch=2, ring=True), 7168),
+    WaitCase("codes' ring, all steps in flight", CudaTile(1, 8, 1, 24, ch=4, ring=True), 7168),
+    WaitCase("codes' ring, 24 of 28, a chunk a step", CudaTile(1, 4, 1, 24, ch=1, ring=True), 7168),
+    WaitCase("x's ring of 3 of 7 chunks", CudaTile(1, 8, 1, 8, ch=2, nxr=3), 7168),
+    WaitCase("x's ring of 2, the codes' ring", CudaTile(2, 4, 1, 12, ch=2, ring=True, nxr=2), 7168),
+    WaitCase("x's ring of 4, a short last chunk, the codes' ring", CudaTile(1, 8, 1, 8, ch=4, ring=True, nxr=4), 7168),
+    WaitCase("x's ring of 2, a chunk a step", CudaTile(2, 4, 1, 8, ch=1, nxr=2), 2048),
 ]
 
 
-def x_chunk_waits(steps: int, ch: int) -> list[int]:
-    """The protocol the kernel's header states, simulated: x's chunks 0 .. NCH - 1 committed as one cp.async group
-    each, in order; at the step that starts chunk c the thread waits until chunk c's group is complete, leaving in
-    flight every group committed after it (cp.async.wait_group takes up to 7 here: more waits for 7)."""
-    committed = [f"x{c}" for c in range(-(-steps // ch))]
+def protocol_waits(tile: CudaTile, k: int) -> list[int]:
+    """The copy protocol the kernel's source states, simulated: the cp.async groups in commit order (with `ring`
+    steps 0 .. PF - 1 of codes; x's chunks, all of them or the ring's first NXR; then per step s, with `ring` step
+    s + PF before the step's wait, and at the start of chunk c >= 1, after the wait, chunk c - 1 + NXR into the
+    ring), and at each wait (every step with `ring`, else where a chunk starts) the groups it may leave in flight:
+    those committed after the last it needs (the step's codes, its x chunk); cp.async.wait_group takes up to 63."""
+    d = tile.defines(k, 4, False)
+    steps, pf, ch, nxr, ring = d["STEPS"], d["PF"], d["CH"], d["NXR"], d["RING"]
+    nch = -(-steps // ch)
+    groups = [("c", s) for s in range(pf)] if ring else []
+    groups += [("x", c) for c in range(nxr or nch)]
     waits = []
-    for s in range(0, steps, ch):
-        after = len(committed) - 1 - committed.index(f"x{s // ch}")
-        waits.append(min(after, 7))
+    for s in range(steps):
+        c = s // ch
+        if ring and s + pf < steps:
+            groups.append(("c", s + pf))
+        if ring or s % ch == 0:
+            need = {("x", c), ("c", s)} if ring else {("x", c)}
+            last = max(i for i, group in enumerate(groups) if group in need)
+            waits.append(min(len(groups) - 1 - last, 63))
+        if nxr and s % ch == 0 and c >= 1 and c - 1 + nxr < nch:
+            groups.append(("x", c - 1 + nxr))
     return waits
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("case", WAIT_CASES, ids=lambda c: c.name)
-def test_kernel_waits_for_exactly_the_x_chunk_it_reads(case):
+def test_kernel_waits_for_exactly_the_data_it_reads(case):
     """The cp.async.wait_group counts in the compiled kernel (its PTX, the K loop unrolled) against the protocol: a
-    count too high reads a chunk before it lands, one too low waits for chunks not yet needed."""
+    count too high reads codes or x before they land, one too low waits for copies not yet needed."""
     out = compile_for_sm90(case.tile, case.k, 4, False)
-    steps, ch = case.tile.steps(case.k), min(case.tile.ch, case.tile.steps(case.k))
-    assert [int(n) for n in re.findall(r"cp\.async\.wait_group (\d+);", out.ptx)] == x_chunk_waits(steps, ch)
+    assert [int(n) for n in re.findall(r"cp\.async\.wait_group (\d+);", out.ptx)] == protocol_waits(case.tile, case.k)

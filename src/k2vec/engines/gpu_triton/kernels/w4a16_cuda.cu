@@ -102,12 +102,12 @@ __device__ __forceinline__ u32 scale_pair(float s) {
 // cp.async.wait_group takes an immediate: at most `pending` of this thread's groups still in flight (more than 63:
 // wait for 63, which waits longer than needed and stays correct); the K loop is unrolled, so the switch folds
 #define WAIT_CASE(n) case n: asm volatile("cp.async.wait_group " #n ";" ::: "memory"); break;
-#define WAIT_CASES8(a) WAIT_CASE(a##0) WAIT_CASE(a##1) WAIT_CASE(a##2) WAIT_CASE(a##3) WAIT_CASE(a##4) \
-    WAIT_CASE(a##5) WAIT_CASE(a##6) WAIT_CASE(a##7)
+#define WAIT_CASES10(a) WAIT_CASE(a##0) WAIT_CASE(a##1) WAIT_CASE(a##2) WAIT_CASE(a##3) WAIT_CASE(a##4) \
+    WAIT_CASE(a##5) WAIT_CASE(a##6) WAIT_CASE(a##7) WAIT_CASE(a##8) WAIT_CASE(a##9)
 __device__ __forceinline__ void cp_async_wait(int pending) {
     switch (pending) {
     WAIT_CASE(0) WAIT_CASE(1) WAIT_CASE(2) WAIT_CASE(3) WAIT_CASE(4) WAIT_CASE(5) WAIT_CASE(6) WAIT_CASE(7)
-    WAIT_CASE(8) WAIT_CASE(9) WAIT_CASES8(1) WAIT_CASES8(2) WAIT_CASES8(3) WAIT_CASES8(4) WAIT_CASES8(5)
+    WAIT_CASE(8) WAIT_CASE(9) WAIT_CASES10(1) WAIT_CASES10(2) WAIT_CASES10(3) WAIT_CASES10(4) WAIT_CASES10(5)
     WAIT_CASE(60) WAIT_CASE(61) WAIT_CASE(62)
     default: asm volatile("cp.async.wait_group 63;" ::: "memory"); break;
     }
