@@ -795,7 +795,9 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
     shared-memory rings, in clusters of 1-2 (larger ones do not all fit at
     once) of 2-8 K warps: the steps in flight in a ring per warp (RING: deeper, and no registers held), x in a ring
     of 2 or 4 chunks of 2 steps (NXR: a few KB where the whole slice took up to 200), each in one or two blocks per
-    SM (two: up to 16 rows of accumulators a warp, within 128 registers)."""
+    SM. Not: more accumulators than the registers hold (a float32 per MMA output, twice without FOLD: at most 64 a
+    thread up to 256 threads an SM's worth, 16 beyond; of the 2417 experimental variants at M = 1-64 ptxas spilled
+    78, 52 of them among the 136 this leaves out)."""
     out = []
     for nwn, nwk, cl, pf, ch, tpw, fold, ring, nxr, minb in itertools.product(
             (1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (2, 4, 8, 12, 16, 24), (1, 2, 4), (1, 2, 4),
@@ -808,7 +810,8 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
                 and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold and (ring or m <= 32))
                 and (minb == 1 or (ring or nxr) and nwn * nwk <= 8 and tpw * m_tiles(m) <= 2)
                 and (not (ring or nxr) or cl <= 2 and nwk >= 2 and nwn * nwk in (4, 8) and (not fold or m >= 32))
-                and (not ring or nxr or ch >= 2) and (not nxr or ch == 2)):
+                and (not ring or nxr or ch >= 2) and (not nxr or ch == 2)
+                and tpw * m_tiles(m) * (1 if fold else 2) <= (16 if nwn * nwk * minb <= 8 else 4)):
             out.append(tile)
     return out
 
