@@ -821,7 +821,8 @@ def experimental(tile: CudaTile) -> bool:
     return tile.fold or tile.ring or bool(tile.nxr) or tile.minb > 1
 
 
-def cuda_sweep(device, log, ms: tuple[int, ...] = MS, only_experimental: bool = False) -> tuple[list[dict], list[dict]]:
+def cuda_sweep(device, log, ms: tuple[int, ...] = MS,
+               only_experimental: bool = False) -> tuple[list[dict], list[dict]]:
     """Every CUDA tile on the three K2 shapes at each of `ms` (compiled in threads first, or loaded from the CUBIN
     cache: w4a16_cuda.cached_cubin), or only the experimental ones, timed as time_dense times, checked against
     float64; logs the best per M beside the anchors timed in the same run (the committed tables' call, whichever
