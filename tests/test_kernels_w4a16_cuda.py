@@ -146,7 +146,8 @@ def test_m_tiles_and_defines():
     # x's ring: 14 steps a warp in chunks of 4 (4 chunks), a ring of 3 of them (or of all 4 where 6 are asked for)
     chunks = CudaTile(1, 8, 1, 8, ch=4, nxr=3)
     assert chunks.defines(7168, 4, False)["NXR"] == 3 and CudaTile(1, 8, 1, 8, ch=4, nxr=6).x_chunks(7168) == 4
-    assert plain.shared_bytes(7168, 4) - chunks.shared_bytes(7168, 4) == 8 * 8 * ((14 * 64 + 16) - 3 * (4 * 64 + 16)) * 2
+    x_whole, x_ring = 8 * 8 * (14 * 64 + 16) * 2, 8 * 3 * 8 * (4 * 64 + 16) * 2    # bytes: 8 K warps x 8 rows
+    assert plain.shared_bytes(7168, 4) - chunks.shared_bytes(7168, 4) == x_whole - x_ring
 
 
 @dataclass(frozen=True)

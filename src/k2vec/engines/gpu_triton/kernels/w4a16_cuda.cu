@@ -18,10 +18,10 @@
 // steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in flight, CH steps of x per copy to shared
 // memory; NXR 0: a K warp group's whole slice of x in shared memory, else a ring of NXR (>= 2) chunks of it, each
 // refilled with a later chunk once the group's warps are past it; RING 1: codes and scales in flight through shared
-// memory rather than registers (below); MINB blocks per
-// SM the registers are budgeted for (__launch_bounds__); SF32 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded
-// to bf16 as the Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the
-// accumulator registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost).
+// memory rather than registers (below); MINB blocks per SM the registers are budgeted for (__launch_bounds__); SF32
+// 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded to bf16 as the
+// Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the accumulator
+// registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
