@@ -816,9 +816,17 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
     return out
 
 
+def options(tile: CudaTile) -> set[str]:
+    """The kernel options a tile turns on beyond the plain kernel."""
+    return {name for name, on in (("fold", tile.fold), ("ring", tile.ring), ("nxr", tile.nxr), ("minb", tile.minb > 1))
+            if on}
+
+
 def experimental(tile: CudaTile) -> bool:
-    """A tile of the kernel's options not yet in a committed table: folded scales, the rings, two blocks per SM."""
-    return tile.fold or tile.ring or bool(tile.nxr) or tile.minb > 1
+    """A tile with an option no committed table's tile uses (DENSE_SHAPE_CONFIGS)."""
+    committed = {o for table in DENSE_SHAPE_CONFIGS.values() for _, entry in table
+                 if isinstance(entry.get("CUDA"), CudaTile) for o in options(entry["CUDA"])}
+    return bool(options(tile) - committed)
 
 
 def cuda_sweep(device, log, ms: tuple[int, ...] = MS,

@@ -27,8 +27,10 @@ from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, runs_on
 # CUDA (a CudaTile, or "fit" for w4a16_cuda.fit_tile's rule): the CUDA kernel (w4a16_cuda.cu) takes the call where
 # it can (bf16 x, the weight's CUDA-order copy: G 32, N % 16 = 0, K % 64 = 0; not in the interpreter),
 # the entry's Triton launch otherwise. Its tiles in the K2 shapes' tables below are the winners of
-# bench/w4a16.py's CUDA sweep on an H200 (bench/RESULTS.md, issue 27, sessions 24 and 25: two 16-row tiles per warp
-# on 2048 -> 7168 at M = 5-8); M = 2-16 elsewhere by the rule.
+# bench/w4a16.py's CUDA sweep on an H200 (bench/RESULTS.md, issue 27, sessions 24, 25 and 27: two 16-row tiles per
+# warp on 2048 -> 7168 at M = 5-8; session 27: the codes' shared-memory ring at M = 9-16 on 2048 -> 7168 and
+# 7168 -> 4096 and at M = 17-32 on 2048 -> 7168, where the CUDA kernel overtakes Triton's tiles; x's ring and two
+# blocks per SM on 7168 -> 2048 at M = 5-8); M = 2-16 elsewhere by the rule.
 # The CUDA kernel is launched with PDL unless CUDA_PDL is False (the bench's PDL chain check, its reference).
 _GEMV = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=1024, X_WIDE=True, SCALE_GROUPS=True, PREFETCH=True, CODES_ASM=True,
              BIASED_CODES=True, PDL=True, SPLIT_CTAS=132, num_warps=8, num_stages=3)
@@ -62,7 +64,7 @@ DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
     (7168, 2048): [
         (1, dict(_GEMV, BLOCK_N=64, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4, CUDA=CudaTile(1, 8, 1, 8, ch=4))),
         (4, dict(_MMA_264, CUDA=CudaTile(1, 8, 1, 8, ch=4))),
-        (8, dict(_MMA_264, CUDA=CudaTile(2, 4, 2, 8, ch=4))),
+        (8, dict(_MMA_264, CUDA=CudaTile(1, 8, 2, 4, ch=2, tpw=2, minb=2, nxr=4))),
         (16, dict(_MMA_264, CUDA=CudaTile(2, 4, 2, 8, ch=2))),
         (32, dict(_MMA_528, BLOCK_M=32, SPLIT_REDUCE=True)),
         (1 << 62, dict(_MMA_264, BLOCK_M=64, SPLIT_REDUCE=True)),
@@ -72,8 +74,8 @@ DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
         (2, dict(_GEMV, BLOCK_K=512, SPLIT_CTAS=264, num_warps=4, CUDA=CudaTile(7, 2, 2, 8, ch=4))),
         (4, dict(_MMA_528, CUDA=CudaTile(4, 2, 1, 8, ch=2))),
         (8, dict(_MMA_528, CUDA=CudaTile(2, 4, 1, 4, ch=2, tpw=2))),
-        (16, dict(_MMA_528, CUDA=CudaTile(4, 2, 1, 8, ch=2))),
-        (32, dict(_MMA_528, BLOCK_M=32)),
+        (16, dict(_MMA_528, CUDA=CudaTile(4, 2, 1, 12, ch=2, ring=True))),
+        (32, dict(_MMA_528, BLOCK_M=32, CUDA=CudaTile(4, 2, 1, 12, ch=4, ring=True))),
         (1 << 62, dict(_MMA, BLOCK_M=64, SPLIT_CTAS=132)),
     ],
     (7168, 4096): [
@@ -81,7 +83,7 @@ DENSE_SHAPE_CONFIGS: dict[tuple[int, int], list[tuple[int, dict]]] = {
         (2, dict(_MMA_WIDE, CUDA=CudaTile(2, 8, 1, 8, ch=4))),
         (4, dict(_MMA_WIDE, CUDA=CudaTile(2, 8, 1, 8, ch=2))),
         (8, dict(_MMA_4_STAGES, CUDA=CudaTile(2, 8, 1, 8, ch=2))),
-        (16, dict(_MMA_4_STAGES, CUDA=CudaTile(4, 4, 2, 8, ch=2))),
+        (16, dict(_MMA_4_STAGES, CUDA=CudaTile(4, 2, 2, 12, ch=4, ring=True))),
         (32, dict(_MMA_528, BLOCK_M=32)),
         (1 << 62, dict(_MMA, BLOCK_M=64, SPLIT_REDUCE=True)),
     ],
