@@ -126,6 +126,11 @@ TILE_CASES = [
     TileCase("three blocks per SM", CudaTile(2, 2, 2, 12, ring=True, minb=3), 2048, 7168, 4, False),
     TileCase("64 rows of x in a ring of chunks", CudaTile(4, 2, 2, 8, nxr=4), 4096, 7168, 64, True),
     TileCase("a ring of one chunk", CudaTile(4, 2, 2, 8, nxr=1), 4096, 7168, 16, False),
+    TileCase("x multicast to 2 blocks along N in clusters of 4", CudaTile(2, 4, 2, 8, xmc=2), 2048, 7168, 16, True),
+    TileCase("x multicast: N blocks not in whole clusters", CudaTile(2, 4, 2, 8, xmc=4), 2080, 7168, 16, False),
+    TileCase("x multicast: a cluster of 16", CudaTile(2, 4, 2, 8, xmc=8), 2048, 7168, 16, False),
+    TileCase("x multicast to 3 blocks", CudaTile(2, 4, 1, 8, xmc=3), 2016, 7168, 16, False),
+    TileCase("x multicast with x's ring", CudaTile(2, 4, 1, 8, nxr=2, xmc=2), 2048, 7168, 16, False),
 ]
 
 
@@ -137,7 +142,7 @@ def test_tile_fits(case):
 def test_m_tiles_and_defines():
     assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
     assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, TPW=1, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2,
-                                                                SF32=1, FOLD=0, RING=0, MINB=1, NXR=0)
+                                                                SF32=1, FOLD=0, RING=0, MINB=1, NXR=0, XMC=1)
     assert CudaTile(2, 4, 2, 4, tpw=2).rows == 64
     # the ring: PF + 1 slots per warp of 32 lanes x 16 bytes of codes and 8 lane groups x 16 bytes of scales
     plain, ring = CudaTile(1, 8, 1, 24), CudaTile(1, 8, 1, 24, ring=True)
@@ -148,6 +153,8 @@ def test_m_tiles_and_defines():
     assert chunks.defines(7168, 4, False)["NXR"] == 3 and CudaTile(1, 8, 1, 8, ch=4, nxr=6).x_chunks(7168) == 4
     x_whole, x_ring = 8 * 8 * (14 * 64 + 16) * 2, 8 * 3 * 8 * (4 * 64 + 16) * 2    # bytes: 8 K warps x 8 rows
     assert plain.shared_bytes(7168, 4) - chunks.shared_bytes(7168, 4) == x_whole - x_ring
+    # x multicast: 8 K warps x 4 chunks of mbarriers (8 bytes each) in one 256-byte run ahead of x
+    assert CudaTile(1, 8, 1, 24, ch=4, xmc=2).shared_bytes(7168, 4) - plain.shared_bytes(7168, 4) == 256
 
 
 @dataclass(frozen=True)
@@ -228,6 +235,18 @@ GPU_CASES = [
     GpuCase("x's ring, a short last chunk, a cluster of 2", 12, 512, 3584, CudaTile(1, 2, 2, 12, ch=4, ring=True,
                                                                                    nxr=2)),
     GpuCase("x's ring, 64 rows, scales folded", 64, 1024, 2048, CudaTile(2, 2, 1, 8, ch=2, tpw=2, fold=True, nxr=3)),
+    # x multicast along N: to 2 blocks (rows split 8 / 8), to 4 with fewer rows than blocks (some copy nothing), in a
+    # cluster that also splits K (the partials' peers at other N places), with the codes' ring, a short last chunk,
+    # 64 rows, float32 scales
+    GpuCase("x multicast to 2 blocks, 16 rows", 16, 1024, 2048, CudaTile(2, 2, 1, 8, ch=2, xmc=2)),
+    GpuCase("x multicast to 4 blocks, 3 rows", 3, 1024, 2048, CudaTile(1, 2, 1, 8, ch=4, xmc=4)),
+    GpuCase("x multicast to 2 blocks, a cluster of 2 along K, 9 rows, float32 scales", 9, 1024, 2048,
+            CudaTile(2, 2, 2, 8, ch=2, xmc=2), "float32"),
+    GpuCase("x multicast with the codes' ring, a short last chunk, 12 rows", 12, 512, 3584,
+            CudaTile(1, 2, 2, 12, ch=4, ring=True, xmc=2)),
+    GpuCase("x multicast, 64 rows, scales folded, two tiles per warp", 64, 1024, 1024,
+            CudaTile(2, 2, 2, 4, ch=2, tpw=2, fold=True, xmc=2)),
+    GpuCase("x multicast, one row of x", 1, 2048, 2048, CudaTile(2, 2, 1, 8, ch=2, xmc=4)),
 ]
 
 
@@ -432,9 +451,9 @@ needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="no NVRTC: the [t
 
 
 def compile_for_sm90(tile: CudaTile, k: int, m: int, float32_scales: bool):
-    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import kernel_source, nvrtc_compile
+    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import kernel_source, nvrtc_compile, target
     defines = tuple(tile.defines(k, m, float32_scales).items())
-    return nvrtc_compile(kernel_source(defines), "sm_90", ("--ptxas-options=-v",))
+    return nvrtc_compile(kernel_source(defines), target(defines, 9, 0), ("--ptxas-options=-v",))
 
 
 @dataclass(frozen=True)
@@ -500,6 +519,9 @@ WAIT_CASES = [
     WaitCase("x's ring of 2, the codes' ring", CudaTile(2, 4, 1, 12, ch=2, ring=True, nxr=2), 7168),
     WaitCase("x's ring of 4, a short last chunk, the codes' ring", CudaTile(1, 8, 1, 8, ch=4, ring=True, nxr=4), 7168),
     WaitCase("x's ring of 2, a chunk a step", CudaTile(2, 4, 1, 8, ch=1, nxr=2), 2048),
+    WaitCase("x multicast: no cp.async groups", CudaTile(1, 8, 1, 8, ch=4, xmc=2), 7168),
+    WaitCase("x multicast, the codes' ring", CudaTile(2, 4, 1, 12, ch=2, ring=True, xmc=2), 7168),
+    WaitCase("x multicast, the codes' ring, all steps in flight", CudaTile(1, 8, 1, 24, ch=4, ring=True, xmc=4), 7168),
 ]
 
 
@@ -508,19 +530,20 @@ def protocol_waits(tile: CudaTile, k: int) -> list[int]:
     steps 0 .. PF - 1 of codes; x's chunks, all of them or the ring's first NXR; then per step s, with `ring` step
     s + PF before the step's wait, and at the start of chunk c >= 1, after the wait, chunk c - 1 + NXR into the
     ring), and at each wait (every step with `ring`, else where a chunk starts) the groups it may leave in flight:
-    those committed after the last it needs (the step's codes, its x chunk); cp.async.wait_group takes up to 63."""
+    those committed after the last it needs (the step's codes, its x chunk); cp.async.wait_group takes up to 63. With
+    `xmc` x is not among the groups (bulk copies, an mbarrier per chunk): the waits are the codes' ring's alone."""
     d = tile.defines(k, 4, False)
-    steps, pf, ch, nxr, ring = d["STEPS"], d["PF"], d["CH"], d["NXR"], d["RING"]
+    steps, pf, ch, nxr, ring, multicast = d["STEPS"], d["PF"], d["CH"], d["NXR"], d["RING"], d["XMC"] > 1
     nch = -(-steps // ch)
     groups = [("c", s) for s in range(pf)] if ring else []
-    groups += [("x", c) for c in range(nxr or nch)]
+    groups += [] if multicast else [("x", c) for c in range(nxr or nch)]
     waits = []
     for s in range(steps):
         c = s // ch
         if ring and s + pf < steps:
             groups.append(("c", s + pf))
-        if ring or s % ch == 0:
-            need = {("x", c), ("c", s)} if ring else {("x", c)}
+        if ring or s % ch == 0 and not multicast:
+            need = ({("c", s)} if ring else set()) | (set() if multicast else {("x", c)})
             last = max(i for i, group in enumerate(groups) if group in need)
             waits.append(min(len(groups) - 1 - last, 63))
         if nxr and s % ch == 0 and c >= 1 and c - 1 + nxr < nch:
@@ -535,3 +558,15 @@ def test_kernel_waits_for_exactly_the_data_it_reads(case):
     count too high reads codes or x before they land, one too low waits for copies not yet needed."""
     out = compile_for_sm90(case.tile, case.k, 4, False)
     assert [int(n) for n in re.findall(r"cp\.async\.wait_group (\d+);", out.ptx)] == protocol_waits(case.tile, case.k)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("case", [c for c in WAIT_CASES if c.tile.xmc > 1], ids=lambda c: c.name)
+def test_multicast_kernel_waits_once_per_chunk_of_x(case):
+    """With x multicast, each chunk of x is waited for on its own mbarrier where the K loop reaches it (one wait per
+    chunk in the unrolled loop), and x arrives by multicast bulk copies, not cp.async."""
+    out = compile_for_sm90(case.tile, case.k, 4, False)
+    d = case.tile.defines(case.k, 4, False)
+    assert len(re.findall(r"mbarrier\.try_wait\.parity", out.ptx)) == -(-d["STEPS"] // d["CH"])
+    assert "multicast::cluster" in out.ptx
+    assert d["RING"] or "cp.async.cg" not in out.ptx     # without the codes' ring no cp.async at all

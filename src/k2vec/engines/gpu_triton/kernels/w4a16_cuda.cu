@@ -1,5 +1,6 @@
 // Dense W4A16 GEMM on the tensor cores, y[M, N] = x[M, K] @ W^T for bf16 x (M <= 8 * MT), INT4 codes with
-// group-32 scales (bf16 or float32), float32 accumulation; compiled at run time by NVRTC (w4a16_cuda.py), sm_90.
+// group-32 scales (bf16 or float32), float32 accumulation; compiled at run time by NVRTC (w4a16_cuda.py), sm_90
+// (sm_90a where x is multicast).
 //
 // Why CUDA and not Triton: a K step here is one 16-byte load of codes per lane, issued PF steps ahead into
 // registers, and a split-K partial is summed through the shared memory of a thread block cluster, never through
@@ -21,7 +22,11 @@
 // memory rather than registers (below); MINB blocks per SM the registers are budgeted for (__launch_bounds__); SF32
 // 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded to bf16 as the
 // Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the accumulator
-// registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost).
+// registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost). XMC > 1 (NXR 0 only): the
+// cluster also spans XMC blocks along N, which share x: each copies every XMC-th row of its K slice with one bulk
+// copy per row and chunk, multicast into the same place in all XMC blocks' shared memory, and a chunk's mbarrier
+// (its bytes of all M rows expected) says when it has landed, so that the blocks read x from L2 once per cluster
+// rather than once per block.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -48,6 +53,8 @@ struct alignas(8) XPair { u32 lo, hi; };             // x[k .. k + 1], x[k + 2 .
 #define MROWS (MT * 8)
 #define NCH ((STEPS + CH - 1) / CH)  // chunks of x per K warp group
 #define RS (PF + 1)                  // RING: slots per warp
+#define CLUSTER (CL * XMC)           // blocks in a cluster: CL along K (blockIdx.x), XMC along N
+#define BAR_BYTES (XMC > 1 ? (NWK * NCH * 8 + 127) / 128 * 128 : 0)   // XMC: the chunks' mbarriers, ahead of x
 
 __device__ __forceinline__ Codes load_codes(const Codes* p) {
     Codes c;
@@ -130,6 +137,47 @@ __device__ __forceinline__ void copy_x(u16* dst, int stride, const u16* __restri
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+#if XMC > 1
+// XMC: the chunks' mbarriers, [NWK][NCH], each one arrival (thread 0's, expecting the chunk's bytes of all M rows)
+// and the bulk copies' bytes
+__device__ __forceinline__ void x_barriers_init(u32 bars, int M) {
+    for (int i = 0; i < NWK * NCH; ++i) {
+        const int s0 = i % NCH * CH, bytes = M * (STEPS - s0 < CH ? STEPS - s0 : CH) * 128;
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bars + 8 * i) : "memory");
+        asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }"
+                     :: "r"(bars + 8 * i), "r"(bytes) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// a K warp group's share of x's rows (rows rn, rn + XMC, ... of its slice, chunk by chunk), each row's chunk one bulk
+// copy multicast to the cluster's blocks at this K place (ranks kblock + CL j); the group's threads issue them
+__device__ __forceinline__ void multicast_x(u16* xg, const u16* __restrict__ x, int M, int K, int kg0, u32 bars,
+                                            int kblock, int rn, int wn, int lane) {
+    u32 mask = 0;
+#pragma unroll
+    for (int j = 0; j < XMC; ++j) mask |= 1u << (kblock + CL * j);
+    const int mine = rn < M ? (M - rn + XMC - 1) / XMC : 0;
+    for (int p = wn * 32 + lane; p < mine * NCH; p += NWN * 32) {
+        const int ch = p / mine, row = rn + XMC * (p % mine), s0 = ch * CH;
+        const int bytes = (STEPS - s0 < CH ? STEPS - s0 : CH) * 128;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+                     "[%0], [%1], %2, [%3], %4;"
+                     :: "r"(shared_addr(xg + row * XSW + s0 * 64)), "l"(x + (size_t)row * K + kg0 + s0 * 64),
+                        "r"(bytes), "r"(bars + 8 * ch), "h"((u16)mask) : "memory");
+    }
+}
+
+// until the mbarrier's first phase has completed (its chunk of x landed, and is visible to this thread)
+__device__ __forceinline__ void x_wait(u32 bar) {
+    u32 done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar) : "memory");
+    } while (!done);
+}
+#endif
+
 #if NXR
 // The cp.async groups in commit order: (RING) steps 0 .. PF - 1; chunks 0 .. NXR - 1 of x; then per step s, (RING)
 // step s + PF, and at the start of chunk c >= 1 (after the group's barrier) chunk c - 1 + NXR into chunk c - 1's slot.
@@ -171,7 +219,8 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scales* __restrict__ scales,
           u16* __restrict__ y, int M, int N, int K) {
-    extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
+    extern __shared__ __attribute__((aligned(128))) unsigned char smem_all[];
+    unsigned char* smem = smem_all + BAR_BYTES;                  // XMC: the mbarriers first
     u16* xs = reinterpret_cast<u16*>(smem);                      // [NWK][MROWS][XSW], NXR: [NWK][NXR][MROWS][XCW]
     float* part = reinterpret_cast<float*>(smem + X_BYTES);      // [NWK][MROWS][N_CTA]
 
@@ -217,6 +266,13 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     }
 #endif
 
+#if XMC > 1
+    // the mbarriers initialised in every block of the cluster before any block's copies signal them
+    const u32 xbars = shared_addr(smem_all) + 8 * wk * NCH;
+    if (threadIdx.x == 0) x_barriers_init(shared_addr(smem_all), M);
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+
     // x may be the previous kernel's output: wait for it (PDL). Each K warp group (the NWN warps of one wk) copies
     // the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each (all of them,
     // or with NXR the first NXR into the ring's slots), and starts on a chunk as soon as it has landed (rows past M
@@ -227,6 +283,9 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     u16* xg = xs + wk * NXR * MROWS * XCW;
 #pragma unroll
     for (int ch = 0; ch < NXR; ++ch) copy_x(xg + ch * MROWS * XCW, XCW, x, M, K, kg0, ch, wn, lane);
+#elif XMC > 1
+    u16* xg = xs + wk * MROWS * XSW;
+    multicast_x(xg, x, M, K, kg0, xbars, kblock, blockIdx.y % XMC, wn, lane);
 #else
     u16* xg = xs + wk * MROWS * XSW;
 #pragma unroll
@@ -259,17 +318,27 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
             asm volatile("cp.async.commit_group;" ::: "memory");
         }
         {   // step s landed, and x's chunk of it: the groups committed after the later of the two may stay pending
+            const int refills = s + 1 < STEPS - PF ? s + 1 : STEPS - PF;
 #if NXR
             cp_async_wait(pending_at(s));
+#elif XMC > 1
+            cp_async_wait(PF + refills - s - 1);   // x is not in the groups: step s's codes only
 #else
-            const int refills = s + 1 < STEPS - PF ? s + 1 : STEPS - PF;
             cp_async_wait(s < PF ? NCH - 1 - s / CH + refills : refills - (s - PF) - 1);
 #endif
         }
+#if XMC > 1
+        if (s % CH == 0) x_wait(xbars + 8 * (s / CH));
+        __syncwarp();                              // the scales lane (g, 0) copied
+#else
         if (s % CH == 0 && NWN > 1)                // x's chunk landed for every lane of the K warp group
             asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
         else
             __syncwarp();                          // the scales lane (g, 0) copied
+#endif
+#else
+#if XMC > 1
+        if (s % CH == 0) x_wait(xbars + 8 * (s / CH));
 #else
         if (s % CH == 0) {                         // this chunk of x landed, for every lane of the group
 #if NXR
@@ -280,6 +349,7 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
             if (NWN == 1) __syncwarp();
             else asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
         }
+#endif
 #endif
 #if NXR
         if (s % CH == 0 && s >= CH && s / CH - 1 + NXR < NCH)   // every warp of the group is past chunk c - 1: its slot
@@ -403,7 +473,8 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #if CL > 1
                 u32 remote;
                 float v;
-                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(part0 + at * 4), "r"(r));
+                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                             : "=r"(remote) : "r"(part0 + at * 4), "r"(r + CL * (int)(blockIdx.y % XMC)));
                 asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
                 sum += v;
 #else
@@ -415,8 +486,8 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(sum));
         y[(size_t)m * N + (size_t)blockIdx.y * N_CTA + n] = out;
     }
-#if CL > 1
-    // the other blocks read this block's partials: stay until they have
+#if CLUSTER > 1
+    // the other blocks read this block's partials (CL), or copy x into it (XMC): stay until they have
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 }

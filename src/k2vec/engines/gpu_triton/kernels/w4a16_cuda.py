@@ -2,7 +2,7 @@
 format; bf16 or float32 scales), K a multiple of 64 and N of 16. Compiled at run time by NVRTC (the library
 torch's CUDA build ships; no toolkit needed) and kept in $XDG_CACHE_HOME/k2vec-w4a16-cuda (a sandboxed run's is
 results/cache/<engine>), so that the next process loads what an earlier one compiled; launched through the driver's
-cuLaunchKernelEx with a thread block cluster along K and PDL.
+cuLaunchKernelEx with a thread block cluster (along K, and along N where x is multicast) and PDL.
 
 The weight's load-time copy (cuda_order_copy) is the kernel's operand order: per 16-row tile and 64-wide K step,
 32 lanes x 16 bytes of codes and 8 lane groups' scales (8 bytes each in bf16, 16 in float32), so that a warp's K
@@ -80,7 +80,9 @@ class CudaTile:
     applied to the weights before the MMA (rounded to bf16) rather than to each group's product in float32; ring:
     the steps in flight held in shared memory (a ring of PF + 1 slots per warp, filled by cp.async) rather than in
     registers; minb: blocks per SM the registers are budgeted for (two: half the registers per thread); nxr: 0, x's
-    whole K slice in shared memory, else a ring of nxr (at least 2) chunks of it."""
+    whole K slice in shared memory, else a ring of nxr (at least 2) chunks of it; xmc: blocks along N in the cluster
+    that share x, multicast by bulk copies (with nxr 0 only), so that L2 sends each block's slice of x once per
+    cluster rather than once per block."""
     nwn: int
     nwk: int
     cl: int
@@ -91,10 +93,11 @@ class CudaTile:
     ring: bool = False
     minb: int = 1
     nxr: int = 0
+    xmc: int = 1
 
     @property
     def rows(self) -> int:
-        """N rows per block (and per cluster)."""
+        """N rows per block."""
         return 16 * self.nwn * self.tpw
 
     def steps(self, k: int) -> int:
@@ -104,18 +107,21 @@ class CudaTile:
         steps = self.steps(k)
         return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % self.rows == 0
                 and self.rows % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
+                and self.xmc in (1, 2, 4, 8) and self.cl * self.xmc <= 8 and (n // self.rows) % self.xmc == 0
+                and (self.xmc == 1 or self.nxr == 0)
                 and self.tpw in (1, 2, 4) and self.minb in (1, 2) and self.nxr != 1 and 1 <= m <= MAX_ROWS
                 and self.minb * (self.shared_bytes(k, m) + 1024) <= SM_SHARED)
 
     def shared_bytes(self, k: int, m: int) -> int:
-        """x's slices (or their rings of chunks), the partial sums, and with `ring` the warps' rings (codes, and scales
-        sized for float32)."""
+        """With `xmc` the chunks' mbarriers (in 128-byte lines), x's slices (or their rings of chunks), the partial sums,
+        and with `ring` the warps' rings (codes, and scales sized for float32)."""
         rows, steps = 8 * m_tiles(m), self.steps(k)
         slots = self.nwn * self.nwk * (min(self.pf, steps) + 1) * self.tpw
         ring = slots * (32 * 16 + 8 * 16) if self.ring else 0
         ch = min(self.ch, steps)
         x = (self.nwk * self.x_chunks(k) * rows * (ch * 64 + 16) if self.nxr else self.nwk * rows * (steps * 64 + 16))
-        return x * 2 + self.nwk * rows * self.rows * 4 + ring
+        bars = -(-self.nwk * -(-steps // ch) * 8 // 128) * 128 if self.xmc > 1 else 0
+        return bars + x * 2 + self.nwk * rows * self.rows * 4 + ring
 
     def x_chunks(self, k: int) -> int:
         """NXR: the chunks in x's ring (0: the whole slice)."""
@@ -126,7 +132,7 @@ class CudaTile:
         steps = self.steps(k)
         return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
                     PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales), FOLD=int(self.fold),
-                    RING=int(self.ring), MINB=self.minb, NXR=self.x_chunks(k))
+                    RING=int(self.ring), MINB=self.minb, NXR=self.x_chunks(k), XMC=self.xmc)
 
 
 def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
@@ -317,6 +323,12 @@ def runs_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def target(defines: tuple[tuple[str, int], ...], major: int, minor: int) -> str:
+    """NVRTC's target for a variant on an sm_<major><minor> device: the architecture-specific one (sm_90a) where x is
+    multicast, which bulk copies do at full speed only there (PTX ISA, cp.async.bulk)."""
+    return f"sm_{major}{minor}" + ("a" if dict(defines)["XMC"] > 1 else "")
+
+
 def make_current(device_index: int) -> None:
     _check(_driver().cuCtxSetCurrent(_primary_context(device_index)), "w4a16_cuda: the primary context")
 
@@ -343,7 +355,7 @@ def compiled(defines: tuple[tuple[str, int], ...], device_index: int) -> Compile
         if not runs_on(device_index):
             raise CudaKernelError(f"w4a16_cuda needs sm_90 (clusters, PDL); device {device_index} is "
                                   f"sm_{major}{minor}")
-        cubin = cached_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}", nvrtc_version())
+        cubin = cached_cubin(SOURCE.read_text(), defines, target(defines, major, minor), nvrtc_version())
         kernel = load(defines, device_index, cubin)
     return kernel
 
@@ -372,9 +384,9 @@ def w4a16_cuda_launch(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: t
     kernel.allow_shared(shared)
     attrs = (_LaunchAttribute * 2)()
     n_attrs = 0
-    if tile.cl > 1:
+    if tile.cl * tile.xmc > 1:
         attrs[n_attrs].id = _CLUSTER_DIMENSION
-        attrs[n_attrs].value[0], attrs[n_attrs].value[1], attrs[n_attrs].value[2] = tile.cl, 1, 1
+        attrs[n_attrs].value[0], attrs[n_attrs].value[1], attrs[n_attrs].value[2] = tile.cl, tile.xmc, 1
         n_attrs += 1
     if pdl:
         attrs[n_attrs].id = _PROGRAMMATIC_STREAM_SERIALIZATION
