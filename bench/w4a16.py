@@ -792,11 +792,12 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
     splits K evenly; two tiles per warp (half the B reads, twice the codes in flight per step) from M = 8 on, with 4
     or 8 steps in flight; from M = 16 on, the scales folded into the weights too (FOLD), and four tiles per warp with
     them (2 or 4 steps in flight; at 64 rows only with the codes' ring, whose registers they need). Then the
-    shared-memory rings, in clusters of 1-2 (larger ones do not all fit at
-    once) of 2-8 K warps: the steps in flight in a ring per warp (RING: deeper, and no registers held), x in a ring
-    of 2 or 4 chunks of 2 steps (NXR: a few KB where the whole slice took up to 200), each in one or two blocks per
-    SM. From M = 4 on, x multicast to 2 or 4 blocks along N (XMC), in clusters of at most 4 blocks. Not: more accumulators than the registers hold (a float32 per MMA output, twice without FOLD: at most 64 a
-    thread up to 256 threads an SM's worth, 16 beyond; of the 2417 experimental variants at M = 1-64 ptxas spilled
+    shared-memory rings, in clusters of 1-2 (larger ones do not all fit at once) of 2-8 K warps: the steps in flight
+    in a ring per warp (RING: deeper, and no registers held), x in a ring of 2 or 4 chunks of 2 steps (NXR: a few KB
+    where the whole slice took up to 200), each in one or two blocks per SM. From M = 4 on, x multicast to 2 or 4
+    blocks along N (XMC), in clusters of at most 4 blocks. Not: more accumulators than the registers hold (a float32
+    per MMA output, twice without FOLD: at most 64 a thread up to 256 threads an SM's worth, 16 beyond; of the 2417
+    experimental variants at M = 1-64 ptxas spilled
     78, 52 of them among the 136 this leaves out)."""
     out = []
     for nwn, nwk, cl, pf, ch, tpw, fold, ring, nxr, minb, xmc in itertools.product(

@@ -113,8 +113,8 @@ class CudaTile:
                 and self.minb * (self.shared_bytes(k, m) + 1024) <= SM_SHARED)
 
     def shared_bytes(self, k: int, m: int) -> int:
-        """With `xmc` the chunks' mbarriers (in 128-byte lines), x's slices (or their rings of chunks), the partial sums,
-        and with `ring` the warps' rings (codes, and scales sized for float32)."""
+        """With `xmc` the chunks' mbarriers (in 128-byte lines), x's slices (or their rings of chunks), the partial
+        sums, and with `ring` the warps' rings (codes, and scales sized for float32)."""
         rows, steps = 8 * m_tiles(m), self.steps(k)
         slots = self.nwn * self.nwk * (min(self.pf, steps) + 1) * self.tpw
         ring = slots * (32 * 16 + 8 * 16) if self.ring else 0
