@@ -797,8 +797,7 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
     where the whole slice took up to 200), each in one or two blocks per SM. From M = 4 on, x multicast to 2 or 4
     blocks along N (XMC), in clusters of at most 4 blocks. Not: more accumulators than the registers hold (a float32
     per MMA output, twice without FOLD: at most 64 a thread up to 256 threads an SM's worth, 16 beyond; of the 2417
-    experimental variants at M = 1-64 ptxas spilled
-    78, 52 of them among the 136 this leaves out)."""
+    experimental variants at M = 1-64 ptxas spilled 78, 52 of them among the 136 this leaves out)."""
     out = []
     for nwn, nwk, cl, pf, ch, tpw, fold, ring, nxr, minb, xmc in itertools.product(
             (1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (2, 4, 8, 12, 16, 24), (1, 2, 4), (1, 2, 4),
