@@ -138,10 +138,10 @@ __device__ __forceinline__ void copy_x(u16* dst, int stride, const u16* __restri
 }
 
 #if XMC > 1
-// XMC: the chunks' mbarriers, [NWK][NCH], each one arrival (thread 0's, expecting the chunk's bytes of all M rows)
-// and the bulk copies' bytes
+// XMC: the chunks' mbarriers, [NWK][NCH], each one arrival (its initialising thread's, expecting the chunk's bytes of
+// all M rows) and the bulk copies' bytes; a thread per barrier
 __device__ __forceinline__ void x_barriers_init(u32 bars, int M) {
-    for (int i = 0; i < NWK * NCH; ++i) {
+    for (int i = threadIdx.x; i < NWK * NCH; i += NT) {
         const int s0 = i % NCH * CH, bytes = M * (STEPS - s0 < CH ? STEPS - s0 : CH) * 128;
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bars + 8 * i) : "memory");
         asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }"
@@ -269,7 +269,7 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #if XMC > 1
     // the mbarriers initialised in every block of the cluster before any block's copies signal them
     const u32 xbars = shared_addr(smem_all) + 8 * wk * NCH;
-    if (threadIdx.x == 0) x_barriers_init(shared_addr(smem_all), M);
+    x_barriers_init(shared_addr(smem_all), M);
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 
