@@ -4,8 +4,8 @@ lanes read, and the kernel itself on a GPU (marked `gpu`) against dequantize-the
 The model (`emulate`) is written from the kernel's own rules, not from cuda_order_copy: for K step kb and sub-step j
 of a 16-row tile, lane (g, t) holds words [row g group 0, row g+8 group 0, row g group 1, row g+8 group 1]; the A
 registers of sub-step j = 2h + jj are pairs 2jj (slots 2t, 2t+1) and 2jj + 1 (slots 2t+8, 2t+9) of words 2h (rows
-0-7) and 2h + 1 (rows 8-15), a pair p being nibbles (p, p + 4) minus 8; B slot c of column n is x[n][64 kb + 16 j
-+ 4 (c % 8 // 2) + 2 (c // 8) + c % 2]; each sub-step's product is scaled by its group's scale of the row.
+0-7) and 2h + 1 (rows 8-15), a pair p being nibbles (p, p + 4) minus 8; B slot c of column n is x[n][64 kb + 32 h
++ 8 (c % 8 // 2) + 4 jj + 2 (c // 8) + c % 2]; each sub-step's product is scaled by its group's scale of the row.
 """
 import re
 import zlib
@@ -33,7 +33,8 @@ def emulate(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     word = 2 * (j // 2) + r // 8
     nibble = 2 * (j % 2) + c // 8 + 4 * (c % 2)
     a = nib[:, :, lane, word, nibble].astype(np.float64) - 8                                # [T, KB, 4, 16, 16]
-    k_of = 16 * np.arange(4)[:, None] + 4 * ((np.arange(16) % 8) // 2) + 2 * (np.arange(16) // 8) + np.arange(16) % 2
+    jc, cc = np.arange(4)[:, None], np.arange(16)
+    k_of = 32 * (jc // 2) + 8 * ((cc % 8) // 2) + 4 * (jc % 2) + 2 * (cc // 8) + cc % 2
     b = x.reshape(x.shape[0], kb_steps, 64)[:, :, k_of]                                    # [M, KB, 4, 16]
     d = np.einsum("tkjrc,mkjc->tkjrm", a, b)
     if scales.dtype == np.float32:          # [T, KB, g, (h, r)]
@@ -151,7 +152,7 @@ def test_m_tiles_and_defines():
     # x's ring: 14 steps a warp in chunks of 4 (4 chunks), a ring of 3 of them (or of all 4 where 6 are asked for)
     chunks = CudaTile(1, 8, 1, 8, ch=4, nxr=3)
     assert chunks.defines(7168, 4, False)["NXR"] == 3 and CudaTile(1, 8, 1, 8, ch=4, nxr=6).x_chunks(7168) == 4
-    x_whole, x_ring = 8 * 8 * (14 * 64 + 16) * 2, 8 * 3 * 8 * (4 * 64 + 16) * 2    # bytes: 8 K warps x 8 rows
+    x_whole, x_ring = 8 * 8 * (14 * 64 + 32) * 2, 8 * 3 * 8 * (4 * 64 + 32) * 2    # bytes: 8 K warps x 8 rows
     assert plain.shared_bytes(7168, 4) - chunks.shared_bytes(7168, 4) == x_whole - x_ring
     # x multicast: 8 K warps x 4 chunks of mbarriers (8 bytes each) in one 256-byte run ahead of x
     assert CudaTile(1, 8, 1, 24, ch=4, xmc=2).shared_bytes(7168, 4) - plain.shared_bytes(7168, 4) == 256
@@ -207,7 +208,7 @@ GPU_CASES = [
     GpuCase("the fit rule, float32 scales", 7, 1024, 512, None, "float32"),
     GpuCase("a cluster of 2, x in eight m8 tiles", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=1)),
     GpuCase("a cluster of 4, 33 rows", 33, 1024, 1024, CudaTile(4, 1, 4, 2, ch=2)),
-    GpuCase("two tiles per warp, 64 rows, a cluster of 2", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=2, tpw=2)),
+    GpuCase("two tiles per warp, 32 rows, a cluster of 2", 32, 1024, 1024, CudaTile(2, 2, 2, 4, ch=2, tpw=2)),
     GpuCase("two tiles per warp, 9 rows, float32 scales", 9, 1024, 1536, CudaTile(1, 4, 2, 8, ch=4, tpw=2),
             "float32"),
     GpuCase("scales folded, four tiles per warp, 32 rows", 32, 2048, 1024,

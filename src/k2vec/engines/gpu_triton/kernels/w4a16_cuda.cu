@@ -8,11 +8,12 @@
 //
 // The weight is the load-time copy w4a16_cuda.cuda_order_copy makes: per 16-row tile T and 64-wide K step kb,
 // 32 lanes x 16 bytes. Lane (g, t) = (lane / 4, lane % 4) holds four words: rows g and g + 8 of the tile, for the
-// step's two groups of 32. In the mma.m16n8k16 of K sub-step j (0..3) the tile's rows are the A operand and x's
-// rows the B operand; A-slot c (0..15) of sub-step j stands for K element 16 j + 4 (c % 8 / 2) + 2 (c / 8) + c % 2,
-// so lane t's B operand is x[16 j + 4 t .. + 3], one 8-byte read, and each sub-step lies in one group: its
-// product is scaled once, in float32, per row. Word nibbles p and p + 4 are the (lower, upper) halves of one A
-// register, so a register is one shift and one lop3 from the codes, then (128 + q) - 136 = q - 8 exactly in bf16.
+// step's two groups of 32. In the mma.m16n8k16 of K sub-step j = 2 h + jj (group h, jj 0..1) the tile's rows are the
+// A operand and x's rows the B operand; A-slot c (0..15) of sub-step j stands for K element 32 h + 8 (c % 8 / 2)
+// + 4 jj + 2 (c / 8) + c % 2, so lane t's B operands of a group's two sub-steps are x[32 h + 8 t .. + 7], one
+// 16-byte read, and each sub-step lies in one group: its product is scaled once, in float32, per row. Word nibbles p
+// and p + 4 are the (lower, upper) halves of one A register, so a register is one shift and one lop3 from the codes,
+// then (128 + q) - 136 = q - 8 exactly in bf16.
 //
 // Compile-time constants (w4a16_cuda.py defines them): NWN warps along N, TPW 16-row tiles per warp (each B operand
 // read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K
@@ -38,13 +39,14 @@ struct alignas(16) Scales { float g0, h0, g1, h1; };  // rows g / g + 8, groups 
 #else
 struct alignas(8) Scales { u32 grp0, grp1; };        // bf16 pairs (row g, row g + 8) per group
 #endif
-struct alignas(8) XPair { u32 lo, hi; };             // x[k .. k + 1], x[k + 2 .. k + 3]: one B operand
+struct alignas(16) XQuad { u32 b[4]; };              // x[k .. k + 7]: B operands (b[2 jj], b[2 jj + 1]) of sub-step jj
 
 #define NT (NWN * NWK * 32)
 #define N_CTA (16 * NWN * TPW)
 #define KC (NWK * STEPS * 64)        // K elements of one block
-#define XSW (STEPS * 64 + 16)        // x row stride in a K warp group's slice (bf16): +32 bytes spreads rows over banks
-#define XCW (CH * 64 + 16)           // NXR: x row stride in a chunk's slot
+#define XSW (STEPS * 64 + 32)        // x row stride in a K warp group's slice (bf16): +64 bytes, so that a quarter
+                                     // warp's 16-byte reads (rows g, g + 1, 4 lanes each) cover all 32 banks once
+#define XCW (CH * 64 + 32)           // NXR: x row stride in a chunk's slot
 #if NXR
 #define X_BYTES (NWK * NXR * MROWS * XCW * 2)
 #else
@@ -301,9 +303,9 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #endif
 #if NXR
-    const u16* xw = xg + g * XCW + 4 * t;
+    const u16* xw = xg + g * XCW + 8 * t;
 #else
-    const u16* xw = xg + g * XSW + 4 * t;
+    const u16* xw = xg + g * XSW + 8 * t;
 #endif
 
 #pragma unroll
@@ -390,37 +392,39 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #else
             float part_acc[TPW][MT][4];
 #endif
+            u32 a[TPW][2][4];                      // the A registers of the group's two sub-steps
 #pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {       // two K sub-steps of 16 per group
-                const int j = 2 * h + jj;
-                u32 a[TPW][4];
+            for (int u = 0; u < TPW; ++u) {
+                const u32 rg = h ? c[u].g1 : c[u].g0, rh = h ? c[u].h1 : c[u].h0;
 #pragma unroll
-                for (int u = 0; u < TPW; ++u) {
-                    const u32 rg = h ? c[u].g1 : c[u].g0, rh = h ? c[u].h1 : c[u].h0;
-                    a[u][0] = code_pair(rg, 2 * jj), a[u][1] = code_pair(rh, 2 * jj);
-                    a[u][2] = code_pair(rg, 2 * jj + 1), a[u][3] = code_pair(rh, 2 * jj + 1);
+                for (int jj = 0; jj < 2; ++jj) {
+                    a[u][jj][0] = code_pair(rg, 2 * jj), a[u][jj][1] = code_pair(rh, 2 * jj);
+                    a[u][jj][2] = code_pair(rg, 2 * jj + 1), a[u][jj][3] = code_pair(rh, 2 * jj + 1);
 #if FOLD
-                    a[u][0] = mul_bf16x2(a[u][0], f_g[u]), a[u][1] = mul_bf16x2(a[u][1], f_h[u]);
-                    a[u][2] = mul_bf16x2(a[u][2], f_g[u]), a[u][3] = mul_bf16x2(a[u][3], f_h[u]);
+                    a[u][jj][0] = mul_bf16x2(a[u][jj][0], f_g[u]), a[u][jj][1] = mul_bf16x2(a[u][jj][1], f_h[u]);
+                    a[u][jj][2] = mul_bf16x2(a[u][jj][2], f_g[u]), a[u][jj][3] = mul_bf16x2(a[u][jj][3], f_h[u]);
 #endif
                 }
+            }
 #pragma unroll
-                for (int m = 0; m < MT; ++m) {
+            for (int m = 0; m < MT; ++m) {
 #if NXR
-                    const XPair b = *reinterpret_cast<const XPair*>(xw + ((s / CH) % NXR) * MROWS * XCW + m * 8 * XCW
-                                                                   + (s % CH) * 64 + 16 * j);
+                const XQuad b = *reinterpret_cast<const XQuad*>(xw + ((s / CH) % NXR) * MROWS * XCW + m * 8 * XCW
+                                                               + (s % CH) * 64 + 32 * h);
 #else
-                    const XPair b = *reinterpret_cast<const XPair*>(xw + m * 8 * XSW + s * 64 + 16 * j);
+                const XQuad b = *reinterpret_cast<const XQuad*>(xw + m * 8 * XSW + s * 64 + 32 * h);
 #endif
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj)     // two K sub-steps of 16 per group
 #pragma unroll
                     for (int u = 0; u < TPW; ++u)
 #if FOLD
-                        mma(acc[u][m], a[u][0], a[u][1], a[u][2], a[u][3], b.lo, b.hi, acc[u][m]);
+                        mma(acc[u][m], a[u][jj][0], a[u][jj][1], a[u][jj][2], a[u][jj][3], b.b[2 * jj],
+                            b.b[2 * jj + 1], acc[u][m]);
 #else
-                        mma(part_acc[u][m], a[u][0], a[u][1], a[u][2], a[u][3], b.lo, b.hi,
-                            jj ? part_acc[u][m] : zero);
+                        mma(part_acc[u][m], a[u][jj][0], a[u][jj][1], a[u][jj][2], a[u][jj][3], b.b[2 * jj],
+                            b.b[2 * jj + 1], jj ? part_acc[u][m] : zero);
 #endif
-                }
             }
 #if !FOLD
 #pragma unroll

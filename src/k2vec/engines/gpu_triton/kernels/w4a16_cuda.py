@@ -42,11 +42,12 @@ class CudaOrder:
 
 def cuda_order_codes(packed: torch.Tensor, k: int) -> torch.Tensor:
     """uint8 [n, k / 2] (element 2i low nibble) -> int32 [n/16, k/64, 32, 4]. Lane 4g + t, word 2h + r holds row
-    16T + 8r + g of group h of the step; its nibble 4e + 2jj + q is K element 64kb + 32h + 16jj + 4t + 2q + e."""
+    16T + 8r + g of group h of the step; its nibble 4e + 2jj + q is K element 64kb + 32h + 8t + 4jj + 2q + e (lane t's
+    eight elements of the group, which its one 16-byte read of x meets)."""
     n = packed.shape[0]
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, k)
-    # [T, r, g, kb, h, jj, t, q, e] -> [T, kb, g, t, h, r, e, jj, q]
-    codes = codes.reshape(n // 16, 2, 8, k // 64, 2, 2, 4, 2, 2).permute(0, 3, 2, 6, 4, 1, 8, 5, 7)
+    # [T, r, g, kb, h, t, jj, q, e] -> [T, kb, g, t, h, r, e, jj, q]
+    codes = codes.reshape(n // 16, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 1, 8, 6, 7)
     codes = codes.reshape(n // 16, k // 64, 32, 4, 8).to(torch.int64)
     words = (codes << torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)).sum(dim=-1)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
@@ -119,7 +120,7 @@ class CudaTile:
         slots = self.nwn * self.nwk * (min(self.pf, steps) + 1) * self.tpw
         ring = slots * (32 * 16 + 8 * 16) if self.ring else 0
         ch = min(self.ch, steps)
-        x = (self.nwk * self.x_chunks(k) * rows * (ch * 64 + 16) if self.nxr else self.nwk * rows * (steps * 64 + 16))
+        x = (self.nwk * self.x_chunks(k) * rows * (ch * 64 + 32) if self.nxr else self.nwk * rows * (steps * 64 + 32))
         bars = -(-self.nwk * -(-steps // ch) * 8 // 128) * 128 if self.xmc > 1 else 0
         return bars + x * 2 + self.nwk * rows * self.rows * 4 + ring
 
