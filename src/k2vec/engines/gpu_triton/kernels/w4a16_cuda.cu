@@ -56,6 +56,9 @@ struct alignas(16) XQuad { u32 b[4]; };              // x[k .. k + 7]: B operand
 #define NCH ((STEPS + CH - 1) / CH)  // chunks of x per K warp group
 #define RS (PF + 1)                  // RING: slots per warp
 #define CLUSTER (CL * XMC)           // blocks in a cluster: CL along K (blockIdx.x), XMC along N
+#if XMC > 1 && NXR
+#error "x multicast (XMC > 1) needs x's whole slice in shared memory (NXR 0)"
+#endif
 #define BAR_BYTES (XMC > 1 ? (NWK * NCH * 8 + 127) / 128 * 128 : 0)   // XMC: the chunks' mbarriers, ahead of x
 
 __device__ __forceinline__ Codes load_codes(const Codes* p) {
