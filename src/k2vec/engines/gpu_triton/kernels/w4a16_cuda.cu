@@ -126,13 +126,14 @@ __device__ __forceinline__ void cp_async_wait(int pending) {
 }
 
 __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ constexpr int chunk_steps(int ch) { return imin(CH, STEPS - ch * CH); }   // the last: short
 __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
 
 // chunk ch of a K warp group's slice of x (its live rows) to dst, row stride `stride`, by the group's NWN warps; one
 // cp.async group
 __device__ __forceinline__ void copy_x(u16* dst, int stride, const u16* __restrict__ x, int M, int K, int kg0, int ch,
                                        int wn, int lane) {
-    const int s0 = ch * CH, per_row = (STEPS - s0 < CH ? STEPS - s0 : CH) * 8;   // 16-byte pieces
+    const int s0 = ch * CH, per_row = chunk_steps(ch) * 8;   // 16-byte pieces
     for (int p = wn * 32 + lane; p < M * per_row; p += NWN * 32) {
         const int row = p / per_row, piece = p % per_row;
         const u16* src = x + (size_t)row * K + kg0 + s0 * 64 + piece * 8;
@@ -147,7 +148,7 @@ __device__ __forceinline__ void copy_x(u16* dst, int stride, const u16* __restri
 // all M rows) and the bulk copies' bytes; a thread per barrier
 __device__ __forceinline__ void x_barriers_init(u32 bars, int M) {
     for (int i = threadIdx.x; i < NWK * NCH; i += NT) {
-        const int s0 = i % NCH * CH, bytes = M * (STEPS - s0 < CH ? STEPS - s0 : CH) * 128;
+        const int bytes = M * chunk_steps(i % NCH) * 128;
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bars + 8 * i) : "memory");
         asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }"
                      :: "r"(bars + 8 * i), "r"(bytes) : "memory");
@@ -165,7 +166,7 @@ __device__ __forceinline__ void multicast_x(u16* xg, const u16* __restrict__ x, 
     const int mine = rn < M ? (M - rn + XMC - 1) / XMC : 0;
     for (int p = wn * 32 + lane; p < mine * NCH; p += NWN * 32) {
         const int ch = p / mine, row = rn + XMC * (p % mine), s0 = ch * CH;
-        const int bytes = (STEPS - s0 < CH ? STEPS - s0 : CH) * 128;
+        const int bytes = chunk_steps(ch) * 128;
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
                      "[%0], [%1], %2, [%3], %4;"
                      :: "r"(shared_addr(xg + row * XSW + s0 * 64)), "l"(x + (size_t)row * K + kg0 + s0 * 64),
