@@ -174,13 +174,11 @@ __device__ __forceinline__ void multicast_x(u16* xg, const u16* __restrict__ x, 
     }
 }
 
-// until the mbarrier's first phase has completed (its chunk of x landed, and is visible to this thread)
+// until the mbarrier's first phase has completed (its chunk of x landed, and is visible to this thread); the loop in
+// one asm block, its label local to the braces (a C++ loop around try_wait took 3 more registers at 7168->2048 M = 16)
 __device__ __forceinline__ void x_wait(u32 bar) {
-    u32 done;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(bar) : "memory");
-    } while (!done);
+    asm volatile("{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n @!p bra WAIT;\n}"
+                 :: "r"(bar) : "memory");
 }
 #endif
 
