@@ -164,7 +164,7 @@ class BundleLoader:
                      for p, group in names.items()}
             return RoutedExperts(packed=pack_experts(parts["gate"], parts["up"], parts["down"],
                                                      group_size=self.group_size, scale_dtype=self.scale_dtype,
-                                                     device=self.device))
+                                                     device=self.device, cuda_order=self.dtype == torch.bfloat16))
         if flags == {False}:
             gate_up = torch.stack([torch.cat([self.dense(g), self.dense(u)])
                                    for g, u in zip(names["gate"], names["up"])])

@@ -28,6 +28,12 @@
 // copy per row and chunk, multicast into the same place in all XMC blocks' shared memory, and a chunk's mbarrier
 // (its bytes of all M rows expected) says when it has landed, so that the blocks read x from L2 once per cluster
 // rather than once per block.
+//
+// MOE 1: the fused MoE's gate/up launch, one (token, expert) pair per blockIdx.z: x's row is pair / TOPK, the expert
+// ids[pair] (int64 where IDS64, else int32), which picks the weight, the experts' copies stacked (N rows each), each
+// expert's gate and up rows interleaved in 16-row tiles (w4a16_cuda.gate_up_order_copy), so that a block holds both
+// halves of its outputs; y is h [pairs, N / 2] = silu(gate) * up in bf16 (OUT_PLANES: column c at (c % 8) N / 16 +
+// c / 8, the down launch's plane-major x). The routing comes from the kernel before: the weights wait for it.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -60,6 +66,9 @@ struct alignas(16) XQuad { u32 b[4]; };              // x[k .. k + 7]: B operand
 #error "x multicast (XMC > 1) needs x's whole slice in shared memory (NXR 0)"
 #endif
 #define BAR_BYTES (XMC > 1 ? (NWK * NCH * 8 + 127) / 128 * 128 : 0)   // XMC: the chunks' mbarriers, ahead of x
+#if MOE && (XMC > 1 || N_CTA % 32 || N_CTA / 2 % CL)
+#error "the MoE gate/up launch needs whole gate/up tile pairs in every block's share of its outputs, and no multicast"
+#endif
 
 __device__ __forceinline__ Codes load_codes(const Codes* p) {
     Codes c;
@@ -213,6 +222,20 @@ __device__ __forceinline__ void copy_step(Codes* cdst, const Codes* csrc, Scales
 }
 #endif
 
+// partial sum `at` of the block of cluster rank r + CL (blockIdx.y % XMC) (its peer along K), or of this block
+__device__ __forceinline__ float partial(const float* part, u32 part0, int at, int r) {
+#if CL > 1
+    u32 remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote) : "r"(part0 + at * 4), "r"(r + CL * (int)(blockIdx.y % XMC)));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+#else
+    return part[at];
+#endif
+}
+
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%10, %11, %12, %13};"
@@ -222,7 +245,7 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scales* __restrict__ scales,
-          u16* __restrict__ y, int M, int N, int K) {
+          u16* __restrict__ y, int M, int N, int K, const void* __restrict__ ids) {
     extern __shared__ __attribute__((aligned(128))) unsigned char smem_all[];
     unsigned char* smem = smem_all + BAR_BYTES;                  // XMC: the mbarriers first
     u16* xs = reinterpret_cast<u16*>(smem);                      // [NWK][MROWS][XSW], NXR: [NWK][NXR][MROWS][XCW]
@@ -235,6 +258,20 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     const int tile = (blockIdx.y * NWN + wn) * TPW;    // the warp's first 16-row tile
     const int ksteps = K / 64;
     const int step0 = (kblock * NWK + wk) * STEPS;
+#if MOE
+    // the routing and x may come from the kernel just before (PDL): wait before reading either, and so before the
+    // weights, which the routing picks
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const int pair = blockIdx.z;
+#if IDS64
+    const long long expert = static_cast<const long long*>(ids)[pair];
+#else
+    const long long expert = static_cast<const int*>(ids)[pair];
+#endif
+    x += (size_t)(pair / TOPK) * K;
+    codes += (size_t)expert * (N / 16) * ksteps * 32;
+    scales += (size_t)expert * (N / 16) * ksteps * 8;
+#endif
 
     // the weight stream first: PF steps of codes and scales in flight before anything else waits (tile u of the
     // warp is ksteps steps further on)
@@ -277,11 +314,13 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 
-    // x may be the previous kernel's output: wait for it (PDL). Each K warp group (the NWN warps of one wk) copies
+    // x may be the previous kernel's output: wait for it (PDL; MOE waited above). Each K warp group (the NWN warps of one wk) copies
     // the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each (all of them,
     // or with NXR the first NXR into the ring's slots), and starts on a chunk as soon as it has landed (rows past M
     // are never read into the live outputs: left unwritten)
+#if !MOE
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const int kg0 = kblock * KC + wk * STEPS * 64;
 #if NXR
     u16* xg = xs + wk * NXR * MROWS * XCW;
@@ -461,12 +500,43 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     __syncthreads();
 #endif
 
-    // block `kblock` sums rows [kblock, kblock + 1) * N_CTA / CL of the tile over the cluster's blocks and its
-    // own K warps, in K's order, so that the result does not depend on timing
-    const int per = N_CTA / CL;
+    // block `kblock` sums its share of the tile's rows over the cluster's blocks and its own K warps, in K's order,
+    // so that the result does not depend on timing
 #if CL > 1
     const u32 part0 = shared_addr(part);
+#else
+    const u32 part0 = 0;
 #endif
+#if MOE
+    // gate/up: output q of the block's share [kblock, kblock + 1) * N_CTA / 2 / CL is the pair of gate row
+    // 32 (q / 16) + q % 16 and the up row 16 on (the interleaved tiles): h column blockIdx.y * N_CTA / 2 + q of the
+    // pair's row of h, silu(gate) * up; one row of x
+    const int per = N_CTA / 2 / CL;
+    for (int e = threadIdx.x; e < per; e += NT) {
+        const int q = kblock * per + e, row = 32 * (q / 16) + q % 16;
+        float gate = 0.0f, up = 0.0f;
+#pragma unroll
+        for (int r = 0; r < CL; ++r) {
+#pragma unroll
+            for (int w = 0; w < NWK; ++w) {
+                gate += partial(part, part0, w * MROWS * N_CTA + row, r);
+                up += partial(part, part0, w * MROWS * N_CTA + row + 16, r);
+            }
+        }
+        const float h = gate / (1.0f + __expf(-gate)) * up;
+        const int col = blockIdx.y * (N_CTA / 2) + q;
+#if OUT_PLANES
+        const int at = col % 8 * (N / 16) + col / 8;
+#else
+        const int at = col;
+#endif
+        u16 out;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(h));
+        y[(size_t)pair * (N / 2) + at] = out;
+    }
+#else
+    // rows [kblock, kblock + 1) * N_CTA / CL
+    const int per = N_CTA / CL;
     for (int e = threadIdx.x; e < per * MROWS; e += NT) {
         const int m = e / per, n = kblock * per + e % per;
         if (m >= M) continue;
@@ -474,24 +544,13 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #pragma unroll
         for (int r = 0; r < CL; ++r) {
 #pragma unroll
-            for (int w = 0; w < NWK; ++w) {
-                const int at = (w * MROWS + m) * N_CTA + n;
-#if CL > 1
-                u32 remote;
-                float v;
-                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                             : "=r"(remote) : "r"(part0 + at * 4), "r"(r + CL * (int)(blockIdx.y % XMC)));
-                asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-                sum += v;
-#else
-                sum += part[at];
-#endif
-            }
+            for (int w = 0; w < NWK; ++w) sum += partial(part, part0, (w * MROWS + m) * N_CTA + n, r);
         }
         u16 out;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(sum));
         y[(size_t)m * N + (size_t)blockIdx.y * N_CTA + n] = out;
     }
+#endif
 #if CLUSTER > 1
     // the other blocks read this block's partials (CL), or copy x into it (XMC): stay until they have
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");

@@ -69,9 +69,41 @@ def cuda_order_copy(packed: torch.Tensor, scales: torch.Tensor, k: int) -> CudaO
     return CudaOrder(cuda_order_codes(packed, k), cuda_order_scales(scales, k))
 
 
+def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
+    """One expert's gate rows stacked over its up rows, [2I, ...] -> the same rows in 16-row tiles taken in turn:
+    tile 2i gate rows 16i .. 16i + 15, tile 2i + 1 the same up rows (the MOE kernel's epilogue pairs them)."""
+    n2 = rows.shape[0]
+    return rows.reshape(2, n2 // 32, 16, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+
+
+def gate_up_order_copy(w13: torch.Tensor, s13: torch.Tensor, k: int) -> CudaOrder:
+    """The MoE's stacked gate/up weights (uint8 [E, 2I, k / 2], scales [E, 2I, k / 32]) in the kernel's operand order,
+    each expert's gate and up rows interleaved (interleave_gate_up), the experts one after the other: codes
+    [E 2I / 16, k / 64, 32, 4]. Made one expert at a time: cuda_order_codes' int64 intermediate is 16 times the
+    codes' bytes, too much for a layer's worth of experts at once."""
+    e = w13.shape[0]
+    first = cuda_order_copy(interleave_gate_up(w13[0]), interleave_gate_up(s13[0]), k)
+    codes = torch.empty((e, *first.codes.shape), dtype=first.codes.dtype, device=w13.device)
+    scales = torch.empty((e, *first.scales.shape), dtype=first.scales.dtype, device=w13.device)
+    codes[0], scales[0] = first.codes, first.scales
+    for i in range(1, e):
+        copy = cuda_order_copy(interleave_gate_up(w13[i]), interleave_gate_up(s13[i]), k)
+        codes[i], scales[i] = copy.codes, copy.scales
+    return CudaOrder(codes.flatten(0, 1), scales.flatten(0, 1))
+
+
 def supported(n: int, k: int, group_size: int, scale_dtype: torch.dtype) -> bool:
     """Whether a weight of this shape and format has a CUDA-order copy (the kernel's fixed layout)."""
     return group_size == 32 and scale_dtype in (torch.bfloat16, torch.float32) and n % 16 == 0 and k % 64 == 0
+
+
+@dataclass(frozen=True)
+class GateUp:
+    """The MoE's gate/up launch (MOE): one (token, expert) pair per block column along z, x's row pair // top_k,
+    expert ids int64 (ids64) or int32, h written plane-major (out_planes) for a down launch that reads x so."""
+    top_k: int
+    ids64: bool
+    out_planes: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,11 +161,19 @@ class CudaTile:
         ch = min(self.ch, self.steps(k))
         return min(self.nxr, -(-self.steps(k) // ch)) if self.nxr else 0
 
-    def defines(self, k: int, m: int, float32_scales: bool) -> dict[str, int]:
+    def fits_gate_up(self, n: int, k: int) -> bool:
+        """As `fits` for the MoE's gate/up launch over experts of n stacked gate and up rows (one row of x): blocks of
+        whole gate/up tile pairs (then each block's share along K holds whole pairs too: a cluster is at most 8), no
+        multicast (one row of x)."""
+        return self.fits(n, k, 1) and self.xmc == 1 and self.rows % 32 == 0
+
+    def defines(self, k: int, m: int, float32_scales: bool, gate_up: GateUp | None = None) -> dict[str, int]:
         steps = self.steps(k)
         return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
                     PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales), FOLD=int(self.fold),
-                    RING=int(self.ring), MINB=self.minb, NXR=self.x_chunks(k), XMC=self.xmc)
+                    RING=int(self.ring), MINB=self.minb, NXR=self.x_chunks(k), XMC=self.xmc, MOE=int(bool(gate_up)),
+                    TOPK=gate_up.top_k if gate_up else 1, IDS64=int(bool(gate_up and gate_up.ids64)),
+                    OUT_PLANES=int(bool(gate_up and gate_up.out_planes)))
 
 
 def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
@@ -378,7 +418,36 @@ def w4a16_cuda_launch(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: t
     """w4a16_cuda_linear without its checks, for a caller that made them (w4a16.cuda_tile), so that a call does not
     make them twice."""
     m = x.shape[0]
-    defines = tile.defines(k, m, weight.scales.dtype == torch.float32)
+    _launch(x, weight, out, None, m, n, k, tile, tile.defines(k, m, weight.scales.dtype == torch.float32), 1, pdl)
+    return out
+
+
+def w4a16_cuda_gate_up(x: torch.Tensor, w13: CudaOrder, ids: torch.Tensor, top_k: int, n: int, k: int,
+                       h: torch.Tensor, tile: CudaTile, out_planes: bool = False, pdl: bool = True) -> torch.Tensor:
+    """The MoE's gate/up launch: h [P, n / 2] (bf16, contiguous) row p = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for
+    pair p = t top_k + j, e = ids[p] (int64 or int32, P of them), on the experts' gate_up_order_copy (n: an expert's
+    gate and up rows); out_planes: h's rows plane-major (column c at (c % 8) n / 16 + c / 8)."""
+    pairs = ids.numel()
+    if not tile.fits_gate_up(n, k):
+        raise CudaKernelError(f"w4a16_cuda: tile {tile} does not fit the gate/up launch of K={k}, {n} rows per expert")
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16 or x.shape[1] != k:
+        raise CudaKernelError(f"w4a16_cuda: x must be contiguous 16-byte aligned bf16 [*, {k}], got {x.dtype} "
+                              f"{tuple(x.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous() or pairs != x.shape[0] * top_k:
+        raise CudaKernelError(f"w4a16_cuda: expert ids must be {x.shape[0] * top_k} contiguous int32 or int64, got "
+                              f"{ids.dtype} {tuple(ids.shape)}")
+    if h.dtype != torch.bfloat16 or not h.is_contiguous() or tuple(h.shape) != (pairs, n // 2):
+        raise CudaKernelError(f"w4a16_cuda: h must be contiguous bf16 [{pairs}, {n // 2}], got {h.dtype} "
+                              f"{tuple(h.shape)}")
+    if pairs:
+        gate_up = GateUp(top_k, ids.dtype == torch.int64, out_planes)
+        _launch(x, w13, h, ids, 1, n, k, tile, tile.defines(k, 1, w13.scales.dtype == torch.float32, gate_up), pairs,
+                pdl)
+    return h
+
+
+def _launch(x: torch.Tensor, weight: CudaOrder, out: torch.Tensor, ids: torch.Tensor | None, m: int, n: int, k: int,
+            tile: CudaTile, defines: dict[str, int], grid_z: int, pdl: bool) -> None:
     kernel = compiled(tuple(defines.items()), x.device.index)
     make_current(x.device.index)
     shared = tile.shared_bytes(k, m)
@@ -393,13 +462,13 @@ def w4a16_cuda_launch(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: t
         attrs[n_attrs].id = _PROGRAMMATIC_STREAM_SERIALIZATION
         attrs[n_attrs].value[0] = 1
         n_attrs += 1
-    config = _LaunchConfig((ctypes.c_uint * 3)(tile.cl, n // tile.rows, 1),
+    config = _LaunchConfig((ctypes.c_uint * 3)(tile.cl, n // tile.rows, grid_z),
                            (ctypes.c_uint * 3)(32 * tile.nwn * tile.nwk, 1, 1), shared,
                            torch.cuda.current_stream(x.device).cuda_stream, attrs, n_attrs)
     args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(weight.codes.data_ptr()),
             ctypes.c_void_p(weight.scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
+            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_void_p(None if ids is None else ids.data_ptr())]
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+    what = f"gate/up, {grid_z} pairs" if defines["MOE"] else f"M={m}"
     _check(_driver().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None),
-           f"w4a16_cuda launch (K={k} N={n} M={m}, {tile})")
-    return out
+           f"w4a16_cuda launch (K={k} N={n} {what}, {tile})")
