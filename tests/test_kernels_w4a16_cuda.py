@@ -1,11 +1,12 @@
 """The CUDA W4A16 kernel (w4a16_cuda.cu): its operand copy, checked on the CPU against a model of what the kernel's
 lanes read, and the kernel itself on a GPU (marked `gpu`) against dequantize-then-matmul in float64.
 
-The model (`emulate`) is written from the kernel's own rules, not from cuda_order_copy: for K step kb and sub-step j
-of a 16-row tile, lane (g, t) holds words [row g group 0, row g+8 group 0, row g group 1, row g+8 group 1]; the A
-registers of sub-step j = 2h + jj are pairs 2jj (slots 2t, 2t+1) and 2jj + 1 (slots 2t+8, 2t+9) of words 2h (rows
-0-7) and 2h + 1 (rows 8-15), a pair p being nibbles (p, p + 4) minus 8; B slot c of column n is x[n][64 kb + 32 h
-+ 8 (c % 8 // 2) + 4 jj + 2 (c // 8) + c % 2]; each sub-step's product is scaled by its group's scale of the row.
+The model (`emulate`, in support/cuda_operands.py) is written from the kernel's own rules, not from
+cuda_order_copy: for K step kb and sub-step j of a 16-row tile, lane (g, t) holds words [row g group 0, row g+8 group
+0, row g group 1, row g+8 group 1]; the A registers of sub-step j = 2h + jj are pairs 2jj (slots 2t, 2t+1) and 2jj + 1
+(slots 2t+8, 2t+9) of words 2h (rows 0-7) and 2h + 1 (rows 8-15), a pair p being nibbles (p, p + 4) minus 8; B slot c
+of column n is x[n][64 kb + 32 h + 8 (c % 8 // 2) + 4 jj + 2 (c // 8) + c % 2]; each sub-step's product is scaled by
+its group's scale of the row.
 """
 import re
 import zlib
@@ -15,42 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from support.cuda_operands import compile_for_sm90, emulate, needs_nvrtc, reference
+
 from k2vec.engines.gpu_triton.kernels.w4a16_cuda import (CudaOrder, CudaTile, cuda_order_codes, cuda_order_copy,
                                                          cuda_order_scales, m_tiles)
-
-
-def bf16_bits_to_f64(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def emulate(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float64 y [M, N] as the kernel computes it from its operand copy (codes int32 [T, KB, 32, 4], scales int32
-    [T, KB, 8, 2] of bf16 pairs or float32 [T, KB, 8, 4])."""
-    t_tiles, kb_steps = codes.shape[:2]
-    nib = (codes.view(np.uint32)[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF    # [T, KB, 32, 4, 8]
-    j, r, c = np.meshgrid(np.arange(4), np.arange(16), np.arange(16), indexing="ij")
-    lane = 4 * (r % 8) + (c % 8) // 2
-    word = 2 * (j // 2) + r // 8
-    nibble = 2 * (j % 2) + c // 8 + 4 * (c % 2)
-    a = nib[:, :, lane, word, nibble].astype(np.float64) - 8                                # [T, KB, 4, 16, 16]
-    jc, cc = np.arange(4)[:, None], np.arange(16)
-    k_of = 32 * (jc // 2) + 8 * ((cc % 8) // 2) + 4 * (jc % 2) + 2 * (cc // 8) + cc % 2
-    b = x.reshape(x.shape[0], kb_steps, 64)[:, :, k_of]                                    # [M, KB, 4, 16]
-    d = np.einsum("tkjrc,mkjc->tkjrm", a, b)
-    if scales.dtype == np.float32:          # [T, KB, g, (h, r)]
-        per_g = scales.astype(np.float64).reshape(t_tiles, kb_steps, 8, 2, 2)
-    else:                                   # bf16 pairs in int32 words
-        per_g = bf16_bits_to_f64(scales.view(np.uint16).reshape(t_tiles, kb_steps, 8, 2, 2))
-    s = per_g.transpose(0, 1, 3, 4, 2).reshape(t_tiles, kb_steps, 2, 16)                    # [T, KB, h, row]
-    y = np.einsum("tkjrm,tkjr->mtr", d, s[:, :, np.arange(4) // 2, :])
-    return y.reshape(x.shape[0], t_tiles * 16)
-
-
-def reference(x: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """scales: bf16 bits (uint16) or float32."""
-    q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float64) - 8
-    s = np.repeat(scales.astype(np.float64) if scales.dtype == np.float32 else bf16_bits_to_f64(scales), 32, axis=1)
-    return x @ (q * s).T
 
 
 @dataclass(frozen=True)
@@ -143,7 +112,8 @@ def test_tile_fits(case):
 def test_m_tiles_and_defines():
     assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
     assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, TPW=1, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2,
-                                                                SF32=1, FOLD=0, RING=0, MINB=1, NXR=0, XMC=1)
+                                                                SF32=1, FOLD=0, RING=0, MINB=1, NXR=0, XMC=1,
+                                                                MOE=0, TOPK=1, IDS64=0, OUT_PLANES=0)
     assert CudaTile(2, 4, 2, 4, tpw=2).rows == 64
     # the ring: PF + 1 slots per warp of 32 lanes x 16 bytes of codes and 8 lane groups x 16 bytes of scales
     plain, ring = CudaTile(1, 8, 1, 24), CudaTile(1, 8, 1, 24, ring=True)
@@ -437,25 +407,6 @@ def test_cubin_cache_unwritable_compiles_every_time(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ compiled by NVRTC on the CPU (no GPU needed)
-
-def nvrtc_available() -> bool:
-    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaKernelError, _nvrtc
-    try:
-        _nvrtc()
-        return True
-    except CudaKernelError:
-        return False
-
-
-needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="no NVRTC: the [test] extra installs "
-                                                               "nvidia-cuda-nvrtc-cu12")
-
-
-def compile_for_sm90(tile: CudaTile, k: int, m: int, float32_scales: bool):
-    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import kernel_source, nvrtc_compile, target
-    defines = tuple(tile.defines(k, m, float32_scales).items())
-    return nvrtc_compile(kernel_source(defines), target(defines, 9, 0), ("--ptxas-options=-v",))
-
 
 @dataclass(frozen=True)
 class CompileCase:

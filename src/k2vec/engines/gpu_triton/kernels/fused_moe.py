@@ -84,7 +84,7 @@ def pack_experts(gate: Sequence, up: Sequence, down: Sequence, group_size: int, 
     """Stack E experts' bundle weights: each list holds E (qw, sc) pairs as `pack_for_gpu` takes them.
 
     gate/up: W [I, H] (qw [I, H/2], sc [I, H/G]); down: W [H, I] (qw [H, I/2], sc [H, I/G]). cuda_order: with
-    gate/up's copy for the CUDA kernel (as many bytes again) where its format allows (gate_up_supported).
+    gate/up's copy for the CUDA kernel (as many bytes again) where its format allows (w4a16_cuda.supported).
     """
     if not (len(gate) == len(up) == len(down) and len(gate) > 0):
         raise ValueError(f"pack_experts: gate/up/down need the same non-zero number of experts, "
@@ -105,16 +105,11 @@ def pack_experts(gate: Sequence, up: Sequence, down: Sequence, group_size: int, 
             raise ValueError(f"pack_experts: {what} .qw/.sc shapes {tuple(map(tuple, shapes))} do not fit "
                              f"hidden {hidden}, intermediate {inter}, group_size {group_size}: want {wanted[what]}")
     w13, s13 = torch.cat([wg, wu], dim=1).to(device).contiguous(), torch.cat([sg, su], dim=1).to(device).contiguous()
+    # (I is a multiple of G, so with G 32 gate and up are whole 16-row tiles each)
     cuda13 = (gate_up_order_copy(w13, s13, hidden)
-              if cuda_order and gate_up_supported(inter, hidden, group_size, s13.dtype) else None)
+              if cuda_order and supported(2 * inter, hidden, group_size, s13.dtype) else None)
     return PackedExperts(w13, s13, w2.to(device).contiguous(), s2.to(device).contiguous(), e, hidden, inter,
                          group_size, cuda13)
-
-
-def gate_up_supported(inter: int, hidden: int, group_size: int, scale_dtype: torch.dtype) -> bool:
-    """Whether experts of this shape and format have gate/up's CUDA-order copy: the kernel's format, and whole
-    16-row tiles of gate and of up."""
-    return supported(2 * inter, hidden, group_size, scale_dtype) and inter % 16 == 0
 
 
 @triton.jit
