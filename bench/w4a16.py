@@ -19,6 +19,8 @@ One call does everything (device time is scarce):
     python3 bench/w4a16.py --out DIR --cuda-sweep [--ms 8,16] [--experimental]   # the CUDA kernel's tiles on the K2
                                       # shapes (or only those of options no table uses), beside the committed call
                                       # and bf16 cuBLAS
+    python3 bench/w4a16.py --out DIR --moe-cuda-sweep [--ms 1,16]   # the MoE's gate/up launch on the CUDA kernel's
+                                      # tiles, beside the committed configs and a plain read of the same bytes
     TRITON_INTERPRET=1 python bench/w4a16.py --out DIR --smoke     # CPU plumbing check on tiny shapes
 """
 from __future__ import annotations
@@ -362,15 +364,15 @@ def time_dense(device, log) -> list[dict]:
 class K2Layer:
     """384 experts of one K2 MoE layer resident: INT4 (G 32, bf16 scales) and, for the baseline, bf16."""
 
-    def __init__(self, device, with_bf16: bool = True):
+    def __init__(self, device, with_bf16: bool = True, cuda_order: bool = False):
         gen = verify.generator(device, "bench moe")
         e, h, i = EXPERTS, HIDDEN, INTER
+        w13 = torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=gen, device=device)
+        s13 = (torch.rand(e, 2 * i, h // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16)
         self.experts = PackedExperts(
-            torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=gen, device=device),
-            (torch.rand(e, 2 * i, h // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16),
-            torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=gen, device=device),
+            w13, s13, torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=gen, device=device),
             (torch.rand(e, h, i // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16),
-            e, h, i, 32)
+            e, h, i, 32, w4a16_cuda.gate_up_order_copy(w13, s13, h) if cuda_order else None)
         # bf16 weights of the same shapes (random values: timing only)
         if with_bf16:
             self.w13_bf16 = torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=torch.bfloat16)
@@ -893,6 +895,73 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS,
     return rows, anchors
 
 
+def moe_cuda_candidates(m: int) -> list[CudaTile]:
+    """CUDA tiles for the MoE's gate/up launch on K2's experts (K = 7168, 4096 gate and up rows an expert, one row of
+    x per pair): blocks of 32-64 rows (one tile per warp, or two for 2 warps along N) of 8 warps (and three tiles
+    of 16 warps), clusters of 1-4
+    along K (M * 8 pairs of 4096 / rows blocks each: 1-16 waves at M = 1), the steps in flight in registers (8 or 16)
+    or in the codes' ring (12 or 24), x whole, or in a ring of 2 chunks of 2 steps with 8 steps in flight."""
+    out = []
+    for nwn, nwk, cl, pf, ch, tpw, ring in itertools.product(
+            (2, 4), (2, 4), (1, 2, 4), (8, 12, 16, 24), (2, 4), (1, 2), (False, True)):
+        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, ring=ring)
+        in_flight = (12, 24) if ring else (8, 16)
+        if (tile.fits_gate_up(2 * INTER, HIDDEN) and nwn * nwk == 8 and pf in in_flight and tile.rows <= 64
+                and (tpw == 1 or nwn == 2 and not ring)):
+            out.append(tile)
+    out += [CudaTile(nwn, 8 // nwn, cl, 8, 2, nxr=2) for nwn in (2, 4) for cl in (1, 2)
+            if CudaTile(nwn, 8 // nwn, cl, 8, 2, nxr=2).fits_gate_up(2 * INTER, HIDDEN)]
+    # and 16 warps, as the dense 7168 -> 4096 tile at M = 1-8 (configs.py)
+    return out + [CudaTile(2, 8, 1, 8, ch=4), CudaTile(2, 8, 2, 8, ch=2), CudaTile(4, 4, 1, 8, ch=4)]
+
+
+def moe_cuda_sweep(device, log, ms: tuple[int, ...]) -> list[dict]:
+    """The committed MoE configs with their gate/up launch on each CUDA tile of moe_cuda_candidates, on the K2 layer,
+    timed as time_moe times, beside the committed configs and a plain read of the same bytes timed in the same run;
+    each output against the committed configs' (bf16 tolerance)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    source, compiler = w4a16_cuda.SOURCE.read_text(), w4a16_cuda.nvrtc_version()
+    layer = K2Layer(device, with_bf16=False, cuda_order=True)
+    rows = []
+    for m in ms:
+        old13, old2 = pick_config(MOE_CONFIGS, m)
+        routings = [layer.routing(m) for _ in range(8)]
+        ids64 = routings[0][0].dtype == torch.int64
+        gate_up = w4a16_cuda.GateUp(TOP_K, ids64, bool(old2.get("X_PLANES")) and not old2.get("X_WIDE"))
+        tiles = moe_cuda_candidates(m)
+        variants = {tuple(t.defines(HIDDEN, 1, False, gate_up).items()) for t in tiles}
+        with ThreadPoolExecutor(16) as pool:
+            cubins = dict(zip(variants, pool.map(lambda d: w4a16_cuda.cached_cubin(
+                source, d, w4a16_cuda.target(d, major, minor), compiler), variants)))
+        for defines, cubin in cubins.items():
+            w4a16_cuda.load(defines, device.index, cubin)
+        used = [int(torch.unique(ids).numel()) for ids, _ in routings]
+        nbytes = statistics.mean(used) * layer.expert_bytes
+        r = max(2, min(8, copies_for(int(nbytes))))
+        xs = [torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in range(r)]
+        outs = [torch.empty(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in range(r)]
+
+        def timed(cfg):
+            return graph_time_us([lambda x=x, rw=rw, o=o: fused_moe(x, layer.experts, rw[0], rw[1], out=o, config=cfg)
+                                  for x, rw, o in zip(xs, routings, outs)])
+        want = fused_moe(xs[0], layer.experts, *routings[0], config=(old13, old2))
+        committed, read = timed((old13, old2)), plain_read_us(int(nbytes), device)
+        here = []
+        for tile in tiles:
+            cfg = (dict(old13, CUDA=tile), old2)
+            got = fused_moe(xs[0], layer.experts, *routings[0], config=cfg)
+            here.append(dict(m=m, tile=asdict(tile), us=timed(cfg), rel_err=verify.rel_err(got, want.double()),
+                             committed_us=committed, read_us=read))
+        rows += here
+        best = min(here, key=lambda row: row["us"])
+        log(f"moe cuda sweep M={m}: {len(tiles)} tiles; best {best['us']:.1f} us ({read / best['us']:.0%} of read "
+            f"{read:.1f} us) {best['tile']} (rel err vs committed {best['rel_err']:.1e}); committed {committed:.1f} us "
+            f"({read / committed:.0%})")
+    bad = [row for row in rows if not row["rel_err"] <= verify.TOLERANCE[torch.bfloat16]]
+    log(f"moe cuda sweep: {len(rows)} timings, {len(bad)} over the bf16 tolerance")
+    return rows
+
+
 def markdown(dense, moe, copy, correctness) -> str:
     lines = []
     if correctness:
@@ -1007,8 +1076,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="only the calls to profile (run under ncu)")
     parser.add_argument("--trips", action="store_true", help="only the dense tiles' time against K trips per program")
     parser.add_argument("--cuda-sweep", action="store_true", help="only the CUDA kernel's tiles on the K2 shapes")
-    parser.add_argument("--ms", type=lambda text: tuple(int(m) for m in text.split(",")), default=MS,
-                        help="--cuda-sweep: these M only (comma-separated)")
+    parser.add_argument("--moe-cuda-sweep", action="store_true",
+                        help="only the MoE's gate/up launch on the CUDA kernel's tiles (K2 layer, M = 1-16)")
+    parser.add_argument("--ms", type=lambda text: tuple(int(m) for m in text.split(",")), default=None,
+                        help="--cuda-sweep, --moe-cuda-sweep: these M only (comma-separated)")
     parser.add_argument("--experimental", action="store_true",
                         help="--cuda-sweep: only the tiles of options no committed table uses (experimental())")
     parser.add_argument("--skip-correctness", action="store_true")
@@ -1018,7 +1089,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / ("profile.log" if args.profile else "trips.log" if args.trips
-                                else "cuda_sweep.log" if args.cuda_sweep else "bench.log"), "w")
+                                else "cuda_sweep.log" if args.cuda_sweep else "moe_cuda_sweep.log"
+                                if args.moe_cuda_sweep else "bench.log"), "w")
 
     def log(text: str) -> None:
         print(text, flush=True)
@@ -1040,8 +1112,12 @@ def main() -> None:
         trip_scan(torch.device("cuda:0"), log)
         return
     if args.cuda_sweep:
-        rows, anchors = cuda_sweep(torch.device("cuda:0"), log, args.ms, args.experimental)
+        rows, anchors = cuda_sweep(torch.device("cuda:0"), log, args.ms or MS, args.experimental)
         (args.out / "cuda_sweep.json").write_text(json.dumps({"tiles": rows, "anchors": anchors}, indent=1))
+        return
+    if args.moe_cuda_sweep:
+        rows = moe_cuda_sweep(torch.device("cuda:0"), log, args.ms or (1, 2, 4, 8, 16))
+        (args.out / "moe_cuda_sweep.json").write_text(json.dumps(rows, indent=1))
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"
     pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))

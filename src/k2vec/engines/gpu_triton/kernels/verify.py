@@ -160,9 +160,8 @@ def check_moe(m: int, num_experts: int, hidden: int, inter: int, top_k: int, use
             f"{scale_dtype} {act}" + (f" flip-{flip}" if flip else "")
             + ("" if ids_dtype == "int64" else f" {ids_dtype}"))
     gen = generator(device, name)
-    if experts is None:
-        cuda_order = config is not None and config[0].get("CUDA") is not None
-        experts = random_experts(num_experts, hidden, inter, group_size, scale_dtype, gen, device, cuda_order)
+    if experts is None:     # with the CUDA kernel's copy under bf16, as the engine loads them
+        experts = random_experts(num_experts, hidden, inter, group_size, scale_dtype, gen, device, act == "bfloat16")
     ids, weights = random_routing(m, top_k, num_experts, used_experts, gen, device)
     ids = ids.to(getattr(torch, ids_dtype))
     x = torch.randn(m, hidden, generator=gen, device=device).to(DTYPES[act])
