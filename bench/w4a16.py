@@ -19,13 +19,14 @@ One call does everything (device time is scarce):
     python3 bench/w4a16.py --out DIR --cuda-sweep [--ms 8,16] [--experimental]   # the CUDA kernel's tiles on the K2
                                       # shapes (or only those of options no table uses), beside the committed call
                                       # and bf16 cuBLAS
-    python3 bench/w4a16.py --out DIR --moe-cuda-sweep [--ms 1,16]   # the MoE's gate/up launch on the CUDA kernel's
-                                      # tiles, beside the committed configs and a plain read of the same bytes
+    python3 bench/w4a16.py --out DIR --moe-cuda-sweep [--ms 1,16]   # the MoE's gate/up and down launches on the
+                                      # CUDA kernel's tiles, beside the committed configs and a plain read
     TRITON_INTERPRET=1 python bench/w4a16.py --out DIR --smoke     # CPU plumbing check on tiny shapes
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import multiprocessing as mp
@@ -372,7 +373,11 @@ class K2Layer:
         self.experts = PackedExperts(
             w13, s13, torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=gen, device=device),
             (torch.rand(e, h, i // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16),
-            e, h, i, 32, w4a16_cuda.gate_up_order_copy(w13, s13, h) if cuda_order else None)
+            e, h, i, 32)
+        if cuda_order:     # the CUDA kernel's copies, as pack_experts makes them
+            self.experts = dataclasses.replace(
+                self.experts, cuda13=w4a16_cuda.gate_up_order_copy(w13, s13, h),
+                cuda2=w4a16_cuda.down_order_copy(self.experts.w2, self.experts.s2, i))
         # bf16 weights of the same shapes (random values: timing only)
         if with_bf16:
             self.w13_bf16 = torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=torch.bfloat16)
@@ -915,10 +920,26 @@ def moe_cuda_candidates(m: int) -> list[CudaTile]:
     return out + [CudaTile(2, 8, 1, 8, ch=4), CudaTile(2, 8, 2, 8, ch=2), CudaTile(4, 4, 1, 8, ch=4)]
 
 
+def moe_down_cuda_candidates(m: int) -> list[CudaTile]:
+    """CUDA tiles for the MoE's down launch on K2's experts (7168 rows, a token's 8 rows of h side by side: K = 16384,
+    each K warp group's slice within one pair): 4-16 warps, blocks of 16-64 rows, clusters of 1-8 along K (M * 7168 /
+    rows * cl blocks: 448 at M = 1 with 16-row blocks and no cluster), the steps in flight in registers (8 or 16) or in
+    the codes' ring (12 or 24); x (one row) in chunks of 2 steps."""
+    out = []
+    for nwn, nwk, cl, pf, ring in itertools.product((1, 2, 4), (2, 4, 8), (1, 2, 4, 8), (8, 12, 16, 24), (False, True)):
+        tile = CudaTile(nwn, nwk, cl, pf, 2, ring=ring)
+        if (tile.fits_down(HIDDEN, INTER, TOP_K) and 4 <= nwn * nwk <= 16 and pf in ((12, 24) if ring else (8, 16))
+                and pf <= tile.steps(TOP_K * INTER) and (not ring or nwk >= 2)):
+            out.append(tile)
+    return out
+
+
 def moe_cuda_sweep(device, log, ms: tuple[int, ...]) -> list[dict]:
-    """The committed MoE configs with their gate/up launch on each CUDA tile of moe_cuda_candidates, on the K2 layer,
-    timed as time_moe times, beside the committed configs and a plain read of the same bytes timed in the same run;
-    each output against the committed configs' (bf16 tolerance)."""
+    """The committed MoE configs with one launch on the CUDA kernel at a time, on the K2 layer, timed as time_moe
+    times, beside the committed configs and a plain read of the same bytes timed in the same run: each gate/up tile of
+    moe_cuda_candidates with the committed down config, then each down tile of moe_down_cuda_candidates after the
+    faster gate/up (the best CUDA tile's or the committed); each output against the committed configs' (bf16
+    tolerance)."""
     major, minor = torch.cuda.get_device_capability(device)
     source, compiler = w4a16_cuda.SOURCE.read_text(), w4a16_cuda.nvrtc_version()
     layer = K2Layer(device, with_bf16=False, cuda_order=True)
@@ -927,9 +948,12 @@ def moe_cuda_sweep(device, log, ms: tuple[int, ...]) -> list[dict]:
         old13, old2 = pick_config(MOE_CONFIGS, m)
         routings = [layer.routing(m) for _ in range(8)]
         ids64 = routings[0][0].dtype == torch.int64
-        gate_up = w4a16_cuda.GateUp(TOP_K, ids64, bool(old2.get("X_PLANES")) and not old2.get("X_WIDE"))
-        tiles = moe_cuda_candidates(m)
-        variants = {tuple(t.defines(HIDDEN, 1, False, gate_up).items()) for t in tiles}
+        gate_ups, downs = moe_cuda_candidates(m), moe_down_cuda_candidates(m)
+        h_planes = bool(old2.get("X_PLANES")) and not old2.get("X_WIDE")
+        variants = {tuple(t.defines(HIDDEN, 1, False, w4a16_cuda.MoeLaunch(False, TOP_K, ids64, planes)).items())
+                    for t in gate_ups for planes in {h_planes, False}}
+        variants |= {tuple(t.defines(TOP_K * INTER, 1, False, w4a16_cuda.MoeLaunch(True, TOP_K, ids64)).items())
+                     for t in downs}
         with ThreadPoolExecutor(16) as pool:
             cubins = dict(zip(variants, pool.map(lambda d: w4a16_cuda.cached_cubin(
                 source, d, w4a16_cuda.target(d, major, minor), compiler), variants)))
@@ -944,19 +968,21 @@ def moe_cuda_sweep(device, log, ms: tuple[int, ...]) -> list[dict]:
         def timed(cfg):
             return graph_time_us([lambda x=x, rw=rw, o=o: fused_moe(x, layer.experts, rw[0], rw[1], out=o, config=cfg)
                                   for x, rw, o in zip(xs, routings, outs)])
-        want = fused_moe(xs[0], layer.experts, *routings[0], config=(old13, old2))
+        want = fused_moe(xs[0], layer.experts, *routings[0], config=(old13, old2)).double()
         committed, read = timed((old13, old2)), plain_read_us(int(nbytes), device)
-        here = []
-        for tile in tiles:
-            cfg = (dict(old13, CUDA=tile), old2)
+
+        def run(launch, tile, cfg):
             got = fused_moe(xs[0], layer.experts, *routings[0], config=cfg)
-            here.append(dict(m=m, tile=asdict(tile), us=timed(cfg), rel_err=verify.rel_err(got, want.double()),
+            rows.append(dict(m=m, launch=launch, tile=asdict(tile), us=timed(cfg), rel_err=verify.rel_err(got, want),
                              committed_us=committed, read_us=read))
-        rows += here
-        best = min(here, key=lambda row: row["us"])
-        log(f"moe cuda sweep M={m}: {len(tiles)} tiles; best {best['us']:.1f} us ({read / best['us']:.0%} of read "
-            f"{read:.1f} us) {best['tile']} (rel err vs committed {best['rel_err']:.1e}); committed {committed:.1f} us "
-            f"({read / committed:.0%})")
+            return rows[-1]
+        best13 = min((run("gate/up", t, (dict(old13, CUDA=t), old2)) for t in gate_ups), key=lambda row: row["us"])
+        cfg13 = dict(old13, CUDA=CudaTile(**best13["tile"])) if best13["us"] < committed else old13
+        best2 = min((run("down", t, (cfg13, dict(old2, CUDA=t))) for t in downs), key=lambda row: row["us"])
+        for launch, best, n in (("gate/up", best13, len(gate_ups)), ("down", best2, len(downs))):
+            log(f"moe cuda sweep M={m} {launch}: {n} tiles; best {best['us']:.1f} us ({read / best['us']:.0%} of read "
+                f"{read:.1f} us) {best['tile']} (rel err vs committed {best['rel_err']:.1e}); committed "
+                f"{committed:.1f} us ({read / committed:.0%})")
     bad = [row for row in rows if not row["rel_err"] <= verify.TOLERANCE[torch.bfloat16]]
     log(f"moe cuda sweep: {len(rows)} timings, {len(bad)} over the bf16 tolerance")
     return rows
@@ -1077,7 +1103,7 @@ def main() -> None:
     parser.add_argument("--trips", action="store_true", help="only the dense tiles' time against K trips per program")
     parser.add_argument("--cuda-sweep", action="store_true", help="only the CUDA kernel's tiles on the K2 shapes")
     parser.add_argument("--moe-cuda-sweep", action="store_true",
-                        help="only the MoE's gate/up launch on the CUDA kernel's tiles (K2 layer, M = 1-16)")
+                        help="only the MoE's launches on the CUDA kernel's tiles (K2 layer, M = 1-16)")
     parser.add_argument("--ms", type=lambda text: tuple(int(m) for m in text.split(",")), default=None,
                         help="--cuda-sweep, --moe-cuda-sweep: these M only (comma-separated)")
     parser.add_argument("--experimental", action="store_true",

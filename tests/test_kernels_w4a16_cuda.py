@@ -113,7 +113,7 @@ def test_m_tiles_and_defines():
     assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
     assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, TPW=1, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2,
                                                                 SF32=1, FOLD=0, RING=0, MINB=1, NXR=0, XMC=1,
-                                                                MOE=0, TOPK=1, IDS64=0, OUT_PLANES=0)
+                                                                MOE=0, TOPK=1, IDS64=0, OUT_PLANES=0, XROWS=8)
     assert CudaTile(2, 4, 2, 4, tpw=2).rows == 64
     # the ring: PF + 1 slots per warp of 32 lanes x 16 bytes of codes and 8 lane groups x 16 bytes of scales
     plain, ring = CudaTile(1, 8, 1, 24), CudaTile(1, 8, 1, 24, ring=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, GateUp
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, MoeLaunch
 
 
 def bf16_bits_to_f64(bits: np.ndarray) -> np.ndarray:
@@ -55,7 +55,7 @@ needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="no NVRTC: the [t
                                                                "nvidia-cuda-nvrtc-cu12")
 
 
-def compile_for_sm90(tile: CudaTile, k: int, m: int, float32_scales: bool, gate_up: GateUp | None = None):
+def compile_for_sm90(tile: CudaTile, k: int, m: int, float32_scales: bool, moe: MoeLaunch | None = None):
     from k2vec.engines.gpu_triton.kernels.w4a16_cuda import kernel_source, nvrtc_compile, target
-    defines = tuple(tile.defines(k, m, float32_scales, gate_up).items())
+    defines = tuple(tile.defines(k, m, float32_scales, moe).items())
     return nvrtc_compile(kernel_source(defines), target(defines, 9, 0), ("--ptxas-options=-v",))

@@ -16,24 +16,29 @@
 // then (128 + q) - 136 = q - 8 exactly in bf16.
 //
 // Compile-time constants (w4a16_cuda.py defines them): NWN warps along N, TPW 16-row tiles per warp (each B operand
-// read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K
-// steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in flight, CH steps of x per copy to shared
+// read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K steps
+// of 64 per warp, MT m8 tiles of x's rows, XROWS of them in shared memory (MT * 8, or 1 where M is 1: the other columns
+// of B read row 0 again, and their outputs are dropped), PF steps of codes in flight, CH steps of x per copy to shared
 // memory; NXR 0: a K warp group's whole slice of x in shared memory, else a ring of NXR (>= 2) chunks of it, each
 // refilled with a later chunk once the group's warps are past it; RING 1: codes and scales in flight through shared
-// memory rather than registers (below); MINB blocks per SM the registers are budgeted for (__launch_bounds__); SF32
-// 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded to bf16 as the
-// Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the accumulator
-// registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost). XMC > 1 (NXR 0 only): the
-// cluster also spans XMC blocks along N, which share x: each copies every XMC-th row of its K slice with one bulk
-// copy per row and chunk, multicast into the same place in all XMC blocks' shared memory, and a chunk's mbarrier
-// (its bytes of all M rows expected) says when it has landed, so that the blocks read x from L2 once per cluster
-// rather than once per block.
+// memory rather than registers (below); MINB blocks per SM the registers are budgeted for (__launch_bounds__); SF32 1
+// for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded to bf16 as the
+// Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the accumulator registers
+// and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost). XMC > 1 (NXR 0 only): the cluster
+// also spans XMC blocks along N, which share x: each copies every XMC-th row of its K slice with one bulk copy per row
+// and chunk, multicast into the same place in all XMC blocks' shared memory, and a chunk's mbarrier (its bytes of all M
+// rows expected) says when it has landed, so that the blocks read x from L2 once per cluster rather than once per
+// block.
 //
 // MOE 1: the fused MoE's gate/up launch, one (token, expert) pair per blockIdx.z: x's row is pair / TOPK, the expert
 // ids[pair] (int64 where IDS64, else int32), which picks the weight, the experts' copies stacked (N rows each), each
 // expert's gate and up rows interleaved in 16-row tiles (w4a16_cuda.gate_up_order_copy), so that a block holds both
 // halves of its outputs; y is h [pairs, N / 2] = silu(gate) * up in bf16 (OUT_PLANES: column c at (c % 8) N / 16 +
 // c / 8, the down launch's plane-major x). The routing comes from the kernel before: the weights wait for it.
+// MOE 2: the down launch, one token per blockIdx.z: x is its TOPK rows of h side by side (K = TOPK times an expert's
+// K), each K warp group's slice within one pair, whose expert ids[pair] picks the weight (the experts' copies
+// stacked) and whose routing weight route_w[pair] scales the group's sum, so that the cluster's sum in K's order is
+// the token's weighted sum over its pairs, in pair order; y [tokens, N].
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -54,11 +59,14 @@ struct alignas(16) XQuad { u32 b[4]; };              // x[k .. k + 7]: B operand
                                      // warp's 16-byte reads (rows g, g + 1, 4 lanes each) cover all 32 banks once
 #define XCW (CH * 64 + 32)           // NXR: x row stride in a chunk's slot
 #if NXR
-#define X_BYTES (NWK * NXR * MROWS * XCW * 2)
+#define X_BYTES (NWK * NXR * XROWS * XCW * 2)
 #else
-#define X_BYTES (NWK * MROWS * XSW * 2)
+#define X_BYTES (NWK * XROWS * XSW * 2)
 #endif
 #define MROWS (MT * 8)
+#if XROWS != MROWS && (XROWS != 1 || MT != 1)
+#error "x's rows in shared memory: all of its m8 tiles', or one (M = 1: every lane group reads row 0)"
+#endif
 #define NCH ((STEPS + CH - 1) / CH)  // chunks of x per K warp group
 #define RS (PF + 1)                  // RING: slots per warp
 #define CLUSTER (CL * XMC)           // blocks in a cluster: CL along K (blockIdx.x), XMC along N
@@ -66,8 +74,11 @@ struct alignas(16) XQuad { u32 b[4]; };              // x[k .. k + 7]: B operand
 #error "x multicast (XMC > 1) needs x's whole slice in shared memory (NXR 0)"
 #endif
 #define BAR_BYTES (XMC > 1 ? (NWK * NCH * 8 + 127) / 128 * 128 : 0)   // XMC: the chunks' mbarriers, ahead of x
-#if MOE && (XMC > 1 || N_CTA % 32 || N_CTA / 2 % CL)
-#error "the MoE gate/up launch needs whole gate/up tile pairs in every block's share of its outputs, and no multicast"
+#if MOE == 1 && (N_CTA % 32 || N_CTA / 2 % CL)
+#error "the MoE gate/up launch needs whole gate/up tile pairs in every block's share of its outputs"
+#endif
+#if MOE && XMC > 1
+#error "the MoE launches take one row of x per block: nothing to multicast"
 #endif
 
 __device__ __forceinline__ Codes load_codes(const Codes* p) {
@@ -245,10 +256,10 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scales* __restrict__ scales,
-          u16* __restrict__ y, int M, int N, int K, const void* __restrict__ ids) {
+          u16* __restrict__ y, int M, int N, int K, const void* __restrict__ ids, const float* __restrict__ route_w) {
     extern __shared__ __attribute__((aligned(128))) unsigned char smem_all[];
     unsigned char* smem = smem_all + BAR_BYTES;                  // XMC: the mbarriers first
-    u16* xs = reinterpret_cast<u16*>(smem);                      // [NWK][MROWS][XSW], NXR: [NWK][NXR][MROWS][XCW]
+    u16* xs = reinterpret_cast<u16*>(smem);                      // [NWK][XROWS][XSW], NXR: [NWK][NXR][XROWS][XCW]
     float* part = reinterpret_cast<float*>(smem + X_BYTES);      // [NWK][MROWS][N_CTA]
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -256,19 +267,34 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     const int wn = warp % NWN, wk = warp / NWN;
     const int kblock = blockIdx.x;                 // the block's place along K (its rank in the cluster)
     const int tile = (blockIdx.y * NWN + wn) * TPW;    // the warp's first 16-row tile
+#if MOE == 2
+    const int ksteps = K / TOPK / 64;              // one expert's steps (K: the token's TOPK rows of h side by side)
+    const int step0 = (kblock * NWK + wk) * STEPS % ksteps;
+#else
     const int ksteps = K / 64;
     const int step0 = (kblock * NWK + wk) * STEPS;
-#if MOE
+#endif
+#if MOE == 1
     // the routing and x may come from the kernel just before (PDL): wait before reading either, and so before the
     // weights, which the routing picks
     asm volatile("griddepcontrol.wait;" ::: "memory");
     const int pair = blockIdx.z;
+    x += (size_t)(pair / TOPK) * K;
+#elif MOE == 2
+    // the down launch, token blockIdx.z: the K warp group's slice lies in one pair (w4a16_cuda's fits_down), whose
+    // expert's weight it reads, its sum scaled by the pair's routing weight. The routing was complete before the
+    // gate/up launch this one follows began (that launch read it after its own wait), so it is read before this
+    // kernel's wait and the weights stream from the start, as the Triton down launch's ROUTED; x (h) after the wait
+    const int pair = blockIdx.z * TOPK + (kblock * NWK + wk) * STEPS / ksteps;
+    x += (size_t)blockIdx.z * K;
+    y += (size_t)blockIdx.z * N;
+#endif
+#if MOE
 #if IDS64
     const long long expert = static_cast<const long long*>(ids)[pair];
 #else
     const long long expert = static_cast<const int*>(ids)[pair];
 #endif
-    x += (size_t)(pair / TOPK) * K;
     codes += (size_t)expert * (N / 16) * ksteps * 32;
     scales += (size_t)expert * (N / 16) * ksteps * 8;
 #endif
@@ -314,23 +340,23 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 
-    // x may be the previous kernel's output: wait for it (PDL; MOE waited above). Each K warp group (the NWN warps of one wk) copies
-    // the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each (all of them,
-    // or with NXR the first NXR into the ring's slots), and starts on a chunk as soon as it has landed (rows past M
-    // are never read into the live outputs: left unwritten)
-#if !MOE
+    // x may be the previous kernel's output: wait for it (PDL; MOE 1 waited above). Each K warp group (the NWN warps of
+    // one wk) copies the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each
+    // (all of them, or with NXR the first NXR into the ring's slots), and starts on a chunk as soon as it has landed
+    // (rows past M are never read into the live outputs: left unwritten)
+#if MOE != 1
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     const int kg0 = kblock * KC + wk * STEPS * 64;
 #if NXR
-    u16* xg = xs + wk * NXR * MROWS * XCW;
+    u16* xg = xs + wk * NXR * XROWS * XCW;
 #pragma unroll
-    for (int ch = 0; ch < NXR; ++ch) copy_x(xg + ch * MROWS * XCW, XCW, x, M, K, kg0, ch, wn, lane);
+    for (int ch = 0; ch < NXR; ++ch) copy_x(xg + ch * XROWS * XCW, XCW, x, M, K, kg0, ch, wn, lane);
 #elif XMC > 1
-    u16* xg = xs + wk * MROWS * XSW;
+    u16* xg = xs + wk * XROWS * XSW;
     multicast_x(xg, x, M, K, kg0, xbars, kblock, blockIdx.y % XMC, wn, lane);
 #else
-    u16* xg = xs + wk * MROWS * XSW;
+    u16* xg = xs + wk * XROWS * XSW;
 #pragma unroll
     for (int ch = 0; ch < NCH; ++ch) copy_x(xg + ch * CH * 64, XSW, x, M, K, kg0, ch, wn, lane);
 #endif
@@ -344,9 +370,9 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #endif
 #if NXR
-    const u16* xw = xg + g * XCW + 8 * t;
+    const u16* xw = xg + (XROWS > 1 ? g : 0) * XCW + 8 * t;    // XROWS 1: every lane group reads row 0 (a broadcast)
 #else
-    const u16* xw = xg + g * XSW + 8 * t;
+    const u16* xw = xg + (XROWS > 1 ? g : 0) * XSW + 8 * t;
 #endif
 
 #pragma unroll
@@ -396,7 +422,7 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #endif
 #if NXR
         if (s % CH == 0 && s >= CH && s / CH - 1 + NXR < NCH)   // every warp of the group is past chunk c - 1: its slot
-            copy_x(xg + ((s / CH - 1) % NXR) * MROWS * XCW, XCW, x, M, K, kg0, s / CH - 1 + NXR, wn, lane);
+            copy_x(xg + ((s / CH - 1) % NXR) * XROWS * XCW, XCW, x, M, K, kg0, s / CH - 1 + NXR, wn, lane);
 #endif
         Codes c[TPW];
         Scales sc[TPW];
@@ -450,7 +476,7 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
 #if NXR
-                const XQuad b = *reinterpret_cast<const XQuad*>(xw + ((s / CH) % NXR) * MROWS * XCW + m * 8 * XCW
+                const XQuad b = *reinterpret_cast<const XQuad*>(xw + ((s / CH) % NXR) * XROWS * XCW + m * 8 * XCW
                                                                + (s % CH) * 64 + 32 * h);
 #else
                 const XQuad b = *reinterpret_cast<const XQuad*>(xw + m * 8 * XSW + s * 64 + 32 * h);
@@ -482,6 +508,15 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
         }
     }
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#if MOE == 2
+    {
+        const float w = route_w[pair];
+#pragma unroll
+        for (int u = 0; u < TPW; ++u)
+#pragma unroll
+            for (int m = 0; m < MT; ++m) acc[u][m][0] *= w, acc[u][m][1] *= w, acc[u][m][2] *= w, acc[u][m][3] *= w;
+    }
+#endif
 
     // the warp's partial: d0, d1 at (row g, x rows 2t, 2t + 1), d2, d3 at row g + 8 of each of its tiles
 #pragma unroll
@@ -507,7 +542,7 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #else
     const u32 part0 = 0;
 #endif
-#if MOE
+#if MOE == 1
     // gate/up: output q of the block's share [kblock, kblock + 1) * N_CTA / 2 / CL is the pair of gate row
     // 32 (q / 16) + q % 16 and the up row 16 on (the interleaved tiles): h column blockIdx.y * N_CTA / 2 + q of the
     // pair's row of h, silu(gate) * up; one row of x

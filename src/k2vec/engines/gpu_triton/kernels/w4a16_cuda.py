@@ -79,16 +79,26 @@ def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
 def gate_up_order_copy(w13: torch.Tensor, s13: torch.Tensor, k: int) -> CudaOrder:
     """The MoE's stacked gate/up weights (uint8 [E, 2I, k / 2], scales [E, 2I, k / 32]) in the kernel's operand order,
     each expert's gate and up rows interleaved (interleave_gate_up), the experts one after the other: codes
-    [E 2I / 16, k / 64, 32, 4]. Made one expert at a time: cuda_order_codes' int64 intermediate is 16 times the
-    codes' bytes, too much for a layer's worth of experts at once."""
-    e = w13.shape[0]
-    first = cuda_order_copy(interleave_gate_up(w13[0]), interleave_gate_up(s13[0]), k)
-    codes = torch.empty((e, *first.codes.shape), dtype=first.codes.dtype, device=w13.device)
-    scales = torch.empty((e, *first.scales.shape), dtype=first.scales.dtype, device=w13.device)
+    [E 2I / 16, k / 64, 32, 4]."""
+    return _experts_order_copy(w13, s13, k, interleave_gate_up)
+
+
+def down_order_copy(w2: torch.Tensor, s2: torch.Tensor, k: int) -> CudaOrder:
+    """The MoE's stacked down weights (uint8 [E, H, k / 2], scales [E, H, k / 32]) in the kernel's operand order, the
+    experts one after the other: codes [E H / 16, k / 64, 32, 4]."""
+    return _experts_order_copy(w2, s2, k, lambda rows: rows)
+
+
+def _experts_order_copy(w: torch.Tensor, s: torch.Tensor, k: int, rows: Callable) -> CudaOrder:
+    """Made one expert at a time: cuda_order_codes' int64 intermediate is 16 times the codes' bytes, too much for a
+    layer's worth of experts at once."""
+    first = cuda_order_copy(rows(w[0]), rows(s[0]), k)
+    codes = torch.empty((w.shape[0], *first.codes.shape), dtype=first.codes.dtype, device=w.device)
+    scales = torch.empty((w.shape[0], *first.scales.shape), dtype=first.scales.dtype, device=w.device)
     codes[0], scales[0] = first.codes, first.scales
-    for i in range(1, e):
-        copy = cuda_order_copy(interleave_gate_up(w13[i]), interleave_gate_up(s13[i]), k)
-        codes[i], scales[i] = copy.codes, copy.scales
+    for e in range(1, w.shape[0]):
+        copy = cuda_order_copy(rows(w[e]), rows(s[e]), k)
+        codes[e], scales[e] = copy.codes, copy.scales
     return CudaOrder(codes.flatten(0, 1), scales.flatten(0, 1))
 
 
@@ -98,9 +108,11 @@ def supported(n: int, k: int, group_size: int, scale_dtype: torch.dtype) -> bool
 
 
 @dataclass(frozen=True)
-class GateUp:
-    """The MoE's gate/up launch (MOE): one (token, expert) pair per block column along z, x's row pair // top_k,
-    expert ids int64 (ids64) or int32, h written plane-major (out_planes) for a down launch that reads x so."""
+class MoeLaunch:
+    """One of the fused MoE's launches on the kernel (MOE 1 or 2): gate/up (one (token, expert) pair per block along
+    the grid's z, x's row pair // top_k, h written plane-major where out_planes, for a down launch that reads x so) or
+    down (one token per block along z, its top_k rows of h side by side along K); expert ids int64 (ids64) or int32."""
+    down: bool
     top_k: int
     ids64: bool
     out_planes: bool = False
@@ -136,23 +148,26 @@ class CudaTile:
     def steps(self, k: int) -> int:
         return k // (64 * self.nwk * self.cl)
 
-    def fits(self, n: int, k: int, m: int) -> bool:
+    def fits(self, n: int, k: int, m: int, moe: bool = False) -> bool:
+        """moe: one of the fused MoE's launches (MoeLaunch), one row of x in shared memory."""
         steps = self.steps(k)
         return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % self.rows == 0
                 and self.rows % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
                 and self.xmc in (1, 2, 4, 8) and self.cl * self.xmc <= 8 and (n // self.rows) % self.xmc == 0
                 and (self.xmc == 1 or self.nxr == 0)
                 and self.tpw in (1, 2, 4) and self.minb in (1, 2) and self.nxr != 1 and 1 <= m <= MAX_ROWS
-                and self.minb * (self.shared_bytes(k, m) + 1024) <= SM_SHARED)
+                and self.minb * (self.shared_bytes(k, m, moe) + 1024) <= SM_SHARED)
 
-    def shared_bytes(self, k: int, m: int) -> int:
-        """With `xmc` the chunks' mbarriers (in 128-byte lines), x's slices (or their rings of chunks), the partial
-        sums, and with `ring` the warps' rings (codes, and scales sized for float32)."""
+    def shared_bytes(self, k: int, m: int, moe: bool = False) -> int:
+        """With `xmc` the chunks' mbarriers (in 128-byte lines), x's slices (or their rings of chunks; one row of x
+        for the MoE's launches), the partial sums, and with `ring` the warps' rings (codes, and scales sized for
+        float32)."""
         rows, steps = 8 * m_tiles(m), self.steps(k)
+        x_rows = 1 if moe else rows
         slots = self.nwn * self.nwk * (min(self.pf, steps) + 1) * self.tpw
         ring = slots * (32 * 16 + 8 * 16) if self.ring else 0
         ch = min(self.ch, steps)
-        x = (self.nwk * self.x_chunks(k) * rows * (ch * 64 + 32) if self.nxr else self.nwk * rows * (steps * 64 + 32))
+        x = self.nwk * x_rows * (self.x_chunks(k) * (ch * 64 + 32) if self.nxr else steps * 64 + 32)
         bars = -(-self.nwk * -(-steps // ch) * 8 // 128) * 128 if self.xmc > 1 else 0
         return bars + x * 2 + self.nwk * rows * self.rows * 4 + ring
 
@@ -165,15 +180,23 @@ class CudaTile:
         """As `fits` for the MoE's gate/up launch over experts of n stacked gate and up rows (one row of x): blocks of
         whole gate/up tile pairs (then each block's share along K holds whole pairs too: a cluster is at most 8), no
         multicast (one row of x)."""
-        return self.fits(n, k, 1) and self.xmc == 1 and self.rows % 32 == 0
+        return self.fits(n, k, 1, moe=True) and self.xmc == 1 and self.rows % 32 == 0
 
-    def defines(self, k: int, m: int, float32_scales: bool, gate_up: GateUp | None = None) -> dict[str, int]:
+    def fits_down(self, n: int, k: int, top_k: int) -> bool:
+        """As `fits` for the MoE's down launch over experts of n rows and K = k (one row of h per pair), top_k pairs a
+        token side by side along K: each K warp group's slice within one pair, no multicast."""
+        return (self.fits(n, top_k * k, 1, moe=True) and self.xmc == 1
+                and k % (self.steps(top_k * k) * 64) == 0)
+
+    def defines(self, k: int, m: int, float32_scales: bool, moe: MoeLaunch | None = None) -> dict[str, int]:
+        """k: the launch's K (for the down launch top_k times an expert's)."""
         steps = self.steps(k)
         return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
-                    PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales), FOLD=int(self.fold),
-                    RING=int(self.ring), MINB=self.minb, NXR=self.x_chunks(k), XMC=self.xmc, MOE=int(bool(gate_up)),
-                    TOPK=gate_up.top_k if gate_up else 1, IDS64=int(bool(gate_up and gate_up.ids64)),
-                    OUT_PLANES=int(bool(gate_up and gate_up.out_planes)))
+                    XROWS=1 if moe else 8 * m_tiles(m), PF=min(self.pf, steps), CH=min(self.ch, steps),
+                    SF32=int(float32_scales), FOLD=int(self.fold), RING=int(self.ring), MINB=self.minb,
+                    NXR=self.x_chunks(k), XMC=self.xmc, MOE=0 if moe is None else 2 if moe.down else 1,
+                    TOPK=moe.top_k if moe else 1, IDS64=int(bool(moe and moe.ids64)),
+                    OUT_PLANES=int(bool(moe and moe.out_planes)))
 
 
 def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
@@ -418,7 +441,7 @@ def w4a16_cuda_launch(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: t
     """w4a16_cuda_linear without its checks, for a caller that made them (w4a16.cuda_tile), so that a call does not
     make them twice."""
     m = x.shape[0]
-    _launch(x, weight, out, None, m, n, k, tile, tile.defines(k, m, weight.scales.dtype == torch.float32), 1, pdl)
+    _launch(x, weight, out, m, n, k, tile, tile.defines(k, m, weight.scales.dtype == torch.float32), 1, pdl)
     return out
 
 
@@ -430,27 +453,58 @@ def w4a16_cuda_gate_up(x: torch.Tensor, w13: CudaOrder, ids: torch.Tensor, top_k
     pairs = ids.numel()
     if not tile.fits_gate_up(n, k):
         raise CudaKernelError(f"w4a16_cuda: tile {tile} does not fit the gate/up launch of K={k}, {n} rows per expert")
-    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16 or x.shape[1] != k:
-        raise CudaKernelError(f"w4a16_cuda: x must be contiguous 16-byte aligned bf16 [*, {k}], got {x.dtype} "
-                              f"{tuple(x.shape)}")
-    if ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous() or pairs != x.shape[0] * top_k:
-        raise CudaKernelError(f"w4a16_cuda: expert ids must be {x.shape[0] * top_k} contiguous int32 or int64, got "
-                              f"{ids.dtype} {tuple(ids.shape)}")
-    if h.dtype != torch.bfloat16 or not h.is_contiguous() or tuple(h.shape) != (pairs, n // 2):
-        raise CudaKernelError(f"w4a16_cuda: h must be contiguous bf16 [{pairs}, {n // 2}], got {h.dtype} "
-                              f"{tuple(h.shape)}")
+    _check_moe_call(x, k, ids, pairs, top_k, h, (pairs, n // 2), "h")
     if pairs:
-        gate_up = GateUp(top_k, ids.dtype == torch.int64, out_planes)
-        _launch(x, w13, h, ids, 1, n, k, tile, tile.defines(k, 1, w13.scales.dtype == torch.float32, gate_up), pairs,
-                pdl)
+        moe = MoeLaunch(False, top_k, ids.dtype == torch.int64, out_planes)
+        _launch(x, w13, h, 1, n, k, tile, tile.defines(k, 1, w13.scales.dtype == torch.float32, moe), pairs, pdl,
+                ids)
     return h
 
 
-def _launch(x: torch.Tensor, weight: CudaOrder, out: torch.Tensor, ids: torch.Tensor | None, m: int, n: int, k: int,
-            tile: CudaTile, defines: dict[str, int], grid_z: int, pdl: bool) -> None:
+def w4a16_cuda_down(h: torch.Tensor, w2: CudaOrder, ids: torch.Tensor, route_w: torch.Tensor, top_k: int, n: int,
+                    k: int, out: torch.Tensor, tile: CudaTile, pdl: bool = True) -> torch.Tensor:
+    """The MoE's down launch, each token's pairs summed in it: out [M, n] (bf16, contiguous) row t = sum over j of
+    route_w[p] (h[p] @ down_e^T), p = t top_k + j, e = ids[p], in j's order, on the experts' down_order_copy (k: an
+    expert's K); h [M top_k, k] as the gate/up launch wrote it (not plane-major), route_w float32 [M top_k]. The
+    routing is read before the kernel's wait for h (as the Triton launch's ROUTED): it must follow the gate/up
+    launch, which read the routing after its own."""
+    pairs = ids.numel()
+    if not tile.fits_down(n, k, top_k):
+        raise CudaKernelError(f"w4a16_cuda: tile {tile} does not fit the down launch of K={k} per pair, top-{top_k}, "
+                              f"N={n}")
+    _check_moe_call(h, k, ids, pairs, 1, out, (pairs // top_k, n), "out")
+    if route_w.dtype != torch.float32 or not route_w.is_contiguous() or route_w.numel() != pairs:
+        raise CudaKernelError(f"w4a16_cuda: route_w must be {pairs} contiguous float32, got {route_w.dtype} "
+                              f"{tuple(route_w.shape)}")
+    if pairs % top_k:
+        raise CudaKernelError(f"w4a16_cuda: {pairs} pairs are not whole tokens of top-{top_k}")
+    if pairs:
+        moe = MoeLaunch(True, top_k, ids.dtype == torch.int64)
+        _launch(h, w2, out, 1, n, top_k * k, tile, tile.defines(top_k * k, 1, w2.scales.dtype == torch.float32, moe),
+                pairs // top_k, pdl, ids, route_w)
+    return out
+
+
+def _check_moe_call(x: torch.Tensor, k: int, ids: torch.Tensor, pairs: int, per_row: int, out: torch.Tensor,
+                    out_shape: tuple[int, int], what: str) -> None:
+    """x bf16 [pairs / per_row, k], ids of `pairs` int32 or int64, `what` (the output) bf16 of out_shape."""
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16 or x.shape[1:] != (k,):
+        raise CudaKernelError(f"w4a16_cuda: x must be contiguous 16-byte aligned bf16 [*, {k}], got {x.dtype} "
+                              f"{tuple(x.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous() or pairs != x.shape[0] * per_row:
+        raise CudaKernelError(f"w4a16_cuda: expert ids must be {x.shape[0] * per_row} contiguous int32 or int64, got "
+                              f"{ids.dtype} {tuple(ids.shape)}")
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != out_shape:
+        raise CudaKernelError(f"w4a16_cuda: {what} must be contiguous bf16 {list(out_shape)}, got {out.dtype} "
+                              f"{tuple(out.shape)}")
+
+
+def _launch(x: torch.Tensor, weight: CudaOrder, out: torch.Tensor, m: int, n: int, k: int, tile: CudaTile,
+            defines: dict[str, int], grid_z: int, pdl: bool, ids: torch.Tensor | None = None,
+            route_w: torch.Tensor | None = None) -> None:
     kernel = compiled(tuple(defines.items()), x.device.index)
     make_current(x.device.index)
-    shared = tile.shared_bytes(k, m)
+    shared = tile.shared_bytes(k, m, defines["MOE"] > 0)
     kernel.allow_shared(shared)
     attrs = (_LaunchAttribute * 2)()
     n_attrs = 0
@@ -467,8 +521,9 @@ def _launch(x: torch.Tensor, weight: CudaOrder, out: torch.Tensor, ids: torch.Te
                            torch.cuda.current_stream(x.device).cuda_stream, attrs, n_attrs)
     args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(weight.codes.data_ptr()),
             ctypes.c_void_p(weight.scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_void_p(None if ids is None else ids.data_ptr())]
+            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_void_p(None if ids is None else ids.data_ptr()),
+            ctypes.c_void_p(None if route_w is None else route_w.data_ptr())]
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-    what = f"gate/up, {grid_z} pairs" if defines["MOE"] else f"M={m}"
+    what = {0: f"M={m}", 1: f"gate/up, {grid_z} pairs", 2: f"down, {grid_z} tokens"}[defines["MOE"]]
     _check(_driver().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None),
            f"w4a16_cuda launch (K={k} N={n} {what}, {tile})")
