@@ -55,7 +55,7 @@ from k2vec.engines.gpu_triton.kernels.configs import (  # noqa: E402
     dense_configs,
     pick_config,
 )
-from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts, moe_cuda_tiles  # noqa: E402
 from k2vec.engines.gpu_triton.kernels import w4a16_cuda  # noqa: E402
 from k2vec.engines.gpu_triton.kernels.w4a16 import cuda_tile  # noqa: E402
 from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, m_tiles  # noqa: E402
@@ -183,7 +183,7 @@ def install_configs(dense, moe, dense_shapes=None) -> None:
     if dense:
         DENSE_CONFIGS[:] = [(bound, config_from_json(cfg)) for bound, cfg in dense]
     if moe:
-        MOE_CONFIGS[:] = [(bound, tuple(cfg)) for bound, cfg in moe]
+        MOE_CONFIGS[:] = [(bound, tuple(config_from_json(c) for c in cfg)) for bound, cfg in moe]
     if dense_shapes is not None:
         DENSE_SHAPE_CONFIGS.clear()
         DENSE_SHAPE_CONFIGS.update({tuple(map(int, key.split("x"))): [(bound, config_from_json(cfg))
@@ -365,7 +365,7 @@ def time_dense(device, log) -> list[dict]:
 class K2Layer:
     """384 experts of one K2 MoE layer resident: INT4 (G 32, bf16 scales) and, for the baseline, bf16."""
 
-    def __init__(self, device, with_bf16: bool = True, cuda_order: bool = False):
+    def __init__(self, device, with_bf16: bool = True, cuda_order: bool = True):
         gen = verify.generator(device, "bench moe")
         e, h, i = EXPERTS, HIDDEN, INTER
         w13 = torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=gen, device=device)
@@ -374,7 +374,7 @@ class K2Layer:
             w13, s13, torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=gen, device=device),
             (torch.rand(e, h, i // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16),
             e, h, i, 32)
-        if cuda_order:     # the CUDA kernel's copies, as pack_experts makes them
+        if cuda_order:     # the CUDA kernel's copies, as pack_experts makes them for the engine under bf16
             self.experts = dataclasses.replace(
                 self.experts, cuda13=w4a16_cuda.gate_up_order_copy(w13, s13, h),
                 cuda2=w4a16_cuda.down_order_copy(self.experts.w2, self.experts.s2, i))
@@ -460,12 +460,14 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
             bf16_calls = [layer.bf16_call(x, *rw)[0] for x, rw in zip(xs[:2], routings[:2])]
             bf16 = graph_time_us(bf16_calls, batches=3, replays=1, min_calls=4)
         read = plain_read_us(int(nbytes), device)
-        row = dict(m=m, used_experts=statistics.mean(used[:r]), ours_us=ours, bf16_us=bf16, read_us=read,
+        tiles = moe_cuda_tiles(cfg or pick_config(MOE_CONFIGS, m), layer.experts, xs[0], outs[0], TOP_K)
+        kernel = " + ".join(f"CUDA {name}" for name, tile in zip(("gate/up", "down"), tiles) if tile) or "Triton"
+        row = dict(m=m, kernel=kernel, used_experts=statistics.mean(used[:r]), ours_us=ours, bf16_us=bf16, read_us=read,
                    bf16_kind="torch._grouped_mm" if grouped else "per-expert graph",
                    weight_bytes=nbytes, gbps=nbytes / ours / 1e3, read_frac=read / ours, speedup_bf16=bf16 / ours,
                    config=cfg or pick_config(MOE_CONFIGS, m))
         rows.append(row)
-        log(f"moe M={m} (~{row['used_experts']:.0f} experts, {nbytes / 1e6:.0f} MB): ours {ours:.1f} us "
+        log(f"moe M={m} (~{row['used_experts']:.0f} experts, {nbytes / 1e6:.0f} MB): {kernel} {ours:.1f} us "
             f"({row['gbps']:.0f} GB/s, {row['read_frac']:.0%} of read {read:.1f} us) bf16 {bf16:.1f} us "
             f"({row['speedup_bf16']:.2f}x)")
     return rows
@@ -633,7 +635,15 @@ def dense_candidates(m: int) -> list[dict]:
 
 
 SWEEP_MOE_MS = (1, 4, 8, 16, 32, 64)
-OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP_MOE_MS}
+# the committed (gate/up, down) configs without their CUDA keys, and those keys apart (put back into the swept table,
+# as with_cuda_keys does for the dense ones: the CUDA tiles are --moe-cuda-sweep's)
+OLD_MOE = {m: tuple(triton_only(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP_MOE_MS}
+OLD_MOE_CUDA = {m: tuple(cuda_keys(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP_MOE_MS}
+
+
+def with_moe_cuda_keys(pair, m: int) -> list[dict]:
+    """A swept (gate/up, down) pair with the committed CUDA keys of sweep bucket m in place of any it carries."""
+    return [{**triton_only(c), **cuda} for c, cuda in zip(pair, OLD_MOE_CUDA[m])]
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
@@ -788,7 +798,7 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
         us, cfg = min(scores, key=lambda t: t[0])
         log(f"sweep moe M={m}: best {cfg} {us:.1f} us (reference {ref:.1f} us)" if ref else
             f"sweep moe M={m}: best {cfg} {us:.1f} us")
-        moe_table.append([m if m < SWEEP_MOE_MS[-1] else 1 << 62, cfg])
+        moe_table.append([m if m < SWEEP_MOE_MS[-1] else 1 << 62, with_moe_cuda_keys(cfg, m)])
     return {"rows": rows, "dense_table": dense_table, "moe_table": moe_table, "dense_shape_table": dense_shape_table}
 
 
@@ -942,7 +952,7 @@ def moe_cuda_sweep(device, log, ms: tuple[int, ...]) -> list[dict]:
     tolerance)."""
     major, minor = torch.cuda.get_device_capability(device)
     source, compiler = w4a16_cuda.SOURCE.read_text(), w4a16_cuda.nvrtc_version()
-    layer = K2Layer(device, with_bf16=False, cuda_order=True)
+    layer = K2Layer(device, with_bf16=False)
     rows = []
     for m in ms:
         old13, old2 = pick_config(MOE_CONFIGS, m)
@@ -1021,12 +1031,12 @@ def markdown(dense, moe, copy, correctness) -> str:
         lines.append("")
     if moe:
         lines += [f"bf16 baseline: {moe[0].get('bf16_kind')}", "",
-                  "| M | experts used | MB read | ours µs | GB/s | plain read µs | % of read | bf16 µs | × bf16 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| M | kernel | experts used | MB read | ours µs | GB/s | plain read µs | % of read | bf16 µs "
+                  "| × bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in moe:
-            lines.append(f"| {r['m']} | {r['used_experts']:.0f} | {r['weight_bytes'] / 1e6:.0f} | {r['ours_us']:.1f} | "
-                         f"{r['gbps']:.0f} | {r['read_us']:.1f} | {r['read_frac']:.0%} | {r['bf16_us']:.1f} | "
-                         f"{r['speedup_bf16']:.2f} |")
+            lines.append(f"| {r['m']} | {r.get('kernel', 'Triton')} | {r['used_experts']:.0f} | "
+                         f"{r['weight_bytes'] / 1e6:.0f} | {r['ours_us']:.1f} | {r['gbps']:.0f} | {r['read_us']:.1f} | "
+                         f"{r['read_frac']:.0%} | {r['bf16_us']:.1f} | {r['speedup_bf16']:.2f} |")
     return "\n".join(lines)
 
 
