@@ -243,6 +243,11 @@ class FakeX:
     dtype: torch.dtype = torch.bfloat16
     ptr: int = 1 << 20
     is_cuda: bool = True
+    rows: int = 2
+
+    @property
+    def shape(self):
+        return (self.rows, 7168)
 
     @property
     def device(self):
@@ -279,6 +284,9 @@ DISPATCH = [
     DispatchCase("x on the CPU: Triton", FakeX(is_cuda=False), True, ({"CUDA": K2_TILE}, {}), (None, None)),
     DispatchCase("tiles that do not fit: Triton", FakeX(), True,
                  ({"CUDA": CudaTile(1, 8, 1, 8)}, {"CUDA": CudaTile(2, 4, 1, 8)}), (None, None)),
+    DispatchCase("more pairs than the grid's z holds: Triton", FakeX(rows=8192), True,
+                 ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}), (None, None)),
+    DispatchCase("as many as it holds", FakeX(rows=8191), True, ({"CUDA": K2_TILE}, {}), (K2_TILE, None)),
     DispatchCase("a float32 output: the Triton down launch", FakeX(), True, ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}),
                  (K2_TILE, None), torch.empty(2, 7168)),
     DispatchCase("an output with a row stride: the Triton down launch", FakeX(), True,

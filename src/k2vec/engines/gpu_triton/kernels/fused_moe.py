@@ -277,12 +277,17 @@ def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, 
                       bf16_scales))
 
 
+MAX_GRID_Z = 65535     # the CUDA launches' pairs (gate/up) or tokens (down) along the grid's z
+
+
 def moe_cuda_tiles(entries: tuple[dict, dict], experts: PackedExperts, x: torch.Tensor, out: torch.Tensor,
                    top_k: int) -> tuple[CudaTile | None, CudaTile | None]:
     """The CUDA kernel's tiles for the (gate/up, down) configs' "CUDA" keys, each where the kernel can take that
     launch: bf16 x on an sm_90 device (not the interpreter), the launch's CUDA-order copy of the experts, a tile that
-    fits; for the down launch a bf16 contiguous `out` too, which it writes. None: that launch's Triton config."""
-    if x.dtype != torch.bfloat16 or not x.is_cuda or interpreting() or x.data_ptr() % 16 or not runs_on(x.device.index):
+    fits; for the down launch a bf16 contiguous `out` too, which it writes; at most MAX_GRID_Z pairs. None: that
+    launch's Triton config."""
+    if (x.dtype != torch.bfloat16 or not x.is_cuda or interpreting() or x.data_ptr() % 16 or not runs_on(x.device.index)
+            or x.shape[0] * top_k > MAX_GRID_Z):
         return None, None
     gate_up, down = entries[0].get("CUDA"), entries[1].get("CUDA")
     if gate_up is not None and not (experts.cuda13 is not None
