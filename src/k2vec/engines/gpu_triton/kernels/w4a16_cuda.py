@@ -148,6 +148,10 @@ class CudaTile:
     def steps(self, k: int) -> int:
         return k // (64 * self.nwk * self.cl)
 
+    def chunk(self, k: int) -> int:
+        """Steps of x per copy: ch, or all of a warp's where it has fewer (CH)."""
+        return min(self.ch, self.steps(k))
+
     def fits(self, n: int, k: int, m: int, moe: bool = False) -> bool:
         """moe: one of the fused MoE's launches (MoeLaunch), one row of x in shared memory."""
         steps = self.steps(k)
@@ -166,15 +170,14 @@ class CudaTile:
         x_rows = 1 if moe else rows
         slots = self.nwn * self.nwk * (min(self.pf, steps) + 1) * self.tpw
         ring = slots * (32 * 16 + 8 * 16) if self.ring else 0
-        ch = min(self.ch, steps)
+        ch = self.chunk(k)
         x = self.nwk * x_rows * (self.x_chunks(k) * (ch * 64 + 32) if self.nxr else steps * 64 + 32)
         bars = -(-self.nwk * -(-steps // ch) * 8 // 128) * 128 if self.xmc > 1 else 0
         return bars + x * 2 + self.nwk * rows * self.rows * 4 + ring
 
     def x_chunks(self, k: int) -> int:
         """NXR: the chunks in x's ring (0: the whole slice)."""
-        ch = min(self.ch, self.steps(k))
-        return min(self.nxr, -(-self.steps(k) // ch)) if self.nxr else 0
+        return min(self.nxr, -(-self.steps(k) // self.chunk(k))) if self.nxr else 0
 
     def fits_gate_up(self, n: int, k: int) -> bool:
         """As `fits` for the MoE's gate/up launch over experts of n stacked gate and up rows (one row of x): blocks of
@@ -192,7 +195,7 @@ class CudaTile:
         """k: the launch's K (for the down launch top_k times an expert's)."""
         steps = self.steps(k)
         return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
-                    XROWS=1 if moe else 8 * m_tiles(m), PF=min(self.pf, steps), CH=min(self.ch, steps),
+                    XROWS=1 if moe else 8 * m_tiles(m), PF=min(self.pf, steps), CH=self.chunk(k),
                     SF32=int(float32_scales), FOLD=int(self.fold), RING=int(self.ring), MINB=self.minb,
                     NXR=self.x_chunks(k), XMC=self.xmc, MOE=0 if moe is None else 2 if moe.down else 1,
                     TOPK=moe.top_k if moe else 1, IDS64=int(bool(moe and moe.ids64)),
