@@ -17,6 +17,8 @@ only on M, so nothing synchronises with the host (CUDA-graph capturable).
 1. gate/up: h[p] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T), t = p // top_k, h in x.dtype ([P, I]).
 2. down: y[p] = w[p] * (h[p] @ down_e^T), float32 [P, H].
 3. combine: out[m] = sum_j y[m * top_k + j] (a fixed-order sum, deterministic), cast to x.dtype.
+Either launch may run on the CUDA kernel instead (bf16, one pair or token per block: moe_cuda_tiles); its down
+launch does 2 and 3 in one, each token's pairs side by side along K, summed in j's order.
 """
 from __future__ import annotations
 

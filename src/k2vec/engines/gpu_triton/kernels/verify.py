@@ -153,9 +153,9 @@ def check_moe(m: int, num_experts: int, hidden: int, inter: int, top_k: int, use
               scale_dtype: str, act: str, device, flip: str | None = None,
               config: tuple[dict, dict] | None = None, experts: PackedExperts | None = None,
               ids_dtype: str = "int64") -> CheckResult:
-    """fused_moe vs float64; flip corrupts one nibble of a used expert's gate/up weight after the reference (in both
-    of its copies: the bundle's order and, where a config's gate/up names a CUDA tile, the CUDA kernel's); ids_dtype:
-    the expert ids as torch's topk gives them (int64) or as int32."""
+    """fused_moe vs float64; flip corrupts one nibble of a used expert's gate/up weight after the reference (in the
+    bundle's order and, under bf16, in the CUDA kernel's copy made from it); ids_dtype: the expert ids as torch's
+    topk gives them (int64) or as int32."""
     name = (f"moe m{m} e{num_experts} h{hidden} i{inter} top{top_k} used{used_experts} g{group_size} "
             f"{scale_dtype} {act}" + (f" flip-{flip}" if flip else "")
             + ("" if ids_dtype == "int64" else f" {ids_dtype}"))
