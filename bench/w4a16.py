@@ -31,6 +31,7 @@ import itertools
 import json
 import multiprocessing as mp
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -1040,6 +1041,20 @@ def markdown(dense, moe, copy, correctness) -> str:
     return "\n".join(lines)
 
 
+def gpu_state() -> str:
+    """GPU 0's clocks, temperature, power and what else runs on it, as nvidia-smi reports them: a table's timings
+    are read beside them (a throttled clock or another process explains a slow cell that the code does not)."""
+    query = "clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu"
+    try:
+        state = subprocess.run(["nvidia-smi", "-i", "0", f"--query-gpu={query}", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20).stdout.strip()
+        apps = subprocess.run(["nvidia-smi", "-i", "0", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"nvidia-smi unavailable ({exc})"
+    return f"{query}: {state}; compute processes: {len([a for a in apps if a.strip()])}"
+
+
 def guarded(log, what, fn, *args):
     try:
         return fn(*args)
@@ -1136,6 +1151,7 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     log(f"torch {torch.__version__} triton {triton.__version__} GPUs {gpus} "
         f"{torch.cuda.get_device_name(0) if gpus else 'none'}")
+    log(f"GPU 0 at the start: {gpu_state()}")
     tables = [None, None, None]     # dense, MoE, dense per shape (install_configs); None: the committed ones
     if args.configs:
         saved = json.loads(args.configs.read_text())
@@ -1150,10 +1166,12 @@ def main() -> None:
     if args.cuda_sweep:
         rows, anchors = cuda_sweep(torch.device("cuda:0"), log, args.ms or MS, args.experimental)
         (args.out / "cuda_sweep.json").write_text(json.dumps({"tiles": rows, "anchors": anchors}, indent=1))
+        log(f"GPU 0 at the end: {gpu_state()}")
         return
     if args.moe_cuda_sweep:
         rows = moe_cuda_sweep(torch.device("cuda:0"), log, args.ms or (1, 2, 4, 8, 16))
         (args.out / "moe_cuda_sweep.json").write_text(json.dumps(rows, indent=1))
+        log(f"GPU 0 at the end: {gpu_state()}")
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"
     pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))
@@ -1208,6 +1226,7 @@ def main() -> None:
     results["tables"] = {"dense": DENSE_CONFIGS, "moe": MOE_CONFIGS,
                          "dense_shapes": {f"{k}x{n}": t for (k, n), t in DENSE_SHAPE_CONFIGS.items()}}
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    log(f"GPU 0 at the end: {gpu_state()}")
     summary = markdown(results.get("dense"), results.get("moe"), results.get("copy_gbps"), results.get("correctness"))
     (args.out / "summary.md").write_text(summary + "\n")
     log(summary)
