@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from support.cuda_operands import compile_for_sm90, emulate, needs_nvrtc, reference
+from support.cuda_operands import FakeX, compile_for_sm90, emulate, needs_nvrtc, reference
 
 from k2vec.engines.gpu_triton.kernels.w4a16_cuda import (CudaKernelError, CudaOrder, CudaTile, MoeLaunch,
                                                          down_order_copy, gate_up_order_copy, interleave_gate_up,
@@ -237,26 +237,6 @@ def test_down_refuses_before_launching(case):
 
 # ---------------------------------------------------------------- which calls reach it
 
-@dataclass
-class FakeX:
-    """What moe_cuda_tiles reads of an activation tensor, on a pretended CUDA device."""
-    dtype: torch.dtype = torch.bfloat16
-    ptr: int = 1 << 20
-    is_cuda: bool = True
-    rows: int = 2
-
-    @property
-    def shape(self):
-        return (self.rows, 7168)
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-    def data_ptr(self):
-        return self.ptr
-
-
 K2_TILE, K2_DOWN = CudaTile(2, 8, 1, 8, ch=4), CudaTile(1, 8, 1, 8, ch=2)
 BF16_OUT = torch.empty(2, 7168, dtype=torch.bfloat16)
 
@@ -272,24 +252,24 @@ class DispatchCase:
 
 
 DISPATCH = [
-    DispatchCase("both configs naming a tile", FakeX(), True, ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}),
+    DispatchCase("both configs naming a tile", FakeX(2), True, ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}),
                  (K2_TILE, K2_DOWN)),
-    DispatchCase("gate/up alone", FakeX(), True, ({"CUDA": K2_TILE}, {}), (K2_TILE, None)),
-    DispatchCase("down alone", FakeX(), True, ({}, {"CUDA": K2_DOWN}), (None, K2_DOWN)),
-    DispatchCase("experts without the copies: Triton", FakeX(), False, ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}),
+    DispatchCase("gate/up alone", FakeX(2), True, ({"CUDA": K2_TILE}, {}), (K2_TILE, None)),
+    DispatchCase("down alone", FakeX(2), True, ({}, {"CUDA": K2_DOWN}), (None, K2_DOWN)),
+    DispatchCase("experts without the copies: Triton", FakeX(2), False, ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}),
                  (None, None)),
-    DispatchCase("float16 x: Triton", FakeX(torch.float16), True, ({"CUDA": K2_TILE}, {}), (None, None)),
-    DispatchCase("x not 16-byte aligned: Triton", FakeX(ptr=(1 << 20) + 8), True, ({"CUDA": K2_TILE}, {}),
+    DispatchCase("float16 x: Triton", FakeX(2, torch.float16), True, ({"CUDA": K2_TILE}, {}), (None, None)),
+    DispatchCase("x not 16-byte aligned: Triton", FakeX(2, ptr=(1 << 20) + 8), True, ({"CUDA": K2_TILE}, {}),
                  (None, None)),
-    DispatchCase("x on the CPU: Triton", FakeX(is_cuda=False), True, ({"CUDA": K2_TILE}, {}), (None, None)),
-    DispatchCase("tiles that do not fit: Triton", FakeX(), True,
+    DispatchCase("x on the CPU: Triton", FakeX(2, is_cuda=False), True, ({"CUDA": K2_TILE}, {}), (None, None)),
+    DispatchCase("tiles that do not fit: Triton", FakeX(2), True,
                  ({"CUDA": CudaTile(1, 8, 1, 8)}, {"CUDA": CudaTile(2, 4, 1, 8)}), (None, None)),
-    DispatchCase("more pairs than the grid's z holds: Triton", FakeX(rows=8192), True,
+    DispatchCase("more pairs than the grid's z holds: Triton", FakeX(8192), True,
                  ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}), (None, None)),
-    DispatchCase("as many as it holds", FakeX(rows=8191), True, ({"CUDA": K2_TILE}, {}), (K2_TILE, None)),
-    DispatchCase("a float32 output: the Triton down launch", FakeX(), True, ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}),
+    DispatchCase("as many as it holds", FakeX(8191), True, ({"CUDA": K2_TILE}, {}), (K2_TILE, None)),
+    DispatchCase("a float32 output: the Triton down launch", FakeX(2), True, ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}),
                  (K2_TILE, None), torch.empty(2, 7168)),
-    DispatchCase("an output with a row stride: the Triton down launch", FakeX(), True,
+    DispatchCase("an output with a row stride: the Triton down launch", FakeX(2), True,
                  ({"CUDA": K2_TILE}, {"CUDA": K2_DOWN}), (K2_TILE, None),
                  torch.empty(2, 8000, dtype=torch.bfloat16)[:, :7168]),
 ]
@@ -429,15 +409,22 @@ def test_gpu_gate_up_sees_a_flipped_nibble_in_its_own_column(flip):
     before, clean = h64(e), h_of(experts.cuda13)
     (row, _), _ = flip_nibble(experts.w13[e], gen, flip == "high")
     after, flipped = h64(e), h_of(gate_up_order_copy(experts.w13, experts.s13, hidden))
-    col, pairs = row % inter, (ids == e).nonzero().ravel()
-    tokens = pairs // 6
-    move = (after - before)[tokens, col]
-    moved = flipped[pairs, col].double() - clean[pairs, col].double()
-    rounding = 2 ** -7 * (before[tokens, col].abs() + after[tokens, col].abs())
-    assert (move.abs() > 4 * rounding).any(), "pick another seed: the flip moves h by no more than bf16 rounding"
+    pairs = (ids == e).nonzero().ravel()
+    assert_moved_alone(clean, flipped, (pairs, row % inter), before[pairs // 6, row % inter],
+                       after[pairs // 6, row % inter])
+
+
+def assert_moved_alone(clean: torch.Tensor, flipped: torch.Tensor, where: tuple, before: torch.Tensor,
+                       after: torch.Tensor) -> None:
+    """bf16 outputs before and after a flip: at `where` (an index of them) they moved by what float64 says (`before`
+    and `after`, there) up to bf16 rounding, by more than rounding somewhere; everywhere else they are bitwise equal."""
+    move = after - before
+    moved = flipped[where].double() - clean[where].double()
+    rounding = 2 ** -7 * (before.abs() + after.abs())
+    assert (move.abs() > 4 * rounding).any(), "pick another seed: the flip moves the output by no more than rounding"
     assert ((moved - move).abs() <= 0.3 * move.abs() + rounding).all(), (moved, move)
     others = torch.ones_like(clean, dtype=torch.bool)
-    others[pairs, col] = False
+    others[where] = False
     assert torch.equal(flipped[others], clean[others])
 
 
@@ -464,14 +451,7 @@ def test_gpu_down_sees_a_flipped_nibble_in_its_own_column(flip):
     after, flipped = moe_reference(x, experts, ids, weights), fused_moe(x, flipped_experts, ids, weights,
                                                                          config=config)
     tokens = (ids == e).any(dim=1).nonzero().ravel()
-    move = (after - before)[tokens, row]
-    moved = flipped[tokens, row].double() - clean[tokens, row].double()
-    rounding = 2 ** -7 * (before[tokens, row].abs() + after[tokens, row].abs())
-    assert (move.abs() > 4 * rounding).any(), "pick another seed: the flip moves the output by no more than rounding"
-    assert ((moved - move).abs() <= 0.3 * move.abs() + rounding).all(), (moved, move)
-    others = torch.ones_like(clean, dtype=torch.bool)
-    others[tokens, row] = False
-    assert torch.equal(flipped[others], clean[others])
+    assert_moved_alone(clean, flipped, (tokens, row), before[tokens, row], after[tokens, row])
 
 
 # ---------------------------------------------------------------- compiled (NVRTC, no GPU)

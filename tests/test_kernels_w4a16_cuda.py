@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from support.cuda_operands import compile_for_sm90, emulate, needs_nvrtc, reference
+from support.cuda_operands import FakeX, compile_for_sm90, emulate, needs_nvrtc, reference
 
 from k2vec.engines.gpu_triton.kernels.w4a16_cuda import (CudaOrder, CudaTile, cuda_order_codes, cuda_order_copy,
                                                          cuda_order_scales, m_tiles)
@@ -259,26 +259,6 @@ def test_gpu_cuda_kernel_sees_a_flipped_nibble(m, flip, cuda_calls):
 
 
 # ---------------------------------------------------------------- which calls reach it
-
-@dataclass
-class FakeX:
-    """What cuda_tile reads of an activation tensor, on a pretended CUDA device."""
-    rows: int
-    dtype: torch.dtype = torch.bfloat16
-    ptr: int = 1 << 20
-    is_cuda: bool = True
-
-    @property
-    def shape(self):
-        return (self.rows, 7168)
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-    def data_ptr(self):
-        return self.ptr
-
 
 @dataclass(frozen=True)
 class DispatchCase:

@@ -1,9 +1,13 @@
 """The CUDA W4A16 kernel's operands as its lanes read them (a model written from the kernel's own rules, not from
-cuda_order_copy: see tests/test_kernels_w4a16_cuda.py's docstring), a float64 reference, and NVRTC for sm_90."""
+cuda_order_copy: see tests/test_kernels_w4a16_cuda.py's docstring), a float64 reference, NVRTC for sm_90, and a
+stand-in for an activation tensor on a CUDA device."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
 from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, MoeLaunch
 
@@ -59,3 +63,24 @@ def compile_for_sm90(tile: CudaTile, k: int, m: int, float32_scales: bool, moe: 
     from k2vec.engines.gpu_triton.kernels.w4a16_cuda import kernel_source, nvrtc_compile, target
     defines = tuple(tile.defines(k, m, float32_scales, moe).items())
     return nvrtc_compile(kernel_source(defines), target(defines, 9, 0), ("--ptxas-options=-v",))
+
+
+@dataclass
+class FakeX:
+    """What the CUDA kernels' dispatch (w4a16.cuda_tile, fused_moe.moe_cuda_tiles) reads of an activation tensor,
+    on a pretended CUDA device."""
+    rows: int
+    dtype: torch.dtype = torch.bfloat16
+    ptr: int = 1 << 20
+    is_cuda: bool = True
+
+    @property
+    def shape(self):
+        return (self.rows, 7168)
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def data_ptr(self):
+        return self.ptr
