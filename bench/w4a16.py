@@ -935,12 +935,13 @@ def moe_down_cuda_candidates(m: int) -> list[CudaTile]:
     """CUDA tiles for the MoE's down launch on K2's experts (7168 rows, a token's 8 rows of h side by side: K = 16384,
     each K warp group's slice within one pair): 4-16 warps, blocks of 16-64 rows, clusters of 1-8 along K (M * 7168 /
     rows * cl blocks: 448 at M = 1 with 16-row blocks and no cluster), the steps in flight in registers (8 or 16) or in
-    the codes' ring (12 or 24); x (one row) in chunks of 2 steps."""
+    the codes' ring (12 or 24; with 16 warps 8 in registers: 16 spilled); x (one row) in chunks of 2 steps."""
     out = []
     for nwn, nwk, cl, pf, ring in itertools.product((1, 2, 4), (2, 4, 8), (1, 2, 4, 8), (8, 12, 16, 24), (False, True)):
         tile = CudaTile(nwn, nwk, cl, pf, 2, ring=ring)
         if (tile.fits_down(HIDDEN, INTER, TOP_K) and 4 <= nwn * nwk <= 16 and pf in ((12, 24) if ring else (8, 16))
-                and pf <= tile.steps(TOP_K * INTER) and (not ring or nwk >= 2)):
+                and pf <= tile.steps(TOP_K * INTER) and (not ring or nwk >= 2)
+                and (ring or pf == 8 or nwn * nwk <= 8)):     # 16 warps: 128 registers, 16 steps in them spill
             out.append(tile)
     return out
 
