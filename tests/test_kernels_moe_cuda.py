@@ -277,9 +277,10 @@ DISPATCH = [
 
 @pytest.mark.parametrize("case", DISPATCH, ids=lambda c: c.name)
 def test_moe_dispatch(case, monkeypatch):
+    from k2vec.engines.gpu_triton.kernels import w4a16
     fused_moe = importlib.import_module("k2vec.engines.gpu_triton.kernels.fused_moe")   # not the function
-    monkeypatch.setattr(fused_moe, "runs_on", lambda index: True)
-    monkeypatch.setattr(fused_moe, "interpreting", lambda: False)
+    monkeypatch.setattr(w4a16, "runs_on", lambda index: True)
+    monkeypatch.setattr(w4a16, "interpreting", lambda: False)
     copy = CudaOrder(torch.zeros(0), torch.zeros(0)) if case.with_copies else None    # only presence is read
     experts = fused_moe.PackedExperts(*[torch.zeros(0)] * 4, 384, 7168, 2048, 32, copy, copy)
     assert fused_moe.moe_cuda_tiles(case.entries, experts, case.x, case.out, 8) == case.want

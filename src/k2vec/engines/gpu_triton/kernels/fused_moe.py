@@ -46,13 +46,12 @@ from k2vec.engines.gpu_triton.kernels.sync import (
     _split_sum,
     split_buffers,
 )
-from k2vec.engines.gpu_triton.kernels.w4a16 import _int4_tile, check_activation, interpreting, to_planes
+from k2vec.engines.gpu_triton.kernels.w4a16 import _int4_tile, check_activation, cuda_takes, interpreting, to_planes
 from k2vec.engines.gpu_triton.kernels.w4a16_cuda import (
     CudaOrder,
     CudaTile,
     down_order_copy,
     gate_up_order_copy,
-    runs_on,
     supported,
     w4a16_cuda_down,
     w4a16_cuda_gate_up,
@@ -285,11 +284,10 @@ MAX_GRID_Z = 65535     # the CUDA launches' pairs (gate/up) or tokens (down) alo
 def moe_cuda_tiles(entries: tuple[dict, dict], experts: PackedExperts, x: torch.Tensor, out: torch.Tensor,
                    top_k: int) -> tuple[CudaTile | None, CudaTile | None]:
     """The CUDA kernel's tiles for the (gate/up, down) configs' "CUDA" keys, each where the kernel can take that
-    launch: bf16 x on an sm_90 device (not the interpreter), the launch's CUDA-order copy of the experts, a tile that
-    fits; for the down launch a bf16 contiguous `out` too, which it writes; at most MAX_GRID_Z pairs. None: that
-    launch's Triton config."""
-    if (x.dtype != torch.bfloat16 or not x.is_cuda or interpreting() or x.data_ptr() % 16 or not runs_on(x.device.index)
-            or x.shape[0] * top_k > MAX_GRID_Z):
+    launch: x it can read (w4a16.cuda_takes), the launch's CUDA-order copy of the experts, a tile that fits; for the
+    down launch a bf16 contiguous `out` too, which it writes; at most MAX_GRID_Z pairs. None: that launch's Triton
+    config."""
+    if not cuda_takes(x) or x.shape[0] * top_k > MAX_GRID_Z:
         return None, None
     gate_up, down = entries[0].get("CUDA"), entries[1].get("CUDA")
     if gate_up is not None and not (experts.cuda13 is not None
