@@ -813,22 +813,23 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
     shared-memory rings, in clusters of 1-2 (larger ones do not all fit at once) of 2-8 K warps: the steps in flight
     in a ring per warp (RING: deeper, and no registers held), x in a ring of 2 or 4 chunks of 2 steps (NXR: a few KB
     where the whole slice took up to 200), each in one or two blocks per SM. From M = 4 on, x multicast to 2 or 4
-    blocks along N (XMC), in clusters of at most 4 blocks. At M = 1, x's one row in shared memory (x1), in one block
-    per SM or two (the next call's block beside this one's). Not: more accumulators than the registers hold (a float32
-    per MMA output, twice without FOLD: at most 64 a thread up to 256 threads an SM's worth, 16 beyond; of the 2417
-    experimental variants at M = 1-64 ptxas spilled 78, 52 of them among the 136 this leaves out)."""
+    blocks along N (XMC), in clusters of at most 4 blocks. At M <= 4, x's rows in shared memory fitted to M (fit_x),
+    in one block per SM or two (the next call's block beside this one's). Not: more accumulators than the registers
+    hold (a float32 per MMA output, twice without FOLD: at most 64 a thread up to 256 threads an SM's worth, 16
+    beyond; of the 2417 experimental variants at M = 1-64 ptxas spilled 78, 52 of them among the 136 this leaves
+    out)."""
     out = []
-    for nwn, nwk, cl, pf, ch, tpw, fold, ring, nxr, minb, xmc, x1 in itertools.product(
+    for nwn, nwk, cl, pf, ch, tpw, fold, ring, nxr, minb, xmc, fit_x in itertools.product(
             (1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (2, 4, 8, 12, 16, 24), (1, 2, 4), (1, 2, 4),
             (False, True), (False, True), (0, 2, 4), (1, 2), (1, 2, 4), (False, True)):
-        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, fold, ring, minb, nxr, xmc, x1)
+        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, fold, ring, minb, nxr, xmc, fit_x)
         steps = tile.steps(k)
         in_flight = ({1: (12, 24), 2: (8, 12), 4: (4,)} if ring else {1: (8, 16), 2: (4, 8), 4: (2, 4)})[tpw]
         if (tile.fits(n, k, m) and 100 <= n // tile.rows * cl <= 264 * minb and 4 <= nwn * nwk <= 16
                 and (pf == max(in_flight) or pf <= steps) and (ch == 1 or ch <= steps) and pf in in_flight
                 and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold and (ring or m <= 32))
-                and (minb == 1 or (ring or nxr or x1) and nwn * nwk <= 8 and tpw * m_tiles(m) <= 2)
-                and (not x1 or not nxr and xmc == 1)
+                and (minb == 1 or (ring or nxr or fit_x) and nwn * nwk <= 8 and tpw * m_tiles(m) <= 2)
+                and (not fit_x or not nxr and xmc == 1)
                 and (not (ring or nxr) or cl <= 2 and nwk >= 2 and nwn * nwk in (4, 8) and (not fold or m >= 32))
                 and (not ring or nxr or ch >= 2) and (not nxr or ch == 2)
                 and (xmc == 1 or m >= 4 and minb == 1 and cl * xmc <= 4)
@@ -840,7 +841,7 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
 def options(tile: CudaTile) -> set[str]:
     """The kernel options a tile turns on beyond the plain kernel."""
     return {name for name, on in (("fold", tile.fold), ("ring", tile.ring), ("nxr", tile.nxr), ("minb", tile.minb > 1),
-                                  ("xmc", tile.xmc > 1), ("x1", tile.x1)) if on}
+                                  ("xmc", tile.xmc > 1), ("fit_x", tile.fit_x)) if on}
 
 
 def experimental(tile: CudaTile) -> bool:

@@ -101,8 +101,9 @@ TILE_CASES = [
     TileCase("x multicast: a cluster of 16", CudaTile(2, 4, 2, 8, xmc=8), 2048, 7168, 16, False),
     TileCase("x multicast to 3 blocks", CudaTile(2, 4, 1, 8, xmc=3), 2016, 7168, 16, False),
     TileCase("x multicast with x's ring", CudaTile(2, 4, 1, 8, nxr=2, xmc=2), 2048, 7168, 16, False),
-    TileCase("x's one row at M = 1", CudaTile(1, 8, 1, 8, x1=True), 2048, 7168, 1, True),
-    TileCase("x's one row at M = 2", CudaTile(1, 8, 1, 8, x1=True), 2048, 7168, 2, False),
+    TileCase("x's rows fitted to M = 1", CudaTile(1, 8, 1, 8, fit_x=True), 2048, 7168, 1, True),
+    TileCase("x's rows fitted to M = 4", CudaTile(1, 8, 1, 8, fit_x=True), 2048, 7168, 4, True),
+    TileCase("x's rows fitted to M = 5", CudaTile(1, 8, 1, 8, fit_x=True), 2048, 7168, 5, False),
 ]
 
 
@@ -126,10 +127,12 @@ def test_m_tiles_and_defines():
     assert chunks.defines(7168, 4, False)["NXR"] == 3 and CudaTile(1, 8, 1, 8, ch=4, nxr=6).x_chunks(7168) == 4
     x_whole, x_ring = 8 * 8 * (14 * 64 + 32) * 2, 8 * 3 * 8 * (4 * 64 + 32) * 2    # bytes: 8 K warps x 8 rows
     assert plain.shared_bytes(7168, 4) - chunks.shared_bytes(7168, 4) == x_whole - x_ring
-    # x's one row (x1): 7 rows fewer of each K warp group's slice, at M = 1 only
-    one_row = CudaTile(1, 8, 1, 24, x1=True)
-    assert one_row.defines(7168, 1, False)["XROWS"] == 1 and plain.defines(7168, 1, False)["XROWS"] == 8
-    assert plain.shared_bytes(7168, 1) - one_row.shared_bytes(7168, 1) == 8 * 7 * (14 * 64 + 32) * 2
+    # x's rows fitted to M (fit_x): 1, 2 or 4 of them, 7, 6 or 4 fewer in each K warp group's slice
+    fitted = CudaTile(1, 8, 1, 24, fit_x=True)
+    assert [fitted.defines(7168, m, False)["XROWS"] for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert plain.defines(7168, 1, False)["XROWS"] == 8
+    assert plain.shared_bytes(7168, 1) - fitted.shared_bytes(7168, 1) == 8 * 7 * (14 * 64 + 32) * 2
+    assert plain.shared_bytes(7168, 3) - fitted.shared_bytes(7168, 3) == 8 * 4 * (14 * 64 + 32) * 2
     # x multicast: 8 K warps x 4 chunks of mbarriers (8 bytes each) in one 256-byte run ahead of x
     assert CudaTile(1, 8, 1, 24, ch=4, xmc=2).shared_bytes(7168, 4) - plain.shared_bytes(7168, 4) == 256
 
@@ -224,10 +227,12 @@ GPU_CASES = [
     GpuCase("x multicast, 64 rows, scales folded, two tiles per warp", 64, 1024, 1024,
             CudaTile(2, 2, 2, 4, ch=2, tpw=2, fold=True, xmc=2)),
     GpuCase("x multicast, one row of x", 1, 2048, 2048, CudaTile(2, 2, 1, 8, ch=2, xmc=4)),
-    # x's one row in shared memory (x1), the other B columns reading it again
-    GpuCase("x's one row, two blocks per SM", 1, 2048, 7168, CudaTile(1, 8, 1, 8, ch=4, minb=2, x1=True)),
-    GpuCase("x's one row, a cluster of 2, float32 scales", 1, 1024, 2048, CudaTile(2, 4, 2, 8, ch=2, x1=True),
+    # x's rows in shared memory fitted to M (fit_x), the other B columns reading them again
+    GpuCase("x's one row, two blocks per SM", 1, 2048, 7168, CudaTile(1, 8, 1, 8, ch=4, minb=2, fit_x=True)),
+    GpuCase("x's two rows, a cluster of 2, float32 scales", 2, 1024, 2048, CudaTile(2, 4, 2, 8, ch=2, fit_x=True),
             "float32"),
+    GpuCase("x's four rows for three, the codes' ring", 3, 1024, 2048, CudaTile(2, 2, 1, 12, ch=2, ring=True,
+                                                                                 fit_x=True)),
 ]
 
 

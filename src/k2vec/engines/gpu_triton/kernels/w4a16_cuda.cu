@@ -17,8 +17,8 @@
 //
 // Compile-time constants (w4a16_cuda.py defines them): NWN warps along N, TPW 16-row tiles per warp (each B operand
 // read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K steps
-// of 64 per warp, MT m8 tiles of x's rows, XROWS of them in shared memory (MT * 8, or 1 where M is 1: the other columns
-// of B read row 0 again, and their outputs are dropped), PF steps of codes in flight, CH steps of x per copy to shared
+// of 64 per warp, MT m8 tiles of x's rows, XROWS of them in shared memory (MT * 8, or 1, 2 or 4 for M up to that: the
+// other columns of B read those rows again, and their outputs are dropped), PF steps of codes in flight, CH steps of x per copy to shared
 // memory; NXR 0: a K warp group's whole slice of x in shared memory, else a ring of NXR (>= 2) chunks of it, each
 // refilled with a later chunk once the group's warps are past it; RING 1: codes and scales in flight through shared
 // memory rather than registers (below); MINB blocks per SM the registers are budgeted for (__launch_bounds__); SF32 1
@@ -64,8 +64,8 @@ struct alignas(16) XQuad { u32 b[4]; };              // x[k .. k + 7]: B operand
 #define X_BYTES (NWK * XROWS * XSW * 2)
 #endif
 #define MROWS (MT * 8)
-#if XROWS != MROWS && (XROWS != 1 || MT != 1)
-#error "x's rows in shared memory: all of its m8 tiles', or one (M = 1: every lane group reads row 0)"
+#if XROWS != MROWS && (MT != 1 || (XROWS != 1 && XROWS != 2 && XROWS != 4))
+#error "x's rows in shared memory: all of its m8 tiles', or 1, 2 or 4 (lane group g reads row g % XROWS)"
 #endif
 #define NCH ((STEPS + CH - 1) / CH)  // chunks of x per K warp group
 #define RS (PF + 1)                  // RING: slots per warp
@@ -370,9 +370,9 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #endif
 #if NXR
-    const u16* xw = xg + (XROWS > 1 ? g : 0) * XCW + 8 * t;    // XROWS 1: every lane group reads row 0 (a broadcast)
+    const u16* xw = xg + g % XROWS * XCW + 8 * t;    // XROWS < 8: lane groups read rows again (their outputs dropped)
 #else
-    const u16* xw = xg + (XROWS > 1 ? g : 0) * XSW + 8 * t;
+    const u16* xw = xg + g % XROWS * XSW + 8 * t;
 #endif
 
 #pragma unroll

@@ -127,9 +127,9 @@ class CudaTile:
     registers; minb: blocks per SM the registers are budgeted for (two: half the registers per thread); nxr: 0, x's
     whole K slice in shared memory, else a ring of nxr (at least 2) chunks of it; xmc: blocks along N in the cluster
     that share x, multicast by bulk copies (with nxr 0 only), so that L2 sends each block's slice of x once per
-    cluster rather than once per block; x1 (M = 1 only): x's one row in shared memory rather than 8, which the MMA's
-    other B columns read again (an eighth of x's shared memory: at 7168->2048 15 KB a block rather than 119; the MoE's
-    launches always do so)."""
+    cluster rather than once per block; fit_x (M <= 4): x's rows in shared memory fitted to M (1, 2 or 4 rather than
+    8), which the MMA's other B columns read again (at M = 1 an eighth of x's shared memory: at 7168->2048 15 KB a
+    block rather than 119; the MoE's launches always keep one row)."""
     nwn: int
     nwk: int
     cl: int
@@ -141,7 +141,7 @@ class CudaTile:
     minb: int = 1
     nxr: int = 0
     xmc: int = 1
-    x1: bool = False
+    fit_x: bool = False
 
     @property
     def rows(self) -> int:
@@ -161,7 +161,7 @@ class CudaTile:
         return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % self.rows == 0
                 and self.rows % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
                 and self.xmc in (1, 2, 4, 8) and self.cl * self.xmc <= 8 and (n // self.rows) % self.xmc == 0
-                and (self.xmc == 1 or self.nxr == 0) and (not self.x1 or m == 1)
+                and (self.xmc == 1 or self.nxr == 0) and (not self.fit_x or m <= 4)
                 and self.tpw in (1, 2, 4) and self.minb in (1, 2) and self.nxr != 1 and 1 <= m <= MAX_ROWS
                 and self.minb * (self.shared_bytes(k, m, moe) + 1024) <= SM_SHARED)
 
@@ -170,13 +170,18 @@ class CudaTile:
         for the MoE's launches), the partial sums, and with `ring` the warps' rings (codes, and scales sized for
         float32)."""
         rows, steps = 8 * m_tiles(m), self.steps(k)
-        x_rows = 1 if moe or self.x1 else rows
+        x_rows = self.x_rows(m, moe)
         slots = self.nwn * self.nwk * (min(self.pf, steps) + 1) * self.tpw
         ring = slots * (32 * 16 + 8 * 16) if self.ring else 0
         ch = self.chunk(k)
         x = self.nwk * x_rows * (self.x_chunks(k) * (ch * 64 + 32) if self.nxr else steps * 64 + 32)
         bars = -(-self.nwk * -(-steps // ch) * 8 // 128) * 128 if self.xmc > 1 else 0
         return bars + x * 2 + self.nwk * rows * self.rows * 4 + ring
+
+    def x_rows(self, m: int, moe: bool = False) -> int:
+        """x's rows in shared memory (XROWS): all of its m8 tiles', or with fit_x M's next power of two; one for the
+        MoE's launches."""
+        return 1 if moe else 1 << (m - 1).bit_length() if self.fit_x else 8 * m_tiles(m)
 
     def x_chunks(self, k: int) -> int:
         """NXR: the chunks in x's ring (0: the whole slice)."""
@@ -198,7 +203,7 @@ class CudaTile:
         """k: the launch's K (for the down launch top_k times an expert's)."""
         steps = self.steps(k)
         return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
-                    XROWS=1 if moe or self.x1 else 8 * m_tiles(m), PF=min(self.pf, steps), CH=self.chunk(k),
+                    XROWS=self.x_rows(m, bool(moe)), PF=min(self.pf, steps), CH=self.chunk(k),
                     SF32=int(float32_scales), FOLD=int(self.fold), RING=int(self.ring), MINB=self.minb,
                     NXR=self.x_chunks(k), XMC=self.xmc, MOE=0 if moe is None else 2 if moe.down else 1,
                     TOPK=moe.top_k if moe else 1, IDS64=int(bool(moe and moe.ids64)),
