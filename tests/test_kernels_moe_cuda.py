@@ -313,6 +313,17 @@ def test_experts_get_the_copy_only_where_the_format_allows():
     assert random_experts(2, 128, 64, 32, "bfloat16", gen, "cpu").cuda13 is None
 
 
+def test_a_bf16_engine_copies_the_experts_only_where_a_moe_config_names_the_cuda_kernel(monkeypatch):
+    from k2vec.engines.gpu_triton.kernels import configs
+    triton_only = [(bound, tuple({k: v for k, v in cfg.items() if k != "CUDA"} for cfg in pair))
+                   for bound, pair in configs.MOE_CONFIGS]
+    monkeypatch.setattr(configs, "MOE_CONFIGS", triton_only)
+    assert not configs.moe_names_cuda()
+    down_at_16 = [(bound, (g, dict(d, CUDA=DOWN) if bound == 16 else d)) for bound, (g, d) in triton_only]
+    monkeypatch.setattr(configs, "MOE_CONFIGS", down_at_16)
+    assert configs.moe_names_cuda()
+
+
 # ---------------------------------------------------------------- on a GPU
 
 @dataclass(frozen=True)
