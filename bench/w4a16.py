@@ -19,15 +19,19 @@ One call does everything (device time is scarce):
     python3 bench/w4a16.py --out DIR --cuda-sweep [--ms 8,16] [--experimental]   # the CUDA kernel's tiles on the K2
                                       # shapes (or only those of options no table uses), beside the committed call
                                       # and bf16 cuBLAS
+    python3 bench/w4a16.py --out DIR --moe-cuda-sweep [--ms 1,16]   # the MoE's gate/up and down launches on the
+                                      # CUDA kernel's tiles, beside the committed configs and a plain read
     TRITON_INTERPRET=1 python bench/w4a16.py --out DIR --smoke     # CPU plumbing check on tiny shapes
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import multiprocessing as mp
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -52,7 +56,7 @@ from k2vec.engines.gpu_triton.kernels.configs import (  # noqa: E402
     dense_configs,
     pick_config,
 )
-from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts  # noqa: E402
+from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts, moe_cuda_tiles  # noqa: E402
 from k2vec.engines.gpu_triton.kernels import w4a16_cuda  # noqa: E402
 from k2vec.engines.gpu_triton.kernels.w4a16 import cuda_tile  # noqa: E402
 from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaTile, m_tiles  # noqa: E402
@@ -180,7 +184,7 @@ def install_configs(dense, moe, dense_shapes=None) -> None:
     if dense:
         DENSE_CONFIGS[:] = [(bound, config_from_json(cfg)) for bound, cfg in dense]
     if moe:
-        MOE_CONFIGS[:] = [(bound, tuple(cfg)) for bound, cfg in moe]
+        MOE_CONFIGS[:] = [(bound, tuple(config_from_json(c) for c in cfg)) for bound, cfg in moe]
     if dense_shapes is not None:
         DENSE_SHAPE_CONFIGS.clear()
         DENSE_SHAPE_CONFIGS.update({tuple(map(int, key.split("x"))): [(bound, config_from_json(cfg))
@@ -362,15 +366,19 @@ def time_dense(device, log) -> list[dict]:
 class K2Layer:
     """384 experts of one K2 MoE layer resident: INT4 (G 32, bf16 scales) and, for the baseline, bf16."""
 
-    def __init__(self, device, with_bf16: bool = True):
+    def __init__(self, device, with_bf16: bool = True, cuda_order: bool = True):
         gen = verify.generator(device, "bench moe")
         e, h, i = EXPERTS, HIDDEN, INTER
+        w13 = torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=gen, device=device)
+        s13 = (torch.rand(e, 2 * i, h // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16)
         self.experts = PackedExperts(
-            torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=gen, device=device),
-            (torch.rand(e, 2 * i, h // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16),
-            torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=gen, device=device),
+            w13, s13, torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=gen, device=device),
             (torch.rand(e, h, i // 32, generator=gen, device=device) * 0.01 + 0.005).to(torch.bfloat16),
             e, h, i, 32)
+        if cuda_order:     # the CUDA kernel's copies, as pack_experts makes them for the engine under bf16
+            self.experts = dataclasses.replace(
+                self.experts, cuda13=w4a16_cuda.gate_up_order_copy(w13, s13, h),
+                cuda2=w4a16_cuda.down_order_copy(self.experts.w2, self.experts.s2, i))
         # bf16 weights of the same shapes (random values: timing only)
         if with_bf16:
             self.w13_bf16 = torch.randn(e, 2 * i, h, generator=gen, device=device, dtype=torch.bfloat16)
@@ -453,12 +461,14 @@ def time_moe(device, log, layer: K2Layer, configs=None) -> list[dict]:
             bf16_calls = [layer.bf16_call(x, *rw)[0] for x, rw in zip(xs[:2], routings[:2])]
             bf16 = graph_time_us(bf16_calls, batches=3, replays=1, min_calls=4)
         read = plain_read_us(int(nbytes), device)
-        row = dict(m=m, used_experts=statistics.mean(used[:r]), ours_us=ours, bf16_us=bf16, read_us=read,
+        tiles = moe_cuda_tiles(cfg or pick_config(MOE_CONFIGS, m), layer.experts, xs[0], outs[0], TOP_K)
+        kernel = " + ".join(f"CUDA {name}" for name, tile in zip(("gate/up", "down"), tiles) if tile) or "Triton"
+        row = dict(m=m, kernel=kernel, used_experts=statistics.mean(used[:r]), ours_us=ours, bf16_us=bf16, read_us=read,
                    bf16_kind="torch._grouped_mm" if grouped else "per-expert graph",
                    weight_bytes=nbytes, gbps=nbytes / ours / 1e3, read_frac=read / ours, speedup_bf16=bf16 / ours,
                    config=cfg or pick_config(MOE_CONFIGS, m))
         rows.append(row)
-        log(f"moe M={m} (~{row['used_experts']:.0f} experts, {nbytes / 1e6:.0f} MB): ours {ours:.1f} us "
+        log(f"moe M={m} (~{row['used_experts']:.0f} experts, {nbytes / 1e6:.0f} MB): {kernel} {ours:.1f} us "
             f"({row['gbps']:.0f} GB/s, {row['read_frac']:.0%} of read {read:.1f} us) bf16 {bf16:.1f} us "
             f"({row['speedup_bf16']:.2f}x)")
     return rows
@@ -626,7 +636,15 @@ def dense_candidates(m: int) -> list[dict]:
 
 
 SWEEP_MOE_MS = (1, 4, 8, 16, 32, 64)
-OLD_MOE = {m: tuple(dict(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP_MOE_MS}
+# the committed (gate/up, down) configs without their CUDA keys, and those keys apart (put back into the swept table,
+# as with_cuda_keys does for the dense ones: the CUDA tiles are --moe-cuda-sweep's)
+OLD_MOE = {m: tuple(triton_only(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP_MOE_MS}
+OLD_MOE_CUDA = {m: tuple(cuda_keys(c) for c in pick_config(MOE_CONFIGS, m)) for m in SWEEP_MOE_MS}
+
+
+def with_moe_cuda_keys(pair, m: int) -> list[dict]:
+    """A swept (gate/up, down) pair with the committed CUDA keys of sweep bucket m in place of any it carries."""
+    return [{**triton_only(c), **cuda} for c, cuda in zip(pair, OLD_MOE_CUDA[m])]
 
 
 def moe_gate_up_candidates(m: int) -> list[dict]:
@@ -781,7 +799,7 @@ def run_sweep(device, log, layer: K2Layer, moe: bool = True) -> dict:
         us, cfg = min(scores, key=lambda t: t[0])
         log(f"sweep moe M={m}: best {cfg} {us:.1f} us (reference {ref:.1f} us)" if ref else
             f"sweep moe M={m}: best {cfg} {us:.1f} us")
-        moe_table.append([m if m < SWEEP_MOE_MS[-1] else 1 << 62, cfg])
+        moe_table.append([m if m < SWEEP_MOE_MS[-1] else 1 << 62, with_moe_cuda_keys(cfg, m)])
     return {"rows": rows, "dense_table": dense_table, "moe_table": moe_table, "dense_shape_table": dense_shape_table}
 
 
@@ -792,25 +810,29 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
     splits K evenly; two tiles per warp (half the B reads, twice the codes in flight per step) from M = 8 on, with 4
     or 8 steps in flight; from M = 16 on, the scales folded into the weights too (FOLD), and four tiles per warp with
     them (2 or 4 steps in flight; at 64 rows only with the codes' ring, whose registers they need). Then the
-    shared-memory rings, in clusters of 1-2 (larger ones do not all fit at
-    once) of 2-8 K warps: the steps in flight in a ring per warp (RING: deeper, and no registers held), x in a ring
-    of 2 or 4 chunks of 2 steps (NXR: a few KB where the whole slice took up to 200), each in one or two blocks per
-    SM. Not: more accumulators than the registers hold (a float32 per MMA output, twice without FOLD: at most 64 a
-    thread up to 256 threads an SM's worth, 16 beyond; of the 2417 experimental variants at M = 1-64 ptxas spilled
-    78, 52 of them among the 136 this leaves out)."""
+    shared-memory rings, in clusters of 1-2 (larger ones do not all fit at once) of 2-8 K warps: the steps in flight
+    in a ring per warp (RING: deeper, and no registers held), x in a ring of 2 or 4 chunks of 2 steps (NXR: a few KB
+    where the whole slice took up to 200), each in one or two blocks per SM. From M = 4 on, x multicast to 2 or 4
+    blocks along N (XMC), in clusters of at most 4 blocks. At M <= 4, x's rows in shared memory fitted to M (fit_x),
+    in one block per SM or two (the next call's block beside this one's). Not: more accumulators than the registers
+    hold (a float32 per MMA output, twice without FOLD: at most 64 a thread up to 256 threads an SM's worth, 16
+    beyond; of the 2417 experimental variants at M = 1-64 ptxas spilled 78, 52 of them among the 136 this leaves
+    out)."""
     out = []
-    for nwn, nwk, cl, pf, ch, tpw, fold, ring, nxr, minb in itertools.product(
+    for nwn, nwk, cl, pf, ch, tpw, fold, ring, nxr, minb, xmc, fit_x in itertools.product(
             (1, 2, 4, 7, 8, 14), (1, 2, 4, 8), (1, 2, 4, 8), (2, 4, 8, 12, 16, 24), (1, 2, 4), (1, 2, 4),
-            (False, True), (False, True), (0, 2, 4), (1, 2)):
-        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, fold, ring, minb, nxr)
+            (False, True), (False, True), (0, 2, 4), (1, 2), (1, 2, 4), (False, True)):
+        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, fold, ring, minb, nxr, xmc, fit_x)
         steps = tile.steps(k)
         in_flight = ({1: (12, 24), 2: (8, 12), 4: (4,)} if ring else {1: (8, 16), 2: (4, 8), 4: (2, 4)})[tpw]
         if (tile.fits(n, k, m) and 100 <= n // tile.rows * cl <= 264 * minb and 4 <= nwn * nwk <= 16
                 and (pf == max(in_flight) or pf <= steps) and (ch == 1 or ch <= steps) and pf in in_flight
                 and (tpw == 1 or m >= 8) and (not fold or m >= 16) and (tpw < 4 or fold and (ring or m <= 32))
-                and (minb == 1 or (ring or nxr) and nwn * nwk <= 8 and tpw * m_tiles(m) <= 2)
+                and (minb == 1 or (ring or nxr or fit_x) and nwn * nwk <= 8 and tpw * m_tiles(m) <= 2)
+                and (not fit_x or not nxr and xmc == 1)
                 and (not (ring or nxr) or cl <= 2 and nwk >= 2 and nwn * nwk in (4, 8) and (not fold or m >= 32))
                 and (not ring or nxr or ch >= 2) and (not nxr or ch == 2)
+                and (xmc == 1 or m >= 4 and minb == 1 and cl * xmc <= 4)
                 and tpw * m_tiles(m) * (1 if fold else 2) <= (16 if nwn * nwk * minb <= 8 else 4)):
             out.append(tile)
     return out
@@ -818,8 +840,8 @@ def cuda_candidates(n: int, k: int, m: int) -> list:
 
 def options(tile: CudaTile) -> set[str]:
     """The kernel options a tile turns on beyond the plain kernel."""
-    return {name for name, on in (("fold", tile.fold), ("ring", tile.ring), ("nxr", tile.nxr), ("minb", tile.minb > 1))
-            if on}
+    return {name for name, on in (("fold", tile.fold), ("ring", tile.ring), ("nxr", tile.nxr), ("minb", tile.minb > 1),
+                                  ("xmc", tile.xmc > 1), ("fit_x", tile.fit_x)) if on}
 
 
 def experimental(tile: CudaTile) -> bool:
@@ -845,8 +867,8 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS,
     t0 = time.perf_counter()
     compiler = w4a16_cuda.nvrtc_version()
     with ThreadPoolExecutor(16) as pool:     # NVRTC releases the GIL
-        cubins = dict(zip(variants, pool.map(lambda d: w4a16_cuda.cached_cubin(source, d, f"sm_{major}{minor}",
-                                                                               compiler), variants)))
+        cubins = dict(zip(variants, pool.map(
+            lambda d: w4a16_cuda.cached_cubin(source, d, w4a16_cuda.target(d, major, minor), compiler), variants)))
     for defines, cubin in cubins.items():
         w4a16_cuda.load(defines, device.index, cubin)
     log(f"cuda sweep: {len(cubins)} variants compiled or loaded in {time.perf_counter() - t0:.0f} s")
@@ -892,6 +914,95 @@ def cuda_sweep(device, log, ms: tuple[int, ...] = MS,
     return rows, anchors
 
 
+def moe_cuda_candidates(m: int) -> list[CudaTile]:
+    """CUDA tiles for the MoE's gate/up launch on K2's experts (K = 7168, 4096 gate and up rows an expert, one row of
+    x per pair): blocks of 32-64 rows (one tile per warp, or two for 2 warps along N) of 8 warps (and three tiles
+    of 16 warps), clusters of 1-4
+    along K (M * 8 pairs of 4096 / rows blocks each: 1-16 waves at M = 1), the steps in flight in registers (8 or 16)
+    or in the codes' ring (12 or 24), x whole, or in a ring of 2 chunks of 2 steps with 8 steps in flight."""
+    out = []
+    for nwn, nwk, cl, pf, ch, tpw, ring in itertools.product(
+            (2, 4), (2, 4), (1, 2, 4), (8, 12, 16, 24), (2, 4), (1, 2), (False, True)):
+        tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, ring=ring)
+        in_flight = (12, 24) if ring else (8, 16)
+        if (tile.fits_gate_up(2 * INTER, HIDDEN) and nwn * nwk == 8 and pf in in_flight and tile.rows <= 64
+                and (tpw == 1 or nwn == 2 and not ring)):
+            out.append(tile)
+    out += [CudaTile(nwn, 8 // nwn, cl, 8, 2, nxr=2) for nwn in (2, 4) for cl in (1, 2)
+            if CudaTile(nwn, 8 // nwn, cl, 8, 2, nxr=2).fits_gate_up(2 * INTER, HIDDEN)]
+    # and 16 warps, as the dense 7168 -> 4096 tile at M = 1-8 (configs.py)
+    return out + [CudaTile(2, 8, 1, 8, ch=4), CudaTile(2, 8, 2, 8, ch=2), CudaTile(4, 4, 1, 8, ch=4)]
+
+
+def moe_down_cuda_candidates(m: int) -> list[CudaTile]:
+    """CUDA tiles for the MoE's down launch on K2's experts (7168 rows, a token's 8 rows of h side by side: K = 16384,
+    each K warp group's slice within one pair): 4-16 warps, blocks of 16-64 rows, clusters of 1-8 along K (M * 7168 /
+    rows * cl blocks: 448 at M = 1 with 16-row blocks and no cluster), the steps in flight in registers (8 or 16) or in
+    the codes' ring (12 or 24; with 16 warps 8 in registers: 16 spilled); x (one row) in chunks of 2 steps."""
+    out = []
+    for nwn, nwk, cl, pf, ring in itertools.product((1, 2, 4), (2, 4, 8), (1, 2, 4, 8), (8, 12, 16, 24), (False, True)):
+        tile = CudaTile(nwn, nwk, cl, pf, 2, ring=ring)
+        if (tile.fits_down(HIDDEN, INTER, TOP_K) and 4 <= nwn * nwk <= 16 and pf in ((12, 24) if ring else (8, 16))
+                and pf <= tile.steps(TOP_K * INTER) and (not ring or nwk >= 2)
+                and (ring or pf == 8 or nwn * nwk <= 8)):     # 16 warps: 128 registers, 16 steps in them spill
+            out.append(tile)
+    return out
+
+
+def moe_cuda_sweep(device, log, ms: tuple[int, ...]) -> list[dict]:
+    """The committed MoE configs with one launch on the CUDA kernel at a time, on the K2 layer, timed as time_moe
+    times, beside the committed configs and a plain read of the same bytes timed in the same run: each gate/up tile of
+    moe_cuda_candidates with the committed down config, then each down tile of moe_down_cuda_candidates after the
+    faster gate/up (the best CUDA tile's or the committed); each output against the committed configs' (bf16
+    tolerance)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    source, compiler = w4a16_cuda.SOURCE.read_text(), w4a16_cuda.nvrtc_version()
+    layer = K2Layer(device, with_bf16=False)
+    rows = []
+    for m in ms:
+        old13, old2 = pick_config(MOE_CONFIGS, m)
+        routings = [layer.routing(m) for _ in range(8)]
+        ids64 = routings[0][0].dtype == torch.int64
+        gate_ups, downs = moe_cuda_candidates(m), moe_down_cuda_candidates(m)
+        h_planes = bool(old2.get("X_PLANES")) and not old2.get("X_WIDE")
+        variants = {tuple(t.defines(HIDDEN, 1, False, w4a16_cuda.MoeLaunch(False, TOP_K, ids64, planes)).items())
+                    for t in gate_ups for planes in {h_planes, False}}
+        variants |= {tuple(t.defines(TOP_K * INTER, 1, False, w4a16_cuda.MoeLaunch(True, TOP_K, ids64)).items())
+                     for t in downs}
+        with ThreadPoolExecutor(16) as pool:
+            cubins = dict(zip(variants, pool.map(lambda d: w4a16_cuda.cached_cubin(
+                source, d, w4a16_cuda.target(d, major, minor), compiler), variants)))
+        for defines, cubin in cubins.items():
+            w4a16_cuda.load(defines, device.index, cubin)
+        used = [int(torch.unique(ids).numel()) for ids, _ in routings]
+        nbytes = statistics.mean(used) * layer.expert_bytes
+        r = max(2, min(8, copies_for(int(nbytes))))
+        xs = [torch.randn(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in range(r)]
+        outs = [torch.empty(m, HIDDEN, device=device, dtype=torch.bfloat16) for _ in range(r)]
+
+        def timed(cfg):
+            return graph_time_us([lambda x=x, rw=rw, o=o: fused_moe(x, layer.experts, rw[0], rw[1], out=o, config=cfg)
+                                  for x, rw, o in zip(xs, routings, outs)])
+        want = fused_moe(xs[0], layer.experts, *routings[0], config=(old13, old2)).double()
+        committed, read = timed((old13, old2)), plain_read_us(int(nbytes), device)
+
+        def run(launch, tile, cfg):
+            got = fused_moe(xs[0], layer.experts, *routings[0], config=cfg)
+            rows.append(dict(m=m, launch=launch, tile=asdict(tile), us=timed(cfg), rel_err=verify.rel_err(got, want),
+                             committed_us=committed, read_us=read))
+            return rows[-1]
+        best13 = min((run("gate/up", t, (dict(old13, CUDA=t), old2)) for t in gate_ups), key=lambda row: row["us"])
+        cfg13 = dict(old13, CUDA=CudaTile(**best13["tile"])) if best13["us"] < committed else old13
+        best2 = min((run("down", t, (cfg13, dict(old2, CUDA=t))) for t in downs), key=lambda row: row["us"])
+        for launch, best, n in (("gate/up", best13, len(gate_ups)), ("down", best2, len(downs))):
+            log(f"moe cuda sweep M={m} {launch}: {n} tiles; best {best['us']:.1f} us ({read / best['us']:.0%} of read "
+                f"{read:.1f} us) {best['tile']} (rel err vs committed {best['rel_err']:.1e}); committed "
+                f"{committed:.1f} us ({read / committed:.0%})")
+    bad = [row for row in rows if not row["rel_err"] <= verify.TOLERANCE[torch.bfloat16]]
+    log(f"moe cuda sweep: {len(rows)} timings, {len(bad)} over the bf16 tolerance")
+    return rows
+
+
 def markdown(dense, moe, copy, correctness) -> str:
     lines = []
     if correctness:
@@ -925,13 +1036,27 @@ def markdown(dense, moe, copy, correctness) -> str:
         lines.append("")
     if moe:
         lines += [f"bf16 baseline: {moe[0].get('bf16_kind')}", "",
-                  "| M | experts used | MB read | ours µs | GB/s | plain read µs | % of read | bf16 µs | × bf16 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| M | kernel | experts used | MB read | ours µs | GB/s | plain read µs | % of read | bf16 µs "
+                  "| × bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in moe:
-            lines.append(f"| {r['m']} | {r['used_experts']:.0f} | {r['weight_bytes'] / 1e6:.0f} | {r['ours_us']:.1f} | "
-                         f"{r['gbps']:.0f} | {r['read_us']:.1f} | {r['read_frac']:.0%} | {r['bf16_us']:.1f} | "
-                         f"{r['speedup_bf16']:.2f} |")
+            lines.append(f"| {r['m']} | {r.get('kernel', 'Triton')} | {r['used_experts']:.0f} | "
+                         f"{r['weight_bytes'] / 1e6:.0f} | {r['ours_us']:.1f} | {r['gbps']:.0f} | {r['read_us']:.1f} | "
+                         f"{r['read_frac']:.0%} | {r['bf16_us']:.1f} | {r['speedup_bf16']:.2f} |")
     return "\n".join(lines)
+
+
+def gpu_state() -> str:
+    """GPU 0's clocks, temperature, power and what else runs on it, as nvidia-smi reports them: a table's timings
+    are read beside them (a throttled clock or another process explains a slow cell that the code does not)."""
+    query = "clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu"
+    try:
+        state = subprocess.run(["nvidia-smi", "-i", "0", f"--query-gpu={query}", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20).stdout.strip()
+        apps = subprocess.run(["nvidia-smi", "-i", "0", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"nvidia-smi unavailable ({exc})"
+    return f"{query}: {state}; compute processes: {len([a for a in apps if a.strip()])}"
 
 
 def guarded(log, what, fn, *args):
@@ -1006,8 +1131,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="only the calls to profile (run under ncu)")
     parser.add_argument("--trips", action="store_true", help="only the dense tiles' time against K trips per program")
     parser.add_argument("--cuda-sweep", action="store_true", help="only the CUDA kernel's tiles on the K2 shapes")
-    parser.add_argument("--ms", type=lambda text: tuple(int(m) for m in text.split(",")), default=MS,
-                        help="--cuda-sweep: these M only (comma-separated)")
+    parser.add_argument("--moe-cuda-sweep", action="store_true",
+                        help="only the MoE's launches on the CUDA kernel's tiles (K2 layer, M = 1-16)")
+    parser.add_argument("--ms", type=lambda text: tuple(int(m) for m in text.split(",")), default=None,
+                        help="--cuda-sweep, --moe-cuda-sweep: these M only (comma-separated)")
     parser.add_argument("--experimental", action="store_true",
                         help="--cuda-sweep: only the tiles of options no committed table uses (experimental())")
     parser.add_argument("--skip-correctness", action="store_true")
@@ -1017,7 +1144,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / ("profile.log" if args.profile else "trips.log" if args.trips
-                                else "cuda_sweep.log" if args.cuda_sweep else "bench.log"), "w")
+                                else "cuda_sweep.log" if args.cuda_sweep else "moe_cuda_sweep.log"
+                                if args.moe_cuda_sweep else "bench.log"), "w")
 
     def log(text: str) -> None:
         print(text, flush=True)
@@ -1027,6 +1155,7 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     log(f"torch {torch.__version__} triton {triton.__version__} GPUs {gpus} "
         f"{torch.cuda.get_device_name(0) if gpus else 'none'}")
+    log(f"GPU 0 at the start: {gpu_state()}")
     tables = [None, None, None]     # dense, MoE, dense per shape (install_configs); None: the committed ones
     if args.configs:
         saved = json.loads(args.configs.read_text())
@@ -1039,8 +1168,14 @@ def main() -> None:
         trip_scan(torch.device("cuda:0"), log)
         return
     if args.cuda_sweep:
-        rows, anchors = cuda_sweep(torch.device("cuda:0"), log, args.ms, args.experimental)
+        rows, anchors = cuda_sweep(torch.device("cuda:0"), log, args.ms or MS, args.experimental)
         (args.out / "cuda_sweep.json").write_text(json.dumps({"tiles": rows, "anchors": anchors}, indent=1))
+        log(f"GPU 0 at the end: {gpu_state()}")
+        return
+    if args.moe_cuda_sweep:
+        rows = moe_cuda_sweep(torch.device("cuda:0"), log, args.ms or (1, 2, 4, 8, 16))
+        (args.out / "moe_cuda_sweep.json").write_text(json.dumps(rows, indent=1))
+        log(f"GPU 0 at the end: {gpu_state()}")
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"
     pool = mp.get_context("spawn").Pool(args.workers, initializer=_worker_init, initargs=(check_device,))
@@ -1095,6 +1230,7 @@ def main() -> None:
     results["tables"] = {"dense": DENSE_CONFIGS, "moe": MOE_CONFIGS,
                          "dense_shapes": {f"{k}x{n}": t for (k, n), t in DENSE_SHAPE_CONFIGS.items()}}
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    log(f"GPU 0 at the end: {gpu_state()}")
     summary = markdown(results.get("dense"), results.get("moe"), results.get("copy_gbps"), results.get("correctness"))
     (args.out / "summary.md").write_text(summary + "\n")
     log(summary)

@@ -82,3 +82,26 @@ def test_configs_json_round_trip_keeps_the_cuda_tiles(bench, committed_tables):
     assert configs.DENSE_CONFIGS == generic
     tiles = [cfg["CUDA"] for table in before.values() for _, cfg in table if isinstance(cfg.get("CUDA"), CudaTile)]
     assert any(tile.tpw == 2 for tile in tiles)    # every field survives, not only the positional ones
+
+
+def test_moe_cuda_sweep_candidates_fit_their_launches(bench):
+    """Every tile --moe-cuda-sweep times fits the K2 layer's launch it is timed on (a tile that did not would fall back
+    to Triton in fused_moe and be timed as if it were the CUDA kernel's)."""
+    gate_ups, downs = bench.moe_cuda_candidates(1), bench.moe_down_cuda_candidates(1)
+    assert gate_ups and downs
+    assert all(tile.fits_gate_up(2 * bench.INTER, bench.HIDDEN) for tile in gate_ups)
+    assert all(tile.fits_down(bench.HIDDEN, bench.INTER, bench.TOP_K) for tile in downs)
+
+
+def test_moe_tables_keep_and_round_trip_their_cuda_tiles(bench, committed_tables, monkeypatch):
+    """A MoE table naming CUDA tiles survives configs.json (install_configs reads the tiles back), and the Triton
+    sweep's MoE table keeps the committed CUDA keys of each bound while its candidates carry none."""
+    gate_up, down = CudaTile(2, 8, 1, 8, ch=4), CudaTile(1, 8, 1, 8)
+    table = [[bound, [dict(c13, CUDA=gate_up), dict(c2, CUDA=down)]] for bound, (c13, c2) in configs.MOE_CONFIGS]
+    saved = json.loads(json.dumps({"moe_table": table}, default=bench.config_json))
+    bench.install_configs(None, saved["moe_table"], None)
+    assert all(c13["CUDA"] == gate_up and c2["CUDA"] == down for _, (c13, c2) in configs.MOE_CONFIGS)
+    assert all(not set(c) & set(bench.CUDA_KEYS) for m in bench.SWEEP_MOE_MS for c in bench.OLD_MOE[m])
+    monkeypatch.setitem(bench.OLD_MOE_CUDA, 4, ({"CUDA": gate_up}, {}))
+    swept = [{**c, "CUDA": CudaTile(8, 8, 8, 8)} for c in bench.OLD_MOE[4]]
+    assert bench.with_moe_cuda_keys(swept, 4) == [dict(bench.OLD_MOE[4][0], CUDA=gate_up), bench.OLD_MOE[4][1]]

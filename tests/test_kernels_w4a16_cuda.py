@@ -1,11 +1,12 @@
 """The CUDA W4A16 kernel (w4a16_cuda.cu): its operand copy, checked on the CPU against a model of what the kernel's
 lanes read, and the kernel itself on a GPU (marked `gpu`) against dequantize-then-matmul in float64.
 
-The model (`emulate`) is written from the kernel's own rules, not from cuda_order_copy: for K step kb and sub-step j
-of a 16-row tile, lane (g, t) holds words [row g group 0, row g+8 group 0, row g group 1, row g+8 group 1]; the A
-registers of sub-step j = 2h + jj are pairs 2jj (slots 2t, 2t+1) and 2jj + 1 (slots 2t+8, 2t+9) of words 2h (rows
-0-7) and 2h + 1 (rows 8-15), a pair p being nibbles (p, p + 4) minus 8; B slot c of column n is x[n][64 kb + 16 j
-+ 4 (c % 8 // 2) + 2 (c // 8) + c % 2]; each sub-step's product is scaled by its group's scale of the row.
+The model (`emulate`, in support/cuda_operands.py) is written from the kernel's own rules, not from
+cuda_order_copy: for K step kb and sub-step j of a 16-row tile, lane (g, t) holds words [row g group 0, row g+8 group
+0, row g group 1, row g+8 group 1]; the A registers of sub-step j = 2h + jj are pairs 2jj (slots 2t, 2t+1) and 2jj + 1
+(slots 2t+8, 2t+9) of words 2h (rows 0-7) and 2h + 1 (rows 8-15), a pair p being nibbles (p, p + 4) minus 8; B slot c
+of column n is x[n][64 kb + 32 h + 8 (c % 8 // 2) + 4 jj + 2 (c // 8) + c % 2]; each sub-step's product is scaled by
+its group's scale of the row.
 """
 import re
 import zlib
@@ -15,41 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from support.cuda_operands import FakeX, compile_for_sm90, emulate, needs_nvrtc, reference
+
 from k2vec.engines.gpu_triton.kernels.w4a16_cuda import (CudaOrder, CudaTile, cuda_order_codes, cuda_order_copy,
                                                          cuda_order_scales, m_tiles)
-
-
-def bf16_bits_to_f64(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def emulate(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float64 y [M, N] as the kernel computes it from its operand copy (codes int32 [T, KB, 32, 4], scales int32
-    [T, KB, 8, 2] of bf16 pairs or float32 [T, KB, 8, 4])."""
-    t_tiles, kb_steps = codes.shape[:2]
-    nib = (codes.view(np.uint32)[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF    # [T, KB, 32, 4, 8]
-    j, r, c = np.meshgrid(np.arange(4), np.arange(16), np.arange(16), indexing="ij")
-    lane = 4 * (r % 8) + (c % 8) // 2
-    word = 2 * (j // 2) + r // 8
-    nibble = 2 * (j % 2) + c // 8 + 4 * (c % 2)
-    a = nib[:, :, lane, word, nibble].astype(np.float64) - 8                                # [T, KB, 4, 16, 16]
-    k_of = 16 * np.arange(4)[:, None] + 4 * ((np.arange(16) % 8) // 2) + 2 * (np.arange(16) // 8) + np.arange(16) % 2
-    b = x.reshape(x.shape[0], kb_steps, 64)[:, :, k_of]                                    # [M, KB, 4, 16]
-    d = np.einsum("tkjrc,mkjc->tkjrm", a, b)
-    if scales.dtype == np.float32:          # [T, KB, g, (h, r)]
-        per_g = scales.astype(np.float64).reshape(t_tiles, kb_steps, 8, 2, 2)
-    else:                                   # bf16 pairs in int32 words
-        per_g = bf16_bits_to_f64(scales.view(np.uint16).reshape(t_tiles, kb_steps, 8, 2, 2))
-    s = per_g.transpose(0, 1, 3, 4, 2).reshape(t_tiles, kb_steps, 2, 16)                    # [T, KB, h, row]
-    y = np.einsum("tkjrm,tkjr->mtr", d, s[:, :, np.arange(4) // 2, :])
-    return y.reshape(x.shape[0], t_tiles * 16)
-
-
-def reference(x: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """scales: bf16 bits (uint16) or float32."""
-    q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float64) - 8
-    s = np.repeat(scales.astype(np.float64) if scales.dtype == np.float32 else bf16_bits_to_f64(scales), 32, axis=1)
-    return x @ (q * s).T
 
 
 @dataclass(frozen=True)
@@ -126,6 +96,14 @@ TILE_CASES = [
     TileCase("three blocks per SM", CudaTile(2, 2, 2, 12, ring=True, minb=3), 2048, 7168, 4, False),
     TileCase("64 rows of x in a ring of chunks", CudaTile(4, 2, 2, 8, nxr=4), 4096, 7168, 64, True),
     TileCase("a ring of one chunk", CudaTile(4, 2, 2, 8, nxr=1), 4096, 7168, 16, False),
+    TileCase("x multicast to 2 blocks along N in clusters of 4", CudaTile(2, 4, 2, 8, xmc=2), 2048, 7168, 16, True),
+    TileCase("x multicast: N blocks not in whole clusters", CudaTile(2, 4, 2, 8, xmc=4), 2080, 7168, 16, False),
+    TileCase("x multicast: a cluster of 16", CudaTile(2, 4, 2, 8, xmc=8), 2048, 7168, 16, False),
+    TileCase("x multicast to 3 blocks", CudaTile(2, 4, 1, 8, xmc=3), 2016, 7168, 16, False),
+    TileCase("x multicast with x's ring", CudaTile(2, 4, 1, 8, nxr=2, xmc=2), 2048, 7168, 16, False),
+    TileCase("x's rows fitted to M = 1", CudaTile(1, 8, 1, 8, fit_x=True), 2048, 7168, 1, True),
+    TileCase("x's rows fitted to M = 4", CudaTile(1, 8, 1, 8, fit_x=True), 2048, 7168, 4, True),
+    TileCase("x's rows fitted to M = 5", CudaTile(1, 8, 1, 8, fit_x=True), 2048, 7168, 5, False),
 ]
 
 
@@ -137,7 +115,8 @@ def test_tile_fits(case):
 def test_m_tiles_and_defines():
     assert [m_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
     assert CudaTile(4, 2, 4, 32).defines(7168, 5, True) == dict(NWN=4, TPW=1, NWK=2, CL=4, STEPS=14, MT=1, PF=14, CH=2,
-                                                                SF32=1, FOLD=0, RING=0, MINB=1, NXR=0)
+                                                                SF32=1, FOLD=0, RING=0, MINB=1, NXR=0, XMC=1,
+                                                                MOE=0, TOPK=1, IDS64=0, OUT_PLANES=0, XROWS=8)
     assert CudaTile(2, 4, 2, 4, tpw=2).rows == 64
     # the ring: PF + 1 slots per warp of 32 lanes x 16 bytes of codes and 8 lane groups x 16 bytes of scales
     plain, ring = CudaTile(1, 8, 1, 24), CudaTile(1, 8, 1, 24, ring=True)
@@ -146,8 +125,16 @@ def test_m_tiles_and_defines():
     # x's ring: 14 steps a warp in chunks of 4 (4 chunks), a ring of 3 of them (or of all 4 where 6 are asked for)
     chunks = CudaTile(1, 8, 1, 8, ch=4, nxr=3)
     assert chunks.defines(7168, 4, False)["NXR"] == 3 and CudaTile(1, 8, 1, 8, ch=4, nxr=6).x_chunks(7168) == 4
-    x_whole, x_ring = 8 * 8 * (14 * 64 + 16) * 2, 8 * 3 * 8 * (4 * 64 + 16) * 2    # bytes: 8 K warps x 8 rows
+    x_whole, x_ring = 8 * 8 * (14 * 64 + 32) * 2, 8 * 3 * 8 * (4 * 64 + 32) * 2    # bytes: 8 K warps x 8 rows
     assert plain.shared_bytes(7168, 4) - chunks.shared_bytes(7168, 4) == x_whole - x_ring
+    # x's rows fitted to M (fit_x): 1, 2 or 4 of them, 7, 6 or 4 fewer in each K warp group's slice
+    fitted = CudaTile(1, 8, 1, 24, fit_x=True)
+    assert [fitted.defines(7168, m, False)["XROWS"] for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert plain.defines(7168, 1, False)["XROWS"] == 8
+    assert plain.shared_bytes(7168, 1) - fitted.shared_bytes(7168, 1) == 8 * 7 * (14 * 64 + 32) * 2
+    assert plain.shared_bytes(7168, 3) - fitted.shared_bytes(7168, 3) == 8 * 4 * (14 * 64 + 32) * 2
+    # x multicast: 8 K warps x 4 chunks of mbarriers (8 bytes each) in one 256-byte run ahead of x
+    assert CudaTile(1, 8, 1, 24, ch=4, xmc=2).shared_bytes(7168, 4) - plain.shared_bytes(7168, 4) == 256
 
 
 @dataclass(frozen=True)
@@ -200,7 +187,7 @@ GPU_CASES = [
     GpuCase("the fit rule, float32 scales", 7, 1024, 512, None, "float32"),
     GpuCase("a cluster of 2, x in eight m8 tiles", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=1)),
     GpuCase("a cluster of 4, 33 rows", 33, 1024, 1024, CudaTile(4, 1, 4, 2, ch=2)),
-    GpuCase("two tiles per warp, 64 rows, a cluster of 2", 64, 1024, 1024, CudaTile(2, 2, 2, 4, ch=2, tpw=2)),
+    GpuCase("two tiles per warp, 32 rows, a cluster of 2", 32, 1024, 1024, CudaTile(2, 2, 2, 4, ch=2, tpw=2)),
     GpuCase("two tiles per warp, 9 rows, float32 scales", 9, 1024, 1536, CudaTile(1, 4, 2, 8, ch=4, tpw=2),
             "float32"),
     GpuCase("scales folded, four tiles per warp, 32 rows", 32, 2048, 1024,
@@ -228,6 +215,24 @@ GPU_CASES = [
     GpuCase("x's ring, a short last chunk, a cluster of 2", 12, 512, 3584, CudaTile(1, 2, 2, 12, ch=4, ring=True,
                                                                                    nxr=2)),
     GpuCase("x's ring, 64 rows, scales folded", 64, 1024, 2048, CudaTile(2, 2, 1, 8, ch=2, tpw=2, fold=True, nxr=3)),
+    # x multicast along N: to 2 blocks (rows split 8 / 8), to 4 with fewer rows than blocks (some copy nothing), in a
+    # cluster that also splits K (the partials' peers at other N places), with the codes' ring, a short last chunk,
+    # 64 rows, float32 scales
+    GpuCase("x multicast to 2 blocks, 16 rows", 16, 1024, 2048, CudaTile(2, 2, 1, 8, ch=2, xmc=2)),
+    GpuCase("x multicast to 4 blocks, 3 rows", 3, 1024, 2048, CudaTile(1, 2, 1, 8, ch=4, xmc=4)),
+    GpuCase("x multicast to 2 blocks, a cluster of 2 along K, 9 rows, float32 scales", 9, 1024, 2048,
+            CudaTile(2, 2, 2, 8, ch=2, xmc=2), "float32"),
+    GpuCase("x multicast with the codes' ring, a short last chunk, 12 rows", 12, 512, 3584,
+            CudaTile(1, 2, 2, 12, ch=4, ring=True, xmc=2)),
+    GpuCase("x multicast, 64 rows, scales folded, two tiles per warp", 64, 1024, 1024,
+            CudaTile(2, 2, 2, 4, ch=2, tpw=2, fold=True, xmc=2)),
+    GpuCase("x multicast, one row of x", 1, 2048, 2048, CudaTile(2, 2, 1, 8, ch=2, xmc=4)),
+    # x's rows in shared memory fitted to M (fit_x), the other B columns reading them again
+    GpuCase("x's one row, two blocks per SM", 1, 2048, 7168, CudaTile(1, 8, 1, 8, ch=4, minb=2, fit_x=True)),
+    GpuCase("x's two rows, a cluster of 2, float32 scales", 2, 1024, 2048, CudaTile(2, 4, 2, 8, ch=2, fit_x=True),
+            "float32"),
+    GpuCase("x's four rows for three, the codes' ring", 3, 1024, 2048, CudaTile(2, 2, 1, 12, ch=2, ring=True,
+                                                                                 fit_x=True)),
 ]
 
 
@@ -269,26 +274,6 @@ def test_gpu_cuda_kernel_sees_a_flipped_nibble(m, flip, cuda_calls):
 
 
 # ---------------------------------------------------------------- which calls reach it
-
-@dataclass
-class FakeX:
-    """What cuda_tile reads of an activation tensor, on a pretended CUDA device."""
-    rows: int
-    dtype: torch.dtype = torch.bfloat16
-    ptr: int = 1 << 20
-    is_cuda: bool = True
-
-    @property
-    def shape(self):
-        return (self.rows, 7168)
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-    def data_ptr(self):
-        return self.ptr
-
 
 @dataclass(frozen=True)
 class DispatchCase:
@@ -418,25 +403,6 @@ def test_cubin_cache_unwritable_compiles_every_time(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ compiled by NVRTC on the CPU (no GPU needed)
 
-def nvrtc_available() -> bool:
-    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import CudaKernelError, _nvrtc
-    try:
-        _nvrtc()
-        return True
-    except CudaKernelError:
-        return False
-
-
-needs_nvrtc = pytest.mark.skipif(not nvrtc_available(), reason="no NVRTC: the [test] extra installs "
-                                                               "nvidia-cuda-nvrtc-cu12")
-
-
-def compile_for_sm90(tile: CudaTile, k: int, m: int, float32_scales: bool):
-    from k2vec.engines.gpu_triton.kernels.w4a16_cuda import kernel_source, nvrtc_compile
-    defines = tuple(tile.defines(k, m, float32_scales).items())
-    return nvrtc_compile(kernel_source(defines), "sm_90", ("--ptxas-options=-v",))
-
-
 @dataclass(frozen=True)
 class CompileCase:
     name: str
@@ -500,6 +466,9 @@ WAIT_CASES = [
     WaitCase("x's ring of 2, the codes' ring", CudaTile(2, 4, 1, 12, ch=2, ring=True, nxr=2), 7168),
     WaitCase("x's ring of 4, a short last chunk, the codes' ring", CudaTile(1, 8, 1, 8, ch=4, ring=True, nxr=4), 7168),
     WaitCase("x's ring of 2, a chunk a step", CudaTile(2, 4, 1, 8, ch=1, nxr=2), 2048),
+    WaitCase("x multicast: no cp.async groups", CudaTile(1, 8, 1, 8, ch=4, xmc=2), 7168),
+    WaitCase("x multicast, the codes' ring", CudaTile(2, 4, 1, 12, ch=2, ring=True, xmc=2), 7168),
+    WaitCase("x multicast, the codes' ring, all steps in flight", CudaTile(1, 8, 1, 24, ch=4, ring=True, xmc=4), 7168),
 ]
 
 
@@ -508,19 +477,20 @@ def protocol_waits(tile: CudaTile, k: int) -> list[int]:
     steps 0 .. PF - 1 of codes; x's chunks, all of them or the ring's first NXR; then per step s, with `ring` step
     s + PF before the step's wait, and at the start of chunk c >= 1, after the wait, chunk c - 1 + NXR into the
     ring), and at each wait (every step with `ring`, else where a chunk starts) the groups it may leave in flight:
-    those committed after the last it needs (the step's codes, its x chunk); cp.async.wait_group takes up to 63."""
+    those committed after the last it needs (the step's codes, its x chunk); cp.async.wait_group takes up to 63. With
+    `xmc` x is not among the groups (bulk copies, an mbarrier per chunk): the waits are the codes' ring's alone."""
     d = tile.defines(k, 4, False)
-    steps, pf, ch, nxr, ring = d["STEPS"], d["PF"], d["CH"], d["NXR"], d["RING"]
+    steps, pf, ch, nxr, ring, multicast = d["STEPS"], d["PF"], d["CH"], d["NXR"], d["RING"], d["XMC"] > 1
     nch = -(-steps // ch)
     groups = [("c", s) for s in range(pf)] if ring else []
-    groups += [("x", c) for c in range(nxr or nch)]
+    groups += [] if multicast else [("x", c) for c in range(nxr or nch)]
     waits = []
     for s in range(steps):
         c = s // ch
         if ring and s + pf < steps:
             groups.append(("c", s + pf))
-        if ring or s % ch == 0:
-            need = {("x", c), ("c", s)} if ring else {("x", c)}
+        if ring or s % ch == 0 and not multicast:
+            need = ({("c", s)} if ring else set()) | (set() if multicast else {("x", c)})
             last = max(i for i, group in enumerate(groups) if group in need)
             waits.append(min(len(groups) - 1 - last, 63))
         if nxr and s % ch == 0 and c >= 1 and c - 1 + nxr < nch:
@@ -535,3 +505,15 @@ def test_kernel_waits_for_exactly_the_data_it_reads(case):
     count too high reads codes or x before they land, one too low waits for copies not yet needed."""
     out = compile_for_sm90(case.tile, case.k, 4, False)
     assert [int(n) for n in re.findall(r"cp\.async\.wait_group (\d+);", out.ptx)] == protocol_waits(case.tile, case.k)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("case", [c for c in WAIT_CASES if c.tile.xmc > 1], ids=lambda c: c.name)
+def test_multicast_kernel_waits_once_per_chunk_of_x(case):
+    """With x multicast, each chunk of x is waited for on its own mbarrier where the K loop reaches it (one wait per
+    chunk in the unrolled loop), and x arrives by multicast bulk copies, not cp.async."""
+    out = compile_for_sm90(case.tile, case.k, 4, False)
+    d = case.tile.defines(case.k, 4, False)
+    assert len(re.findall(r"mbarrier\.try_wait\.parity", out.ptx)) == -(-d["STEPS"] // d["CH"])
+    assert "multicast::cluster" in out.ptx
+    assert d["RING"] or "cp.async.cg" not in out.ptx     # without the codes' ring no cp.async at all

@@ -33,6 +33,7 @@ from k2vec.engines.gpu_triton.kernels import (
     pack_for_gpu,
     w4a16_linear,
 )
+from k2vec.engines.gpu_triton.kernels.configs import moe_names_cuda
 from k2vec.errors import K2VecError
 from k2vec.kdtr import bf16_to_f32
 from k2vec.reference.model import Dims, rope_tables
@@ -164,7 +165,8 @@ class BundleLoader:
                      for p, group in names.items()}
             return RoutedExperts(packed=pack_experts(parts["gate"], parts["up"], parts["down"],
                                                      group_size=self.group_size, scale_dtype=self.scale_dtype,
-                                                     device=self.device))
+                                                     device=self.device,
+                                                     cuda_order=self.dtype == torch.bfloat16 and moe_names_cuda()))
         if flags == {False}:
             gate_up = torch.stack([torch.cat([self.dense(g), self.dense(u)])
                                    for g, u in zip(names["gate"], names["up"])])

@@ -127,6 +127,12 @@ _ONE_PAIR = dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, X_PLANES=True, SCALE_GROUPS
 MOE_CONFIGS_FP32: list[tuple[int, tuple[dict, dict]]] = [(1 << 62, (_ONE_PAIR, _ONE_PAIR))]
 
 
+def moe_names_cuda() -> bool:
+    """Whether a MOE_CONFIGS entry runs a launch on the CUDA kernel: only then does a bf16 engine need the experts'
+    CUDA-order copies (as many bytes again as the experts)."""
+    return any("CUDA" in cfg for _, pair in MOE_CONFIGS for cfg in pair)
+
+
 def pick_config(configs: list[tuple[int, dict]], m: int) -> dict:
     return next(cfg for bound, cfg in configs if m <= bound)
 

@@ -5,7 +5,8 @@ out[m] = sum_j w[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])), e = topk_ids[m
 Layout (load-time transform, `pack_experts`): the E experts' packed bytes and scales are stacked, gate and
 up rows concatenated per expert: w13 uint8 [E, 2I, H/2] (rows 0..I-1 gate, I..2I-1 up), w2 uint8
 [E, H, I/2], scales [E, 2I, H/G] and [E, H, I/G]. The bytes are the bundle's own; only their placement
-changes (one copy at load).
+changes (one copy at load). For bf16 activations, a second copy of both in the CUDA kernel's operand order
+(w4a16_cuda.gate_up_order_copy, down_order_copy), which a launch reads where its config names a CUDA tile.
 
 Each (token, expert) pair p = m * top_k + j is one row of work. With BLOCK_M == 1 a program takes one pair
 straight from `topk_ids` (no sorting: for decode each expert has about one pair). With BLOCK_M >= 16 the
@@ -16,6 +17,8 @@ only on M, so nothing synchronises with the host (CUDA-graph capturable).
 1. gate/up: h[p] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T), t = p // top_k, h in x.dtype ([P, I]).
 2. down: y[p] = w[p] * (h[p] @ down_e^T), float32 [P, H].
 3. combine: out[m] = sum_j y[m * top_k + j] (a fixed-order sum, deterministic), cast to x.dtype.
+Either launch may run on the CUDA kernel instead (bf16, one pair or token per block: moe_cuda_tiles); its down
+launch does 2 and 3 in one, each token's pairs side by side along K, summed in j's order.
 """
 from __future__ import annotations
 
@@ -43,7 +46,16 @@ from k2vec.engines.gpu_triton.kernels.sync import (
     _split_sum,
     split_buffers,
 )
-from k2vec.engines.gpu_triton.kernels.w4a16 import _int4_tile, check_activation, interpreting, to_planes
+from k2vec.engines.gpu_triton.kernels.w4a16 import _int4_tile, check_activation, cuda_takes, interpreting, to_planes
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import (
+    CudaOrder,
+    CudaTile,
+    down_order_copy,
+    gate_up_order_copy,
+    supported,
+    w4a16_cuda_down,
+    w4a16_cuda_gate_up,
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,8 @@ class PackedExperts:
     hidden: int
     intermediate: int
     group_size: int
+    cuda13: CudaOrder | None = None     # gate/up in the CUDA kernel's operand order (w4a16_cuda.gate_up_order_copy)
+    cuda2: CudaOrder | None = None      # down in it (w4a16_cuda.down_order_copy)
 
 
 def _stack(pairs: Sequence, what: str, scale_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,10 +84,11 @@ def _stack(pairs: Sequence, what: str, scale_dtype: str) -> tuple[torch.Tensor, 
 
 
 def pack_experts(gate: Sequence, up: Sequence, down: Sequence, group_size: int, scale_dtype: str,
-                 device) -> PackedExperts:
+                 device, cuda_order: bool = False) -> PackedExperts:
     """Stack E experts' bundle weights: each list holds E (qw, sc) pairs as `pack_for_gpu` takes them.
 
-    gate/up: W [I, H] (qw [I, H/2], sc [I, H/G]); down: W [H, I] (qw [H, I/2], sc [H, I/G]).
+    gate/up: W [I, H] (qw [I, H/2], sc [I, H/G]); down: W [H, I] (qw [H, I/2], sc [H, I/G]). cuda_order: with
+    the CUDA kernel's copies (as many bytes again) where its format allows (w4a16_cuda.supported).
     """
     if not (len(gate) == len(up) == len(down) and len(gate) > 0):
         raise ValueError(f"pack_experts: gate/up/down need the same non-zero number of experts, "
@@ -93,9 +108,14 @@ def pack_experts(gate: Sequence, up: Sequence, down: Sequence, group_size: int, 
         if tuple(map(tuple, shapes)) != wanted[what] or hidden % group_size or inter % group_size:
             raise ValueError(f"pack_experts: {what} .qw/.sc shapes {tuple(map(tuple, shapes))} do not fit "
                              f"hidden {hidden}, intermediate {inter}, group_size {group_size}: want {wanted[what]}")
-    return PackedExperts(torch.cat([wg, wu], dim=1).to(device).contiguous(),
-                         torch.cat([sg, su], dim=1).to(device).contiguous(),
-                         w2.to(device).contiguous(), s2.to(device).contiguous(), e, hidden, inter, group_size)
+    w13, s13 = torch.cat([wg, wu], dim=1).to(device).contiguous(), torch.cat([sg, su], dim=1).to(device).contiguous()
+    w2, s2 = w2.to(device).contiguous(), s2.to(device).contiguous()
+    # (I is a multiple of G, so with G 32 gate and up are whole 16-row tiles each)
+    return PackedExperts(w13, s13, w2, s2, e, hidden, inter, group_size,
+                         gate_up_order_copy(w13, s13, hidden)
+                         if cuda_order and supported(2 * inter, hidden, group_size, s13.dtype) else None,
+                         down_order_copy(w2, s2, inter)
+                         if cuda_order and supported(hidden, inter, group_size, s2.dtype) else None)
 
 
 @triton.jit
@@ -258,6 +278,27 @@ def _launch(x, w, s, y, pair_ids, block_expert, route_w, num_pairs, num_blocks, 
                       bf16_scales))
 
 
+MAX_GRID_Z = 65535     # the CUDA launches' pairs (gate/up) or tokens (down) along the grid's z
+
+
+def moe_cuda_tiles(entries: tuple[dict, dict], experts: PackedExperts, x: torch.Tensor, out: torch.Tensor,
+                   top_k: int) -> tuple[CudaTile | None, CudaTile | None]:
+    """The CUDA kernel's tiles for the (gate/up, down) configs' "CUDA" keys, each where the kernel can take that
+    launch: x it can read (w4a16.cuda_takes), the launch's CUDA-order copy of the experts, a tile that fits; for the
+    down launch a bf16 contiguous `out` too, which it writes; at most MAX_GRID_Z pairs. None: that launch's Triton
+    config."""
+    if not cuda_takes(x) or x.shape[0] * top_k > MAX_GRID_Z:
+        return None, None
+    gate_up, down = entries[0].get("CUDA"), entries[1].get("CUDA")
+    if gate_up is not None and not (experts.cuda13 is not None
+                                    and gate_up.fits_gate_up(2 * experts.intermediate, experts.hidden)):
+        gate_up = None
+    if down is not None and not (experts.cuda2 is not None and out.dtype == torch.bfloat16 and out.is_contiguous()
+                                 and down.fits_down(experts.hidden, experts.intermediate, top_k)):
+        down = None
+    return gate_up, down
+
+
 def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               out: torch.Tensor | None = None, config: tuple[dict, dict] | None = None) -> torch.Tensor:
     """out [M, H] in x.dtype; routed_scaling_factor is not applied (fold it into topk_weights); topk_ids int64 (as
@@ -278,6 +319,8 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
     num_pairs = flat_ids.numel()
     cfg13, cfg2 = config or pick_config(MOE_CONFIGS_FP32 if x.dtype == torch.float32 else MOE_CONFIGS, m)
+    cuda_named, cuda_pdl = cfg13.get("CUDA") is not None, (cfg13.get("CUDA_PDL", True), cfg2.get("CUDA_PDL", True))
+    cuda13, cuda2 = moe_cuda_tiles((cfg13, cfg2), experts, x, out, top_k)
     interpret = interpreting()
     cfg13 = tile_config(cfg13, experts.group_size, interpret, x.device)
     cfg2 = tile_config(cfg2, experts.group_size, interpret, x.device)
@@ -288,8 +331,11 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
     sorted_ = cfg13.pop("SORTED", cfg13["BLOCK_M"] > 1)
     if cfg2.pop("SORTED", cfg2["BLOCK_M"] > 1) != sorted_ or (sorted_ and cfg13["BLOCK_M"] != cfg2["BLOCK_M"]):
         raise ValueError("fused_moe: gate/up and down configs must share SORTED and, sorted, BLOCK_M (one layout)")
-    if cfg13["X_PLANES"]:
+    if cuda_named and sorted_:
+        raise ValueError("fused_moe: the CUDA gate/up launch takes one pair per block (SORTED False)")
+    if cfg13["X_PLANES"] and cuda13 is None:
         x = to_planes(x)
+    h_planes = cfg2["X_PLANES"] and cuda2 is None     # the CUDA down launch reads h as it is
     block_m = cfg13["BLOCK_M"]
     if not sorted_:
         pair_ids, block_expert, num_blocks = flat_ids, flat_ids, num_pairs
@@ -298,8 +344,13 @@ def fused_moe(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, t
         num_blocks = block_expert.numel()
     inter, hidden = experts.intermediate, experts.hidden
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    _launch(x, experts.w13, experts.s13, h, pair_ids, block_expert, route_w, num_pairs, num_blocks, inter, hidden,
-            experts.num_experts, top_k, True, False, sorted_, experts.group_size, cfg13, cfg2["X_PLANES"])
+    if cuda13 is not None:
+        w4a16_cuda_gate_up(x, experts.cuda13, flat_ids, top_k, 2 * inter, hidden, h, cuda13, h_planes, cuda_pdl[0])
+    else:
+        _launch(x, experts.w13, experts.s13, h, pair_ids, block_expert, route_w, num_pairs, num_blocks, inter, hidden,
+                experts.num_experts, top_k, True, False, sorted_, experts.group_size, cfg13, h_planes)
+    if cuda2 is not None:     # each token's pairs summed in the launch, into `out`
+        return w4a16_cuda_down(h, experts.cuda2, flat_ids, route_w, top_k, hidden, inter, out, cuda2, cuda_pdl[1])
     if cfg2.get("COMBINE") and not sorted_ and out.dtype == x.dtype and out.stride(1) == 1:
         # the down launch sums each token's pairs into `out` itself
         _launch(h, experts.w2, experts.s2, out, pair_ids, block_expert, route_w, num_pairs, num_blocks, hidden,

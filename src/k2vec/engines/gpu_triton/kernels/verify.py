@@ -6,13 +6,14 @@ reports the relative error ||out - ref|| / ||ref|| (NaN if any element was left 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from k2vec.engines.gpu_triton.kernels.fused_moe import PackedExperts, fused_moe, pack_experts
 from k2vec.engines.gpu_triton.kernels.int4_layout import PackedInt4, pack_for_gpu
 from k2vec.engines.gpu_triton.kernels.w4a16 import w4a16_linear
+from k2vec.engines.gpu_triton.kernels.w4a16_cuda import gate_up_order_copy
 from k2vec.seeds import seed_for
 
 # relative-error bounds per activation dtype: float32 is the golden-matching contract; fp16/bf16 round the
@@ -114,11 +115,11 @@ def check_split_sums(m: int, n: int, k: int, device, config: dict) -> CheckResul
 
 
 def random_experts(num_experts: int, hidden: int, inter: int, group_size: int, scale_dtype: str,
-                   gen: torch.Generator, device) -> PackedExperts:
+                   gen: torch.Generator, device, cuda_order: bool = False) -> PackedExperts:
     def weights(n, k):
         return [random_int4(n, k, group_size, scale_dtype, gen, device) for _ in range(num_experts)]
     return pack_experts(weights(inter, hidden), weights(inter, hidden), weights(hidden, inter),
-                        group_size, scale_dtype, device)
+                        group_size, scale_dtype, device, cuda_order)
 
 
 def random_routing(m: int, top_k: int, num_experts: int, used_experts: int, gen: torch.Generator, device):
@@ -152,24 +153,28 @@ def check_moe(m: int, num_experts: int, hidden: int, inter: int, top_k: int, use
               scale_dtype: str, act: str, device, flip: str | None = None,
               config: tuple[dict, dict] | None = None, experts: PackedExperts | None = None,
               ids_dtype: str = "int64") -> CheckResult:
-    """fused_moe vs float64; flip corrupts one nibble of a used expert's gate/up weight after the reference;
-    ids_dtype: the expert ids as torch's topk gives them (int64) or as int32."""
+    """fused_moe vs float64; flip corrupts one nibble of a used expert's gate/up weight after the reference (in the
+    bundle's order and, under bf16, in the CUDA kernel's copy made from it); ids_dtype: the expert ids as torch's
+    topk gives them (int64) or as int32."""
     name = (f"moe m{m} e{num_experts} h{hidden} i{inter} top{top_k} used{used_experts} g{group_size} "
             f"{scale_dtype} {act}" + (f" flip-{flip}" if flip else "")
             + ("" if ids_dtype == "int64" else f" {ids_dtype}"))
     gen = generator(device, name)
-    if experts is None:
-        experts = random_experts(num_experts, hidden, inter, group_size, scale_dtype, gen, device)
+    if experts is None:     # with the CUDA kernel's copy under bf16, as the engine loads them
+        experts = random_experts(num_experts, hidden, inter, group_size, scale_dtype, gen, device, act == "bfloat16")
     ids, weights = random_routing(m, top_k, num_experts, used_experts, gen, device)
     ids = ids.to(getattr(torch, ids_dtype))
     x = torch.randn(m, hidden, generator=gen, device=device).to(DTYPES[act])
     ref = moe_reference(x, experts, ids, weights)
+    run = experts
     if flip:
         flipped = experts.w13[int(ids[0, 0])]
         index, mask = flip_nibble(flipped, gen, flip == "high")
+        if experts.cuda13 is not None:     # the corrupt bytes as the loader would have copied them
+            run = replace(experts, cuda13=gate_up_order_copy(experts.w13, experts.s13, hidden))
     out = torch.full((m, hidden), float("nan"), dtype=x.dtype, device=device)
     try:
-        fused_moe(x, experts, ids, weights, out=out, config=config)
+        fused_moe(x, run, ids, weights, out=out, config=config)
     finally:
         if flip:    # undo, so a shared `experts` stays clean for the next check
             flipped[index] ^= mask

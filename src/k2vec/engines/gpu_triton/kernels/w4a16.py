@@ -239,13 +239,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cuda_takes(x: torch.Tensor) -> bool:
+    """Whether the CUDA kernel can read these activations: bf16, 16-byte aligned, on an sm_90 device, not in the
+    interpreter."""
+    return (x.dtype == torch.bfloat16 and x.is_cuda and not interpreting() and x.data_ptr() % 16 == 0
+            and runs_on(x.device.index))
+
+
 def cuda_tile(entry: dict, weight: PackedInt4, x: torch.Tensor) -> CudaTile | None:
-    """The CUDA kernel's tile for a config entry's "CUDA" key, where the kernel can take this call: bf16 x on an
-    sm_90 device (not the interpreter), the weight's CUDA-order copy, a tile that fits the shape. None: the entry's
-    Triton launch."""
+    """The CUDA kernel's tile for a config entry's "CUDA" key, where the kernel can take this call: x it can read
+    (cuda_takes), the weight's CUDA-order copy, a tile that fits the shape. None: the entry's Triton launch."""
     spec = entry.get("CUDA")
-    if (spec is None or weight.cuda is None or x.dtype != torch.bfloat16 or not x.is_cuda or interpreting()
-            or x.data_ptr() % 16 or not runs_on(x.device.index)):
+    if spec is None or weight.cuda is None or not cuda_takes(x):
         return None
     m = x.shape[0]
     tile = fit_tile(weight.n, weight.k, m) if spec == "fit" else spec

@@ -1,5 +1,6 @@
 // Dense W4A16 GEMM on the tensor cores, y[M, N] = x[M, K] @ W^T for bf16 x (M <= 8 * MT), INT4 codes with
-// group-32 scales (bf16 or float32), float32 accumulation; compiled at run time by NVRTC (w4a16_cuda.py), sm_90.
+// group-32 scales (bf16 or float32), float32 accumulation; compiled at run time by NVRTC (w4a16_cuda.py), sm_90
+// (sm_90a where x is multicast).
 //
 // Why CUDA and not Triton: a K step here is one 16-byte load of codes per lane, issued PF steps ahead into
 // registers, and a split-K partial is summed through the shared memory of a thread block cluster, never through
@@ -7,21 +8,37 @@
 //
 // The weight is the load-time copy w4a16_cuda.cuda_order_copy makes: per 16-row tile T and 64-wide K step kb,
 // 32 lanes x 16 bytes. Lane (g, t) = (lane / 4, lane % 4) holds four words: rows g and g + 8 of the tile, for the
-// step's two groups of 32. In the mma.m16n8k16 of K sub-step j (0..3) the tile's rows are the A operand and x's
-// rows the B operand; A-slot c (0..15) of sub-step j stands for K element 16 j + 4 (c % 8 / 2) + 2 (c / 8) + c % 2,
-// so lane t's B operand is x[16 j + 4 t .. + 3], one 8-byte read, and each sub-step lies in one group: its
-// product is scaled once, in float32, per row. Word nibbles p and p + 4 are the (lower, upper) halves of one A
-// register, so a register is one shift and one lop3 from the codes, then (128 + q) - 136 = q - 8 exactly in bf16.
+// step's two groups of 32. In the mma.m16n8k16 of K sub-step j = 2 h + jj (group h, jj 0..1) the tile's rows are the
+// A operand and x's rows the B operand; A-slot c (0..15) of sub-step j stands for K element 32 h + 8 (c % 8 / 2)
+// + 4 jj + 2 (c / 8) + c % 2, so lane t's B operands of a group's two sub-steps are x[32 h + 8 t .. + 7], one
+// 16-byte read, and each sub-step lies in one group: its product is scaled once, in float32, per row. Word nibbles p
+// and p + 4 are the (lower, upper) halves of one A register, so a register is one shift and one lop3 from the codes,
+// then (128 + q) - 136 = q - 8 exactly in bf16.
 //
 // Compile-time constants (w4a16_cuda.py defines them): NWN warps along N, TPW 16-row tiles per warp (each B operand
-// read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K
-// steps of 64 per warp, MT m8 tiles of x's rows, PF steps of codes in flight, CH steps of x per copy to shared
+// read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K steps
+// of 64 per warp, MT m8 tiles of x's rows, XROWS of them in shared memory (MT * 8, or 1, 2 or 4 for M up to that: the
+// other columns of B read those rows again, and their outputs are dropped), PF steps of codes in flight, CH steps of x per copy to shared
 // memory; NXR 0: a K warp group's whole slice of x in shared memory, else a ring of NXR (>= 2) chunks of it, each
 // refilled with a later chunk once the group's warps are past it; RING 1: codes and scales in flight through shared
-// memory rather than registers (below); MINB blocks per SM the registers are budgeted for (__launch_bounds__); SF32
-// 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded to bf16 as the
-// Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the accumulator
-// registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost).
+// memory rather than registers (below); MINB blocks per SM the registers are budgeted for (__launch_bounds__); SF32 1
+// for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded to bf16 as the
+// Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the accumulator registers
+// and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost). XMC > 1 (NXR 0 only): the cluster
+// also spans XMC blocks along N, which share x: each copies every XMC-th row of its K slice with one bulk copy per row
+// and chunk, multicast into the same place in all XMC blocks' shared memory, and a chunk's mbarrier (its bytes of all M
+// rows expected) says when it has landed, so that the blocks read x from L2 once per cluster rather than once per
+// block.
+//
+// MOE 1: the fused MoE's gate/up launch, one (token, expert) pair per blockIdx.z: x's row is pair / TOPK, the expert
+// ids[pair] (int64 where IDS64, else int32), which picks the weight, the experts' copies stacked (N rows each), each
+// expert's gate and up rows interleaved in 16-row tiles (w4a16_cuda.gate_up_order_copy), so that a block holds both
+// halves of its outputs; y is h [pairs, N / 2] = silu(gate) * up in bf16 (OUT_PLANES: column c at (c % 8) N / 16 +
+// c / 8, the down launch's plane-major x). The routing comes from the kernel before: the weights wait for it.
+// MOE 2: the down launch, one token per blockIdx.z: x is its TOPK rows of h side by side (K = TOPK times an expert's
+// K), each K warp group's slice within one pair, whose expert ids[pair] picks the weight (the experts' copies
+// stacked) and whose routing weight route_w[pair] scales the group's sum, so that the cluster's sum in K's order is
+// the token's weighted sum over its pairs, in pair order; y [tokens, N].
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -33,21 +50,36 @@ struct alignas(16) Scales { float g0, h0, g1, h1; };  // rows g / g + 8, groups 
 #else
 struct alignas(8) Scales { u32 grp0, grp1; };        // bf16 pairs (row g, row g + 8) per group
 #endif
-struct alignas(8) XPair { u32 lo, hi; };             // x[k .. k + 1], x[k + 2 .. k + 3]: one B operand
+struct alignas(16) XQuad { u32 b[4]; };              // x[k .. k + 7]: B operands (b[2 jj], b[2 jj + 1]) of sub-step jj
 
 #define NT (NWN * NWK * 32)
 #define N_CTA (16 * NWN * TPW)
 #define KC (NWK * STEPS * 64)        // K elements of one block
-#define XSW (STEPS * 64 + 16)        // x row stride in a K warp group's slice (bf16): +32 bytes spreads rows over banks
-#define XCW (CH * 64 + 16)           // NXR: x row stride in a chunk's slot
+#define XSW (STEPS * 64 + 32)        // x row stride in a K warp group's slice (bf16): +64 bytes, so that a quarter
+                                     // warp's 16-byte reads (rows g, g + 1, 4 lanes each) cover all 32 banks once
+#define XCW (CH * 64 + 32)           // NXR: x row stride in a chunk's slot
 #if NXR
-#define X_BYTES (NWK * NXR * MROWS * XCW * 2)
+#define X_BYTES (NWK * NXR * XROWS * XCW * 2)
 #else
-#define X_BYTES (NWK * MROWS * XSW * 2)
+#define X_BYTES (NWK * XROWS * XSW * 2)
 #endif
 #define MROWS (MT * 8)
+#if XROWS != MROWS && (MT != 1 || (XROWS != 1 && XROWS != 2 && XROWS != 4))
+#error "x's rows in shared memory: all of its m8 tiles', or 1, 2 or 4 (lane group g reads row g % XROWS)"
+#endif
 #define NCH ((STEPS + CH - 1) / CH)  // chunks of x per K warp group
 #define RS (PF + 1)                  // RING: slots per warp
+#define CLUSTER (CL * XMC)           // blocks in a cluster: CL along K (blockIdx.x), XMC along N
+#if XMC > 1 && NXR
+#error "x multicast (XMC > 1) needs x's whole slice in shared memory (NXR 0)"
+#endif
+#define BAR_BYTES (XMC > 1 ? (NWK * NCH * 8 + 127) / 128 * 128 : 0)   // XMC: the chunks' mbarriers, ahead of x
+#if MOE == 1 && (N_CTA % 32 || N_CTA / 2 % CL)
+#error "the MoE gate/up launch needs whole gate/up tile pairs in every block's share of its outputs"
+#endif
+#if MOE && XMC > 1
+#error "the MoE launches take one row of x per block: nothing to multicast"
+#endif
 
 __device__ __forceinline__ Codes load_codes(const Codes* p) {
     Codes c;
@@ -114,13 +146,14 @@ __device__ __forceinline__ void cp_async_wait(int pending) {
 }
 
 __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ constexpr int chunk_steps(int ch) { return imin(CH, STEPS - ch * CH); }   // the last: short
 __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
 
 // chunk ch of a K warp group's slice of x (its live rows) to dst, row stride `stride`, by the group's NWN warps; one
 // cp.async group
 __device__ __forceinline__ void copy_x(u16* dst, int stride, const u16* __restrict__ x, int M, int K, int kg0, int ch,
                                        int wn, int lane) {
-    const int s0 = ch * CH, per_row = (STEPS - s0 < CH ? STEPS - s0 : CH) * 8;   // 16-byte pieces
+    const int s0 = ch * CH, per_row = chunk_steps(ch) * 8;   // 16-byte pieces
     for (int p = wn * 32 + lane; p < M * per_row; p += NWN * 32) {
         const int row = p / per_row, piece = p % per_row;
         const u16* src = x + (size_t)row * K + kg0 + s0 * 64 + piece * 8;
@@ -129,6 +162,45 @@ __device__ __forceinline__ void copy_x(u16* dst, int stride, const u16* __restri
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
+
+#if XMC > 1
+// XMC: the chunks' mbarriers, [NWK][NCH], each one arrival (its initialising thread's, expecting the chunk's bytes of
+// all M rows) and the bulk copies' bytes; a thread per barrier
+__device__ __forceinline__ void x_barriers_init(u32 bars, int M) {
+    for (int i = threadIdx.x; i < NWK * NCH; i += NT) {
+        const int bytes = M * chunk_steps(i % NCH) * 128;
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bars + 8 * i) : "memory");
+        asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }"
+                     :: "r"(bars + 8 * i), "r"(bytes) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// a K warp group's share of x's rows (rows rn, rn + XMC, ... of its slice, chunk by chunk), each row's chunk one bulk
+// copy multicast to the cluster's blocks at this K place (ranks kblock + CL j); the group's threads issue them
+__device__ __forceinline__ void multicast_x(u16* xg, const u16* __restrict__ x, int M, int K, int kg0, u32 bars,
+                                            int kblock, int rn, int wn, int lane) {
+    u32 mask = 0;
+#pragma unroll
+    for (int j = 0; j < XMC; ++j) mask |= 1u << (kblock + CL * j);
+    const int mine = rn < M ? (M - rn + XMC - 1) / XMC : 0;
+    for (int p = wn * 32 + lane; p < mine * NCH; p += NWN * 32) {
+        const int ch = p / mine, row = rn + XMC * (p % mine), s0 = ch * CH;
+        const int bytes = chunk_steps(ch) * 128;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+                     "[%0], [%1], %2, [%3], %4;"
+                     :: "r"(shared_addr(xg + row * XSW + s0 * 64)), "l"(x + (size_t)row * K + kg0 + s0 * 64),
+                        "r"(bytes), "r"(bars + 8 * ch), "h"((u16)mask) : "memory");
+    }
+}
+
+// until the mbarrier's first phase has completed (its chunk of x landed, and is visible to this thread); the loop in
+// one asm block, its label local to the braces (a C++ loop around try_wait took 3 more registers at 7168->2048 M = 16)
+__device__ __forceinline__ void x_wait(u32 bar) {
+    asm volatile("{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n @!p bra WAIT;\n}"
+                 :: "r"(bar) : "memory");
+}
+#endif
 
 #if NXR
 // The cp.async groups in commit order: (RING) steps 0 .. PF - 1; chunks 0 .. NXR - 1 of x; then per step s, (RING)
@@ -161,6 +233,20 @@ __device__ __forceinline__ void copy_step(Codes* cdst, const Codes* csrc, Scales
 }
 #endif
 
+// partial sum `at` of the block of cluster rank r + CL (blockIdx.y % XMC) (its peer along K), or of this block
+__device__ __forceinline__ float partial(const float* part, u32 part0, int at, int r) {
+#if CL > 1
+    u32 remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote) : "r"(part0 + at * 4), "r"(r + CL * (int)(blockIdx.y % XMC)));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+#else
+    return part[at];
+#endif
+}
+
 __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, const float* c) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%10, %11, %12, %13};"
@@ -170,9 +256,10 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 
 extern "C" __global__ void __launch_bounds__(NT, MINB)
 w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scales* __restrict__ scales,
-          u16* __restrict__ y, int M, int N, int K) {
-    extern __shared__ __attribute__((aligned(16))) unsigned char smem[];
-    u16* xs = reinterpret_cast<u16*>(smem);                      // [NWK][MROWS][XSW], NXR: [NWK][NXR][MROWS][XCW]
+          u16* __restrict__ y, int M, int N, int K, const void* __restrict__ ids, const float* __restrict__ route_w) {
+    extern __shared__ __attribute__((aligned(128))) unsigned char smem_all[];
+    unsigned char* smem = smem_all + BAR_BYTES;                  // XMC: the mbarriers first
+    u16* xs = reinterpret_cast<u16*>(smem);                      // [NWK][XROWS][XSW], NXR: [NWK][NXR][XROWS][XCW]
     float* part = reinterpret_cast<float*>(smem + X_BYTES);      // [NWK][MROWS][N_CTA]
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -180,8 +267,37 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     const int wn = warp % NWN, wk = warp / NWN;
     const int kblock = blockIdx.x;                 // the block's place along K (its rank in the cluster)
     const int tile = (blockIdx.y * NWN + wn) * TPW;    // the warp's first 16-row tile
+#if MOE == 2
+    const int ksteps = K / TOPK / 64;              // one expert's steps (K: the token's TOPK rows of h side by side)
+    const int step0 = (kblock * NWK + wk) * STEPS % ksteps;
+#else
     const int ksteps = K / 64;
     const int step0 = (kblock * NWK + wk) * STEPS;
+#endif
+#if MOE == 1
+    // the routing and x may come from the kernel just before (PDL): wait before reading either, and so before the
+    // weights, which the routing picks
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const int pair = blockIdx.z;
+    x += (size_t)(pair / TOPK) * K;
+#elif MOE == 2
+    // the down launch, token blockIdx.z: the K warp group's slice lies in one pair (w4a16_cuda's fits_down), whose
+    // expert's weight it reads, its sum scaled by the pair's routing weight. The routing was complete before the
+    // gate/up launch this one follows began (that launch read it after its own wait), so it is read before this
+    // kernel's wait and the weights stream from the start, as the Triton down launch's ROUTED; x (h) after the wait
+    const int pair = blockIdx.z * TOPK + (kblock * NWK + wk) * STEPS / ksteps;
+    x += (size_t)blockIdx.z * K;
+    y += (size_t)blockIdx.z * N;
+#endif
+#if MOE
+#if IDS64
+    const long long expert = static_cast<const long long*>(ids)[pair];
+#else
+    const long long expert = static_cast<const int*>(ids)[pair];
+#endif
+    codes += (size_t)expert * (N / 16) * ksteps * 32;
+    scales += (size_t)expert * (N / 16) * ksteps * 8;
+#endif
 
     // the weight stream first: PF steps of codes and scales in flight before anything else waits (tile u of the
     // warp is ksteps steps further on)
@@ -217,18 +333,30 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     }
 #endif
 
-    // x may be the previous kernel's output: wait for it (PDL). Each K warp group (the NWN warps of one wk) copies
-    // the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each (all of them,
-    // or with NXR the first NXR into the ring's slots), and starts on a chunk as soon as it has landed (rows past M
-    // are never read into the live outputs: left unwritten)
+#if XMC > 1
+    // the mbarriers initialised in every block of the cluster before any block's copies signal them
+    const u32 xbars = shared_addr(smem_all) + 8 * wk * NCH;
+    x_barriers_init(shared_addr(smem_all), M);
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+
+    // x may be the previous kernel's output: wait for it (PDL; MOE 1 waited above). Each K warp group (the NWN warps of
+    // one wk) copies the live rows of its own K slice to shared memory in chunks of CH steps, one cp.async group each
+    // (all of them, or with NXR the first NXR into the ring's slots), and starts on a chunk as soon as it has landed
+    // (rows past M are never read into the live outputs: left unwritten)
+#if MOE != 1
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const int kg0 = kblock * KC + wk * STEPS * 64;
 #if NXR
-    u16* xg = xs + wk * NXR * MROWS * XCW;
+    u16* xg = xs + wk * NXR * XROWS * XCW;
 #pragma unroll
-    for (int ch = 0; ch < NXR; ++ch) copy_x(xg + ch * MROWS * XCW, XCW, x, M, K, kg0, ch, wn, lane);
+    for (int ch = 0; ch < NXR; ++ch) copy_x(xg + ch * XROWS * XCW, XCW, x, M, K, kg0, ch, wn, lane);
+#elif XMC > 1
+    u16* xg = xs + wk * XROWS * XSW;
+    multicast_x(xg, x, M, K, kg0, xbars, kblock, blockIdx.y % XMC, wn, lane);
 #else
-    u16* xg = xs + wk * MROWS * XSW;
+    u16* xg = xs + wk * XROWS * XSW;
 #pragma unroll
     for (int ch = 0; ch < NCH; ++ch) copy_x(xg + ch * CH * 64, XSW, x, M, K, kg0, ch, wn, lane);
 #endif
@@ -242,9 +370,9 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #endif
 #if NXR
-    const u16* xw = xg + g * XCW + 4 * t;
+    const u16* xw = xg + g % XROWS * XCW + 8 * t;    // XROWS < 8: lane groups read rows again (their outputs dropped)
 #else
-    const u16* xw = xg + g * XSW + 4 * t;
+    const u16* xw = xg + g % XROWS * XSW + 8 * t;
 #endif
 
 #pragma unroll
@@ -259,17 +387,27 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
             asm volatile("cp.async.commit_group;" ::: "memory");
         }
         {   // step s landed, and x's chunk of it: the groups committed after the later of the two may stay pending
+            const int refills = s + 1 < STEPS - PF ? s + 1 : STEPS - PF;
 #if NXR
             cp_async_wait(pending_at(s));
+#elif XMC > 1
+            cp_async_wait(PF + refills - s - 1);   // x is not in the groups: step s's codes only
 #else
-            const int refills = s + 1 < STEPS - PF ? s + 1 : STEPS - PF;
             cp_async_wait(s < PF ? NCH - 1 - s / CH + refills : refills - (s - PF) - 1);
 #endif
         }
+#if XMC > 1
+        if (s % CH == 0) x_wait(xbars + 8 * (s / CH));
+        __syncwarp();                              // the scales lane (g, 0) copied
+#else
         if (s % CH == 0 && NWN > 1)                // x's chunk landed for every lane of the K warp group
             asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
         else
             __syncwarp();                          // the scales lane (g, 0) copied
+#endif
+#else
+#if XMC > 1
+        if (s % CH == 0) x_wait(xbars + 8 * (s / CH));
 #else
         if (s % CH == 0) {                         // this chunk of x landed, for every lane of the group
 #if NXR
@@ -281,9 +419,10 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
             else asm volatile("bar.sync %0, %1;" :: "r"(1 + wk), "r"(NWN * 32) : "memory");
         }
 #endif
+#endif
 #if NXR
         if (s % CH == 0 && s >= CH && s / CH - 1 + NXR < NCH)   // every warp of the group is past chunk c - 1: its slot
-            copy_x(xg + ((s / CH - 1) % NXR) * MROWS * XCW, XCW, x, M, K, kg0, s / CH - 1 + NXR, wn, lane);
+            copy_x(xg + ((s / CH - 1) % NXR) * XROWS * XCW, XCW, x, M, K, kg0, s / CH - 1 + NXR, wn, lane);
 #endif
         Codes c[TPW];
         Scales sc[TPW];
@@ -320,37 +459,39 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #else
             float part_acc[TPW][MT][4];
 #endif
+            u32 a[TPW][2][4];                      // the A registers of the group's two sub-steps
 #pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {       // two K sub-steps of 16 per group
-                const int j = 2 * h + jj;
-                u32 a[TPW][4];
+            for (int u = 0; u < TPW; ++u) {
+                const u32 rg = h ? c[u].g1 : c[u].g0, rh = h ? c[u].h1 : c[u].h0;
 #pragma unroll
-                for (int u = 0; u < TPW; ++u) {
-                    const u32 rg = h ? c[u].g1 : c[u].g0, rh = h ? c[u].h1 : c[u].h0;
-                    a[u][0] = code_pair(rg, 2 * jj), a[u][1] = code_pair(rh, 2 * jj);
-                    a[u][2] = code_pair(rg, 2 * jj + 1), a[u][3] = code_pair(rh, 2 * jj + 1);
+                for (int jj = 0; jj < 2; ++jj) {
+                    a[u][jj][0] = code_pair(rg, 2 * jj), a[u][jj][1] = code_pair(rh, 2 * jj);
+                    a[u][jj][2] = code_pair(rg, 2 * jj + 1), a[u][jj][3] = code_pair(rh, 2 * jj + 1);
 #if FOLD
-                    a[u][0] = mul_bf16x2(a[u][0], f_g[u]), a[u][1] = mul_bf16x2(a[u][1], f_h[u]);
-                    a[u][2] = mul_bf16x2(a[u][2], f_g[u]), a[u][3] = mul_bf16x2(a[u][3], f_h[u]);
+                    a[u][jj][0] = mul_bf16x2(a[u][jj][0], f_g[u]), a[u][jj][1] = mul_bf16x2(a[u][jj][1], f_h[u]);
+                    a[u][jj][2] = mul_bf16x2(a[u][jj][2], f_g[u]), a[u][jj][3] = mul_bf16x2(a[u][jj][3], f_h[u]);
 #endif
                 }
+            }
 #pragma unroll
-                for (int m = 0; m < MT; ++m) {
+            for (int m = 0; m < MT; ++m) {
 #if NXR
-                    const XPair b = *reinterpret_cast<const XPair*>(xw + ((s / CH) % NXR) * MROWS * XCW + m * 8 * XCW
-                                                                   + (s % CH) * 64 + 16 * j);
+                const XQuad b = *reinterpret_cast<const XQuad*>(xw + ((s / CH) % NXR) * XROWS * XCW + m * 8 * XCW
+                                                               + (s % CH) * 64 + 32 * h);
 #else
-                    const XPair b = *reinterpret_cast<const XPair*>(xw + m * 8 * XSW + s * 64 + 16 * j);
+                const XQuad b = *reinterpret_cast<const XQuad*>(xw + m * 8 * XSW + s * 64 + 32 * h);
 #endif
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj)     // two K sub-steps of 16 per group
 #pragma unroll
                     for (int u = 0; u < TPW; ++u)
 #if FOLD
-                        mma(acc[u][m], a[u][0], a[u][1], a[u][2], a[u][3], b.lo, b.hi, acc[u][m]);
+                        mma(acc[u][m], a[u][jj][0], a[u][jj][1], a[u][jj][2], a[u][jj][3], b.b[2 * jj],
+                            b.b[2 * jj + 1], acc[u][m]);
 #else
-                        mma(part_acc[u][m], a[u][0], a[u][1], a[u][2], a[u][3], b.lo, b.hi,
-                            jj ? part_acc[u][m] : zero);
+                        mma(part_acc[u][m], a[u][jj][0], a[u][jj][1], a[u][jj][2], a[u][jj][3], b.b[2 * jj],
+                            b.b[2 * jj + 1], jj ? part_acc[u][m] : zero);
 #endif
-                }
             }
 #if !FOLD
 #pragma unroll
@@ -367,6 +508,15 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
         }
     }
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#if MOE == 2
+    {
+        const float w = route_w[pair];
+#pragma unroll
+        for (int u = 0; u < TPW; ++u)
+#pragma unroll
+            for (int m = 0; m < MT; ++m) acc[u][m][0] *= w, acc[u][m][1] *= w, acc[u][m][2] *= w, acc[u][m][3] *= w;
+    }
+#endif
 
     // the warp's partial: d0, d1 at (row g, x rows 2t, 2t + 1), d2, d3 at row g + 8 of each of its tiles
 #pragma unroll
@@ -385,12 +535,43 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
     __syncthreads();
 #endif
 
-    // block `kblock` sums rows [kblock, kblock + 1) * N_CTA / CL of the tile over the cluster's blocks and its
-    // own K warps, in K's order, so that the result does not depend on timing
-    const int per = N_CTA / CL;
+    // block `kblock` sums its share of the tile's rows over the cluster's blocks and its own K warps, in K's order,
+    // so that the result does not depend on timing
 #if CL > 1
     const u32 part0 = shared_addr(part);
+#else
+    const u32 part0 = 0;
 #endif
+#if MOE == 1
+    // gate/up: output q of the block's share [kblock, kblock + 1) * N_CTA / 2 / CL is the pair of gate row
+    // 32 (q / 16) + q % 16 and the up row 16 on (the interleaved tiles): h column blockIdx.y * N_CTA / 2 + q of the
+    // pair's row of h, silu(gate) * up; one row of x
+    const int per = N_CTA / 2 / CL;
+    for (int e = threadIdx.x; e < per; e += NT) {
+        const int q = kblock * per + e, row = 32 * (q / 16) + q % 16;
+        float gate = 0.0f, up = 0.0f;
+#pragma unroll
+        for (int r = 0; r < CL; ++r) {
+#pragma unroll
+            for (int w = 0; w < NWK; ++w) {
+                gate += partial(part, part0, w * MROWS * N_CTA + row, r);
+                up += partial(part, part0, w * MROWS * N_CTA + row + 16, r);
+            }
+        }
+        const float h = gate / (1.0f + __expf(-gate)) * up;
+        const int col = blockIdx.y * (N_CTA / 2) + q;
+#if OUT_PLANES
+        const int at = col % 8 * (N / 16) + col / 8;
+#else
+        const int at = col;
+#endif
+        u16 out;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(h));
+        y[(size_t)pair * (N / 2) + at] = out;
+    }
+#else
+    // rows [kblock, kblock + 1) * N_CTA / CL
+    const int per = N_CTA / CL;
     for (int e = threadIdx.x; e < per * MROWS; e += NT) {
         const int m = e / per, n = kblock * per + e % per;
         if (m >= M) continue;
@@ -398,25 +579,15 @@ w4a16_mma(const u16* __restrict__ x, const Codes* __restrict__ codes, const Scal
 #pragma unroll
         for (int r = 0; r < CL; ++r) {
 #pragma unroll
-            for (int w = 0; w < NWK; ++w) {
-                const int at = (w * MROWS + m) * N_CTA + n;
-#if CL > 1
-                u32 remote;
-                float v;
-                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(part0 + at * 4), "r"(r));
-                asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-                sum += v;
-#else
-                sum += part[at];
-#endif
-            }
+            for (int w = 0; w < NWK; ++w) sum += partial(part, part0, (w * MROWS + m) * N_CTA + n, r);
         }
         u16 out;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out) : "f"(sum));
         y[(size_t)m * N + (size_t)blockIdx.y * N_CTA + n] = out;
     }
-#if CL > 1
-    // the other blocks read this block's partials: stay until they have
+#endif
+#if CLUSTER > 1
+    // the other blocks read this block's partials (CL), or copy x into it (XMC): stay until they have
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 }

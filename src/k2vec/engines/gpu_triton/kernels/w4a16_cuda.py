@@ -2,7 +2,7 @@
 format; bf16 or float32 scales), K a multiple of 64 and N of 16. Compiled at run time by NVRTC (the library
 torch's CUDA build ships; no toolkit needed) and kept in $XDG_CACHE_HOME/k2vec-w4a16-cuda (a sandboxed run's is
 results/cache/<engine>), so that the next process loads what an earlier one compiled; launched through the driver's
-cuLaunchKernelEx with a thread block cluster along K and PDL.
+cuLaunchKernelEx with a thread block cluster (along K, and along N where x is multicast) and PDL.
 
 The weight's load-time copy (cuda_order_copy) is the kernel's operand order: per 16-row tile and 64-wide K step,
 32 lanes x 16 bytes of codes and 8 lane groups' scales (8 bytes each in bf16, 16 in float32), so that a warp's K
@@ -42,11 +42,12 @@ class CudaOrder:
 
 def cuda_order_codes(packed: torch.Tensor, k: int) -> torch.Tensor:
     """uint8 [n, k / 2] (element 2i low nibble) -> int32 [n/16, k/64, 32, 4]. Lane 4g + t, word 2h + r holds row
-    16T + 8r + g of group h of the step; its nibble 4e + 2jj + q is K element 64kb + 32h + 16jj + 4t + 2q + e."""
+    16T + 8r + g of group h of the step; its nibble 4e + 2jj + q is K element 64kb + 32h + 8t + 4jj + 2q + e (lane t's
+    eight elements of the group, which its one 16-byte read of x meets)."""
     n = packed.shape[0]
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, k)
-    # [T, r, g, kb, h, jj, t, q, e] -> [T, kb, g, t, h, r, e, jj, q]
-    codes = codes.reshape(n // 16, 2, 8, k // 64, 2, 2, 4, 2, 2).permute(0, 3, 2, 6, 4, 1, 8, 5, 7)
+    # [T, r, g, kb, h, t, jj, q, e] -> [T, kb, g, t, h, r, e, jj, q]
+    codes = codes.reshape(n // 16, 2, 8, k // 64, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 1, 8, 6, 7)
     codes = codes.reshape(n // 16, k // 64, 32, 4, 8).to(torch.int64)
     words = (codes << torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)).sum(dim=-1)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
@@ -68,9 +69,53 @@ def cuda_order_copy(packed: torch.Tensor, scales: torch.Tensor, k: int) -> CudaO
     return CudaOrder(cuda_order_codes(packed, k), cuda_order_scales(scales, k))
 
 
+def interleave_gate_up(rows: torch.Tensor) -> torch.Tensor:
+    """One expert's gate rows stacked over its up rows, [2I, ...] -> the same rows in 16-row tiles taken in turn:
+    tile 2i gate rows 16i .. 16i + 15, tile 2i + 1 the same up rows (the MOE kernel's epilogue pairs them)."""
+    n2 = rows.shape[0]
+    return rows.reshape(2, n2 // 32, 16, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+
+
+def gate_up_order_copy(w13: torch.Tensor, s13: torch.Tensor, k: int) -> CudaOrder:
+    """The MoE's stacked gate/up weights (uint8 [E, 2I, k / 2], scales [E, 2I, k / 32]) in the kernel's operand order,
+    each expert's gate and up rows interleaved (interleave_gate_up), the experts one after the other: codes
+    [E 2I / 16, k / 64, 32, 4]."""
+    return _experts_order_copy(w13, s13, k, interleave_gate_up)
+
+
+def down_order_copy(w2: torch.Tensor, s2: torch.Tensor, k: int) -> CudaOrder:
+    """The MoE's stacked down weights (uint8 [E, H, k / 2], scales [E, H, k / 32]) in the kernel's operand order, the
+    experts one after the other: codes [E H / 16, k / 64, 32, 4]."""
+    return _experts_order_copy(w2, s2, k, lambda rows: rows)
+
+
+def _experts_order_copy(w: torch.Tensor, s: torch.Tensor, k: int, rows: Callable) -> CudaOrder:
+    """Made one expert at a time: cuda_order_codes' int64 intermediate is 16 times the codes' bytes, too much for a
+    layer's worth of experts at once."""
+    first = cuda_order_copy(rows(w[0]), rows(s[0]), k)
+    codes = torch.empty((w.shape[0], *first.codes.shape), dtype=first.codes.dtype, device=w.device)
+    scales = torch.empty((w.shape[0], *first.scales.shape), dtype=first.scales.dtype, device=w.device)
+    codes[0], scales[0] = first.codes, first.scales
+    for e in range(1, w.shape[0]):
+        copy = cuda_order_copy(rows(w[e]), rows(s[e]), k)
+        codes[e], scales[e] = copy.codes, copy.scales
+    return CudaOrder(codes.flatten(0, 1), scales.flatten(0, 1))
+
+
 def supported(n: int, k: int, group_size: int, scale_dtype: torch.dtype) -> bool:
     """Whether a weight of this shape and format has a CUDA-order copy (the kernel's fixed layout)."""
     return group_size == 32 and scale_dtype in (torch.bfloat16, torch.float32) and n % 16 == 0 and k % 64 == 0
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    """One of the fused MoE's launches on the kernel (MOE 1 or 2): gate/up (one (token, expert) pair per block along
+    the grid's z, x's row pair // top_k, h written plane-major where out_planes, for a down launch that reads x so) or
+    down (one token per block along z, its top_k rows of h side by side along K); expert ids int64 (ids64) or int32."""
+    down: bool
+    top_k: int
+    ids64: bool
+    out_planes: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,7 +125,11 @@ class CudaTile:
     applied to the weights before the MMA (rounded to bf16) rather than to each group's product in float32; ring:
     the steps in flight held in shared memory (a ring of PF + 1 slots per warp, filled by cp.async) rather than in
     registers; minb: blocks per SM the registers are budgeted for (two: half the registers per thread); nxr: 0, x's
-    whole K slice in shared memory, else a ring of nxr (at least 2) chunks of it."""
+    whole K slice in shared memory, else a ring of nxr (at least 2) chunks of it; xmc: blocks along N in the cluster
+    that share x, multicast by bulk copies (with nxr 0 only), so that L2 sends each block's slice of x once per
+    cluster rather than once per block; fit_x (M <= 4): x's rows in shared memory fitted to M (1, 2 or 4 rather than
+    8), which the MMA's other B columns read again (at M = 1 an eighth of x's shared memory: at 7168->2048 15 KB a
+    block rather than 119; the MoE's launches always keep one row)."""
     nwn: int
     nwk: int
     cl: int
@@ -91,42 +140,74 @@ class CudaTile:
     ring: bool = False
     minb: int = 1
     nxr: int = 0
+    xmc: int = 1
+    fit_x: bool = False
 
     @property
     def rows(self) -> int:
-        """N rows per block (and per cluster)."""
+        """N rows per block."""
         return 16 * self.nwn * self.tpw
 
     def steps(self, k: int) -> int:
         return k // (64 * self.nwk * self.cl)
 
-    def fits(self, n: int, k: int, m: int) -> bool:
+    def chunk(self, k: int) -> int:
+        """Steps of x per copy: ch, or all of a warp's where it has fewer (CH)."""
+        return min(self.ch, self.steps(k))
+
+    def fits(self, n: int, k: int, m: int, moe: bool = False) -> bool:
+        """moe: one of the fused MoE's launches (MoeLaunch), one row of x in shared memory."""
         steps = self.steps(k)
         return (steps >= 1 and steps * 64 * self.nwk * self.cl == k and n % self.rows == 0
                 and self.rows % self.cl == 0 and 1 <= self.cl <= 8 and self.nwn * self.nwk <= 32
+                and self.xmc in (1, 2, 4, 8) and self.cl * self.xmc <= 8 and (n // self.rows) % self.xmc == 0
+                and (self.xmc == 1 or self.nxr == 0) and (not self.fit_x or m <= 4)
                 and self.tpw in (1, 2, 4) and self.minb in (1, 2) and self.nxr != 1 and 1 <= m <= MAX_ROWS
-                and self.minb * (self.shared_bytes(k, m) + 1024) <= SM_SHARED)
+                and self.minb * (self.shared_bytes(k, m, moe) + 1024) <= SM_SHARED)
 
-    def shared_bytes(self, k: int, m: int) -> int:
-        """x's slices (or their rings of chunks), the partial sums, and with `ring` the warps' rings (codes, and scales
-        sized for float32)."""
+    def shared_bytes(self, k: int, m: int, moe: bool = False) -> int:
+        """With `xmc` the chunks' mbarriers (in 128-byte lines), x's slices (or their rings of chunks; one row of x
+        for the MoE's launches), the partial sums, and with `ring` the warps' rings (codes, and scales sized for
+        float32)."""
         rows, steps = 8 * m_tiles(m), self.steps(k)
+        x_rows = self.x_rows(m, moe)
         slots = self.nwn * self.nwk * (min(self.pf, steps) + 1) * self.tpw
         ring = slots * (32 * 16 + 8 * 16) if self.ring else 0
-        ch = min(self.ch, steps)
-        x = (self.nwk * self.x_chunks(k) * rows * (ch * 64 + 16) if self.nxr else self.nwk * rows * (steps * 64 + 16))
-        return x * 2 + self.nwk * rows * self.rows * 4 + ring
+        ch = self.chunk(k)
+        x = self.nwk * x_rows * (self.x_chunks(k) * (ch * 64 + 32) if self.nxr else steps * 64 + 32)
+        bars = -(-self.nwk * -(-steps // ch) * 8 // 128) * 128 if self.xmc > 1 else 0
+        return bars + x * 2 + self.nwk * rows * self.rows * 4 + ring
+
+    def x_rows(self, m: int, moe: bool = False) -> int:
+        """x's rows in shared memory (XROWS): all of its m8 tiles', or with fit_x M's next power of two; one for the
+        MoE's launches."""
+        return 1 if moe else 1 << (m - 1).bit_length() if self.fit_x else 8 * m_tiles(m)
 
     def x_chunks(self, k: int) -> int:
         """NXR: the chunks in x's ring (0: the whole slice)."""
-        ch = min(self.ch, self.steps(k))
-        return min(self.nxr, -(-self.steps(k) // ch)) if self.nxr else 0
+        return min(self.nxr, -(-self.steps(k) // self.chunk(k))) if self.nxr else 0
 
-    def defines(self, k: int, m: int, float32_scales: bool) -> dict[str, int]:
+    def fits_gate_up(self, n: int, k: int) -> bool:
+        """As `fits` for the MoE's gate/up launch over experts of n stacked gate and up rows (one row of x): blocks of
+        whole gate/up tile pairs (then each block's share along K holds whole pairs too: a cluster is at most 8), no
+        multicast (one row of x)."""
+        return self.fits(n, k, 1, moe=True) and self.xmc == 1 and self.rows % 32 == 0
+
+    def fits_down(self, n: int, k: int, top_k: int) -> bool:
+        """As `fits` for the MoE's down launch over experts of n rows and K = k (one row of h per pair), top_k pairs a
+        token side by side along K: each K warp group's slice within one pair, no multicast."""
+        return (self.fits(n, top_k * k, 1, moe=True) and self.xmc == 1
+                and k % (self.steps(top_k * k) * 64) == 0)
+
+    def defines(self, k: int, m: int, float32_scales: bool, moe: MoeLaunch | None = None) -> dict[str, int]:
+        """k: the launch's K (for the down launch top_k times an expert's)."""
         steps = self.steps(k)
         return dict(NWN=self.nwn, TPW=self.tpw, NWK=self.nwk, CL=self.cl, STEPS=steps, MT=m_tiles(m),
-                    PF=min(self.pf, steps), CH=min(self.ch, steps), SF32=int(float32_scales), FOLD=int(self.fold),
-                    RING=int(self.ring), MINB=self.minb, NXR=self.x_chunks(k))
+                    XROWS=self.x_rows(m, bool(moe)), PF=min(self.pf, steps), CH=self.chunk(k),
+                    SF32=int(float32_scales), FOLD=int(self.fold), RING=int(self.ring), MINB=self.minb,
+                    NXR=self.x_chunks(k), XMC=self.xmc, MOE=0 if moe is None else 2 if moe.down else 1,
+                    TOPK=moe.top_k if moe else 1, IDS64=int(bool(moe and moe.ids64)),
+                    OUT_PLANES=int(bool(moe and moe.out_planes)))
 
 
 def fit_tile(n: int, k: int, m: int) -> CudaTile | None:
@@ -317,6 +398,12 @@ def runs_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def target(defines: tuple[tuple[str, int], ...], major: int, minor: int) -> str:
+    """NVRTC's target for a variant on an sm_<major><minor> device: the architecture-specific one (sm_90a) where x is
+    multicast, which bulk copies do at full speed only there (PTX ISA, cp.async.bulk)."""
+    return f"sm_{major}{minor}" + ("a" if dict(defines)["XMC"] > 1 else "")
+
+
 def make_current(device_index: int) -> None:
     _check(_driver().cuCtxSetCurrent(_primary_context(device_index)), "w4a16_cuda: the primary context")
 
@@ -343,7 +430,7 @@ def compiled(defines: tuple[tuple[str, int], ...], device_index: int) -> Compile
         if not runs_on(device_index):
             raise CudaKernelError(f"w4a16_cuda needs sm_90 (clusters, PDL); device {device_index} is "
                                   f"sm_{major}{minor}")
-        cubin = cached_cubin(SOURCE.read_text(), defines, f"sm_{major}{minor}", nvrtc_version())
+        cubin = cached_cubin(SOURCE.read_text(), defines, target(defines, major, minor), nvrtc_version())
         kernel = load(defines, device_index, cubin)
     return kernel
 
@@ -365,28 +452,89 @@ def w4a16_cuda_launch(x: torch.Tensor, weight: CudaOrder, n: int, k: int, out: t
     """w4a16_cuda_linear without its checks, for a caller that made them (w4a16.cuda_tile), so that a call does not
     make them twice."""
     m = x.shape[0]
-    defines = tile.defines(k, m, weight.scales.dtype == torch.float32)
+    _launch(x, weight, out, m, n, k, tile, tile.defines(k, m, weight.scales.dtype == torch.float32), 1, pdl)
+    return out
+
+
+def w4a16_cuda_gate_up(x: torch.Tensor, w13: CudaOrder, ids: torch.Tensor, top_k: int, n: int, k: int,
+                       h: torch.Tensor, tile: CudaTile, out_planes: bool = False, pdl: bool = True) -> torch.Tensor:
+    """The MoE's gate/up launch: h [P, n / 2] (bf16, contiguous) row p = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for
+    pair p = t top_k + j, e = ids[p] (int64 or int32, P of them), on the experts' gate_up_order_copy (n: an expert's
+    gate and up rows); out_planes: h's rows plane-major (column c at (c % 8) n / 16 + c / 8)."""
+    pairs = ids.numel()
+    if not tile.fits_gate_up(n, k):
+        raise CudaKernelError(f"w4a16_cuda: tile {tile} does not fit the gate/up launch of K={k}, {n} rows per expert")
+    _check_moe_call(x, k, ids, pairs, top_k, h, (pairs, n // 2), "h")
+    if pairs:
+        moe = MoeLaunch(False, top_k, ids.dtype == torch.int64, out_planes)
+        _launch(x, w13, h, 1, n, k, tile, tile.defines(k, 1, w13.scales.dtype == torch.float32, moe), pairs, pdl,
+                ids)
+    return h
+
+
+def w4a16_cuda_down(h: torch.Tensor, w2: CudaOrder, ids: torch.Tensor, route_w: torch.Tensor, top_k: int, n: int,
+                    k: int, out: torch.Tensor, tile: CudaTile, pdl: bool = True) -> torch.Tensor:
+    """The MoE's down launch, each token's pairs summed in it: out [M, n] (bf16, contiguous) row t = sum over j of
+    route_w[p] (h[p] @ down_e^T), p = t top_k + j, e = ids[p], in j's order, on the experts' down_order_copy (k: an
+    expert's K); h [M top_k, k] as the gate/up launch wrote it (not plane-major), route_w float32 [M top_k]. The
+    routing is read before the kernel's wait for h (as the Triton launch's ROUTED): it must follow the gate/up
+    launch, which read the routing after its own."""
+    pairs = ids.numel()
+    if not tile.fits_down(n, k, top_k):
+        raise CudaKernelError(f"w4a16_cuda: tile {tile} does not fit the down launch of K={k} per pair, top-{top_k}, "
+                              f"N={n}")
+    _check_moe_call(h, k, ids, pairs, 1, out, (pairs // top_k, n), "out")
+    if route_w.dtype != torch.float32 or not route_w.is_contiguous() or route_w.numel() != pairs:
+        raise CudaKernelError(f"w4a16_cuda: route_w must be {pairs} contiguous float32, got {route_w.dtype} "
+                              f"{tuple(route_w.shape)}")
+    if pairs % top_k:
+        raise CudaKernelError(f"w4a16_cuda: {pairs} pairs are not whole tokens of top-{top_k}")
+    if pairs:
+        moe = MoeLaunch(True, top_k, ids.dtype == torch.int64)
+        _launch(h, w2, out, 1, n, top_k * k, tile, tile.defines(top_k * k, 1, w2.scales.dtype == torch.float32, moe),
+                pairs // top_k, pdl, ids, route_w)
+    return out
+
+
+def _check_moe_call(x: torch.Tensor, k: int, ids: torch.Tensor, pairs: int, per_row: int, out: torch.Tensor,
+                    out_shape: tuple[int, int], what: str) -> None:
+    """x bf16 [pairs / per_row, k], ids of `pairs` int32 or int64, `what` (the output) bf16 of out_shape."""
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16 or x.shape[1:] != (k,):
+        raise CudaKernelError(f"w4a16_cuda: x must be contiguous 16-byte aligned bf16 [*, {k}], got {x.dtype} "
+                              f"{tuple(x.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous() or pairs != x.shape[0] * per_row:
+        raise CudaKernelError(f"w4a16_cuda: expert ids must be {x.shape[0] * per_row} contiguous int32 or int64, got "
+                              f"{ids.dtype} {tuple(ids.shape)}")
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or tuple(out.shape) != out_shape:
+        raise CudaKernelError(f"w4a16_cuda: {what} must be contiguous bf16 {list(out_shape)}, got {out.dtype} "
+                              f"{tuple(out.shape)}")
+
+
+def _launch(x: torch.Tensor, weight: CudaOrder, out: torch.Tensor, m: int, n: int, k: int, tile: CudaTile,
+            defines: dict[str, int], grid_z: int, pdl: bool, ids: torch.Tensor | None = None,
+            route_w: torch.Tensor | None = None) -> None:
     kernel = compiled(tuple(defines.items()), x.device.index)
     make_current(x.device.index)
-    shared = tile.shared_bytes(k, m)
+    shared = tile.shared_bytes(k, m, defines["MOE"] > 0)
     kernel.allow_shared(shared)
     attrs = (_LaunchAttribute * 2)()
     n_attrs = 0
-    if tile.cl > 1:
+    if tile.cl * tile.xmc > 1:
         attrs[n_attrs].id = _CLUSTER_DIMENSION
-        attrs[n_attrs].value[0], attrs[n_attrs].value[1], attrs[n_attrs].value[2] = tile.cl, 1, 1
+        attrs[n_attrs].value[0], attrs[n_attrs].value[1], attrs[n_attrs].value[2] = tile.cl, tile.xmc, 1
         n_attrs += 1
     if pdl:
         attrs[n_attrs].id = _PROGRAMMATIC_STREAM_SERIALIZATION
         attrs[n_attrs].value[0] = 1
         n_attrs += 1
-    config = _LaunchConfig((ctypes.c_uint * 3)(tile.cl, n // tile.rows, 1),
+    config = _LaunchConfig((ctypes.c_uint * 3)(tile.cl, n // tile.rows, grid_z),
                            (ctypes.c_uint * 3)(32 * tile.nwn * tile.nwk, 1, 1), shared,
                            torch.cuda.current_stream(x.device).cuda_stream, attrs, n_attrs)
     args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(weight.codes.data_ptr()),
             ctypes.c_void_p(weight.scales.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k)]
+            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_void_p(None if ids is None else ids.data_ptr()),
+            ctypes.c_void_p(None if route_w is None else route_w.data_ptr())]
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+    what = {0: f"M={m}", 1: f"gate/up, {grid_z} pairs", 2: f"down, {grid_z} tokens"}[defines["MOE"]]
     _check(_driver().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None),
-           f"w4a16_cuda launch (K={k} N={n} M={m}, {tile})")
-    return out
+           f"w4a16_cuda launch (K={k} N={n} {what}, {tile})")
