@@ -20,7 +20,8 @@ One call does everything (device time is scarce):
                                       # shapes (or only those of options no table uses), beside the committed call
                                       # and bf16 cuBLAS
     python3 bench/w4a16.py --out DIR --moe-cuda-sweep [--ms 1,16]   # the MoE's gate/up and down launches on the
-                                      # CUDA kernel's tiles, beside the committed configs and a plain read
+                                      # CUDA kernel's tiles, beside the committed configs and a plain read; writes
+                                      # DIR/configs.json with the winners (moe_cuda_table), for --configs
     TRITON_INTERPRET=1 python bench/w4a16.py --out DIR --smoke     # CPU plumbing check on tiny shapes
 """
 from __future__ import annotations
@@ -1003,6 +1004,34 @@ def moe_cuda_sweep(device, log, ms: tuple[int, ...]) -> list[dict]:
     return rows
 
 
+# a CUDA tile goes into a table where it is this much ahead of the committed call timed in the same run
+CUDA_GAIN = 0.03
+
+
+def moe_cuda_table(rows: list[dict]) -> list[tuple[int, tuple[dict, dict]]]:
+    """MOE_CONFIGS with --moe-cuda-sweep's winners (rows within the bf16 tolerance; only an M that is a bound of the
+    table decides that bound's entry): the best gate/up tile where it is CUDA_GAIN ahead of the committed configs; the
+    best down tile where it is CUDA_GAIN ahead of that, together with the gate/up tile it was timed after (the sweep
+    times the down tiles after its best gate/up tile wherever that one was ahead at all)."""
+    ok = [r for r in rows if r["rel_err"] <= verify.TOLERANCE[torch.bfloat16]]
+    table = []
+    for bound, (cfg13, cfg2) in MOE_CONFIGS:
+        mine = [r for r in ok if r["m"] == bound]
+        gate_up = min((r for r in mine if r["launch"] == "gate/up"), key=lambda r: r["us"], default=None)
+        down = min((r for r in mine if r["launch"] == "down"), key=lambda r: r["us"], default=None)
+        if mine:
+            committed = mine[0]["committed_us"]
+            alone = gate_up["us"] if gate_up and gate_up["us"] <= (1 - CUDA_GAIN) * committed else committed
+            if down and down["us"] <= (1 - CUDA_GAIN) * alone:
+                if gate_up and gate_up["us"] < committed:
+                    cfg13 = dict(cfg13, CUDA=CudaTile(**gate_up["tile"]))
+                cfg2 = dict(cfg2, CUDA=CudaTile(**down["tile"]))
+            elif alone < committed:
+                cfg13 = dict(cfg13, CUDA=CudaTile(**gate_up["tile"]))
+        table.append((bound, (cfg13, cfg2)))
+    return table
+
+
 def markdown(dense, moe, copy, correctness) -> str:
     lines = []
     if correctness:
@@ -1132,7 +1161,8 @@ def main() -> None:
     parser.add_argument("--trips", action="store_true", help="only the dense tiles' time against K trips per program")
     parser.add_argument("--cuda-sweep", action="store_true", help="only the CUDA kernel's tiles on the K2 shapes")
     parser.add_argument("--moe-cuda-sweep", action="store_true",
-                        help="only the MoE's launches on the CUDA kernel's tiles (K2 layer, M = 1-16)")
+                        help="only the MoE's launches on the CUDA kernel's tiles (K2 layer, M = 1, 4, 8, 16, the "
+                        "table's bounds), and configs.json with the winners")
     parser.add_argument("--ms", type=lambda text: tuple(int(m) for m in text.split(",")), default=None,
                         help="--cuda-sweep, --moe-cuda-sweep: these M only (comma-separated)")
     parser.add_argument("--experimental", action="store_true",
@@ -1173,8 +1203,14 @@ def main() -> None:
         log(f"GPU 0 at the end: {gpu_state()}")
         return
     if args.moe_cuda_sweep:
-        rows = moe_cuda_sweep(torch.device("cuda:0"), log, args.ms or (1, 2, 4, 8, 16))
+        rows = moe_cuda_sweep(torch.device("cuda:0"), log, args.ms or (1, 4, 8, 16))
         (args.out / "moe_cuda_sweep.json").write_text(json.dumps(rows, indent=1))
+        table = moe_cuda_table(rows)
+        for (bound, (old13, old2)), (_, (new13, new2)) in zip(MOE_CONFIGS, table):
+            if (new13, new2) != (old13, old2):
+                log(f"moe cuda sweep takes at M <= {bound}: gate/up {new13.get('CUDA')}, down {new2.get('CUDA')}")
+        (args.out / "configs.json").write_text(json.dumps(
+            {"dense_table": None, "moe_table": table, "dense_shape_table": None}, indent=1, default=config_json))
         log(f"GPU 0 at the end: {gpu_state()}")
         return
     check_device = f"cuda:{gpus - 1}" if gpus else "cpu"

@@ -1,6 +1,6 @@
 """bench/w4a16.py's Triton sweep beside the CUDA kernel's keys: what it times, and the tables it writes."""
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pytest
 
@@ -105,3 +105,53 @@ def test_moe_tables_keep_and_round_trip_their_cuda_tiles(bench, committed_tables
     monkeypatch.setitem(bench.OLD_MOE_CUDA, 4, ({"CUDA": gate_up}, {}))
     swept = [{**c, "CUDA": CudaTile(8, 8, 8, 8)} for c in bench.OLD_MOE[4]]
     assert bench.with_moe_cuda_keys(swept, 4) == [dict(bench.OLD_MOE[4][0], CUDA=gate_up), bench.OLD_MOE[4][1]]
+
+
+GU, GU2, DN = CudaTile(2, 4, 1, 12, ch=4, ring=True), CudaTile(4, 2, 2, 12, ch=4, ring=True), CudaTile(4, 2, 8, 12)
+
+
+@dataclass(frozen=True)
+class TakeCase:
+    name: str
+    m: int
+    committed: float
+    gate_ups: tuple     # (tile, µs[, rel err]) per timed gate/up tile
+    downs: tuple        # the same per down tile (timed after the best gate/up wherever it beat the committed)
+    taken: tuple        # (gate/up tile or None, down tile or None) at bound m
+
+
+def sweep_row(m, launch, tile, us, committed, rel_err=3e-4):
+    return dict(m=m, launch=launch, tile=asdict(tile), us=us, rel_err=rel_err, committed_us=committed, read_us=60.0)
+
+
+TAKE_CASES = [
+    TakeCase("gate/up 4.5% ahead, down behind it: gate/up alone", 4, 293.3, ((GU, 280.0), (GU2, 284.5)),
+             ((DN, 281.3),), (GU, None)),
+    TakeCase("gate/up 2.4% ahead: nothing", 1, 79.9, ((GU2, 78.0),), ((DN, 82.6),), (None, None)),
+    TakeCase("the pair 5% ahead of gate/up's 2%: both, gate/up being what down was timed after", 8, 100.0,
+             ((GU, 98.0),), ((DN, 93.0),), (GU, DN)),
+    TakeCase("gate/up behind the committed, down 4% ahead: down alone", 16, 100.0, ((GU, 101.0),), ((DN, 96.0),),
+             (None, DN)),
+    TakeCase("the fastest gate/up over the bf16 tolerance: the next one", 4, 100.0, ((GU, 90.0, 0.5), (GU2, 95.0)),
+             (), (GU2, None)),
+    TakeCase("an M that is no bound of the table decides nothing", 2, 100.0, ((GU, 50.0),), ((DN, 40.0),),
+             (None, None)),
+]
+
+
+@pytest.mark.parametrize("case", TAKE_CASES, ids=lambda c: c.name)
+def test_moe_cuda_sweep_takes_its_winners_into_the_table(bench, case, committed_tables):
+    """--moe-cuda-sweep's configs.json: the committed MoE table with the winners (CUDA_GAIN ahead of the committed
+    call in the same run) at the swept bound, every other entry as committed, read back by install_configs."""
+    rows = [sweep_row(case.m, "gate/up", *g[:2], case.committed, *g[2:]) for g in case.gate_ups]
+    rows += [sweep_row(case.m, "down", *d[:2], case.committed, *d[2:]) for d in case.downs]
+    committed = list(configs.MOE_CONFIGS)
+    table = bench.moe_cuda_table(rows)
+    saved = json.loads(json.dumps({"moe_table": table}, default=bench.config_json))
+    bench.install_configs(None, saved["moe_table"], None)
+    for (bound, pair), (_, old) in zip(configs.MOE_CONFIGS, committed):
+        if bound == case.m:
+            assert tuple(c.get("CUDA") for c in pair) == case.taken
+            assert [{k: v for k, v in c.items() if k != "CUDA"} for c in pair] == list(old)
+        else:
+            assert pair == old, bound
