@@ -18,7 +18,8 @@ One call does everything (device time is scarce):
     python3 bench/w4a16.py --out DIR --trips    # the dense tiles against K trips per program (split, stages)
     python3 bench/w4a16.py --out DIR --cuda-sweep [--ms 8,16] [--experimental]   # the CUDA kernel's tiles on the K2
                                       # shapes (or only those of options no table uses), beside the committed call
-                                      # and bf16 cuBLAS
+                                      # and bf16 cuBLAS; writes DIR/configs.json with the winners (dense_cuda_tables)
+    python3 bench/w4a16.py --out DIR --configs A/configs.json B/configs.json   # measure with the sweeps' tables
     python3 bench/w4a16.py --out DIR --moe-cuda-sweep [--ms 1,16]   # the MoE's gate/up and down launches on the
                                       # CUDA kernel's tiles, beside the committed configs and a plain read; writes
                                       # DIR/configs.json with the winners (moe_cuda_table), for --configs
@@ -191,6 +192,17 @@ def install_configs(dense, moe, dense_shapes=None) -> None:
         DENSE_SHAPE_CONFIGS.update({tuple(map(int, key.split("x"))): [(bound, config_from_json(cfg))
                                                                       for bound, cfg in table]
                                     for key, table in dense_shapes.items()})
+
+
+def load_tables(paths: list[Path]) -> list:
+    """The [dense, MoE, dense per shape] tables of configs.json files (None: the committed one), a later file's table
+    over an earlier one's: a dense sweep's file and a MoE sweep's measured together."""
+    tables = [None, None, None]
+    for path in paths:
+        saved = json.loads(path.read_text())
+        given = [saved["dense_table"], saved["moe_table"], saved.get("dense_shape_table")]
+        tables = [new if new is not None else old for old, new in zip(tables, given)]
+    return tables
 
 
 def _run_check(job) -> dict:
@@ -1008,6 +1020,27 @@ def moe_cuda_sweep(device, log, ms: tuple[int, ...]) -> list[dict]:
 CUDA_GAIN = 0.03
 
 
+def dense_cuda_tables(rows: list[dict], anchors: list[dict]) -> dict[str, list]:
+    """DENSE_SHAPE_CONFIGS ({"KxN": table}, configs.json's form) with --cuda-sweep's winners (rows within the bf16
+    tolerance; only an M that is a bound of the shape's table, the last one read as MS's last M, decides that bound's
+    entry): the best tile where it is
+    CUDA_GAIN ahead of the committed call timed beside it (whichever kernel that ran), the entry's Triton keys kept
+    for the calls the CUDA kernel cannot take."""
+    ok = [r for r in rows if r["rel_err"] <= verify.TOLERANCE[torch.bfloat16]]
+    tables = {}
+    for (k, n), table in DENSE_SHAPE_CONFIGS.items():
+        out = []
+        for bound, cfg in table:
+            m = min(bound, MS[-1])
+            anchor = next((a for a in anchors if (a["k"], a["n"], a["m"]) == (k, n, m)), None)
+            best = min((r for r in ok if (r["k"], r["n"], r["m"]) == (k, n, m)), key=lambda r: r["us"], default=None)
+            if anchor and best and best["us"] <= (1 - CUDA_GAIN) * anchor["committed_us"]:
+                cfg = dict(cfg, CUDA=CudaTile(**best["tile"]))
+            out.append((bound, cfg))
+        tables[f"{k}x{n}"] = out
+    return tables
+
+
 def moe_cuda_table(rows: list[dict]) -> list[tuple[int, tuple[dict, dict]]]:
     """MOE_CONFIGS with --moe-cuda-sweep's winners (rows within the bf16 tolerance; only an M that is a bound of the
     table decides that bound's entry): the best gate/up tile where it is CUDA_GAIN ahead of the committed configs; the
@@ -1156,7 +1189,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="pick configs per M first, then measure with them")
     parser.add_argument("--dense-only", action="store_true", help="--sweep: the dense configs only (the MoE keeps "
                         "its committed configs)")
-    parser.add_argument("--configs", type=Path, help="configs.json of an earlier sweep to use")
+    parser.add_argument("--configs", type=Path, nargs="+",
+                        help="configs.json of earlier sweeps to use (a later file's tables over an earlier one's)")
     parser.add_argument("--profile", action="store_true", help="only the calls to profile (run under ncu)")
     parser.add_argument("--trips", action="store_true", help="only the dense tiles' time against K trips per program")
     parser.add_argument("--cuda-sweep", action="store_true", help="only the CUDA kernel's tiles on the K2 shapes")
@@ -1188,8 +1222,7 @@ def main() -> None:
     log(f"GPU 0 at the start: {gpu_state()}")
     tables = [None, None, None]     # dense, MoE, dense per shape (install_configs); None: the committed ones
     if args.configs:
-        saved = json.loads(args.configs.read_text())
-        tables = [saved["dense_table"], saved["moe_table"], saved.get("dense_shape_table")]
+        tables = load_tables(args.configs)
         install_configs(*tables)
     if args.profile:
         profile(torch.device("cuda:0"), log)
@@ -1200,6 +1233,13 @@ def main() -> None:
     if args.cuda_sweep:
         rows, anchors = cuda_sweep(torch.device("cuda:0"), log, args.ms or MS, args.experimental)
         (args.out / "cuda_sweep.json").write_text(json.dumps({"tiles": rows, "anchors": anchors}, indent=1))
+        shapes = dense_cuda_tables(rows, anchors)
+        for (k, n), table in DENSE_SHAPE_CONFIGS.items():
+            for (bound, old), (_, new) in zip(table, shapes[f"{k}x{n}"]):
+                if new is not old:
+                    log(f"cuda sweep takes {k}->{n} at M <= {bound}: {new['CUDA']} (was {old.get('CUDA')})")
+        (args.out / "configs.json").write_text(json.dumps(
+            {"dense_table": None, "moe_table": None, "dense_shape_table": shapes}, indent=1, default=config_json))
         log(f"GPU 0 at the end: {gpu_state()}")
         return
     if args.moe_cuda_sweep:

@@ -155,3 +155,55 @@ def test_moe_cuda_sweep_takes_its_winners_into_the_table(bench, case, committed_
             assert [{k: v for k, v in c.items() if k != "CUDA"} for c in pair] == list(old)
         else:
             assert pair == old, bound
+
+
+@dataclass(frozen=True)
+class DenseTakeCase:
+    name: str
+    shape: tuple        # (K, N)
+    m: int
+    committed: float    # the committed call's µs (whichever kernel the table ran)
+    tiles: tuple        # (tile, µs[, rel err])
+    taken: object       # the CUDA key at bound m afterwards: a tile, None, or "committed"
+
+
+TILE_A, TILE_B = CudaTile(4, 2, 1, 8, ch=2), CudaTile(2, 4, 1, 12, ch=4, ring=True)
+DENSE_TAKE_CASES = [
+    DenseTakeCase("5% ahead of the committed CUDA tile: taken", (7168, 2048), 8, 6.0, ((TILE_A, 5.7), (TILE_B, 5.9)),
+                  TILE_A),
+    DenseTakeCase("2% ahead: the committed tile stays", (2048, 7168), 2, 6.0, ((TILE_A, 5.88),), "committed"),
+    DenseTakeCase("ahead of the committed Triton call: a CUDA key where there was none", (2048, 7168), 1, 4.2,
+                  ((TILE_B, 4.0),), TILE_B),
+    DenseTakeCase("the fastest over the bf16 tolerance: the next one", (7168, 4096), 16, 10.0,
+                  ((TILE_A, 8.0, 0.5), (TILE_B, 9.5)), TILE_B),
+    DenseTakeCase("M = 64 decides the table's last, open bound", (2048, 7168), 64, 12.0, ((TILE_A, 11.0),), TILE_A),
+    DenseTakeCase("an M that is no bound decides nothing", (7168, 2048), 3, 6.0, ((TILE_A, 1.0),), "committed"),
+]
+
+
+@pytest.mark.parametrize("case", DENSE_TAKE_CASES, ids=lambda c: c.name)
+def test_cuda_sweep_takes_its_winners_into_the_shape_tables(bench, case, committed_tables):
+    """--cuda-sweep's configs.json: each shape's committed table with the winners (CUDA_GAIN ahead of the committed
+    call timed beside them) at the swept bound, the Triton keys kept, every other entry as committed."""
+    k, n = case.shape
+    rows = [dict(k=k, n=n, m=case.m, tile=asdict(t[0]), us=t[1], rel_err=(t[2:] or (1e-3,))[0]) for t in case.tiles]
+    anchors = [dict(k=k, n=n, m=case.m, kernel="CUDA", committed_us=case.committed, bf16_us=12.0)]
+    committed = {shape: list(table) for shape, table in configs.DENSE_SHAPE_CONFIGS.items()}
+    saved = json.loads(json.dumps({"t": bench.dense_cuda_tables(rows, anchors)}, default=bench.config_json))
+    bench.install_configs(None, None, saved["t"])
+    bound = next(b for b, _ in committed[case.shape] if min(b, bench.MS[-1]) >= case.m)
+    for shape, table in configs.DENSE_SHAPE_CONFIGS.items():
+        for (b, cfg), (_, old) in zip(table, committed[shape]):
+            if shape == case.shape and b == bound and case.taken != "committed":
+                assert cfg == dict(old, CUDA=case.taken)
+            else:
+                assert cfg == old, (shape, b)
+
+
+def test_configs_files_stack_a_later_ones_tables_over_an_earlier_ones(bench, tmp_path):
+    """--configs A B: a dense sweep's file and a MoE sweep's measured together; a table B gives replaces A's."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"dense_table": [[1, {"x": 1}]], "moe_table": None, "dense_shape_table": {"1x2": []}}))
+    b.write_text(json.dumps({"dense_table": None, "moe_table": [[1, [{}, {}]]], "dense_shape_table": {"3x4": []}}))
+    assert bench.load_tables([a, b]) == [[[1, {"x": 1}]], [[1, [{}, {}]]], {"3x4": []}]
+    assert bench.load_tables([b, a]) == [[[1, {"x": 1}]], [[1, [{}, {}]]], {"1x2": []}]
