@@ -932,12 +932,13 @@ def moe_cuda_candidates(m: int) -> list[CudaTile]:
     x per pair): blocks of 32-64 rows (one tile per warp, or two for 2 warps along N) of 8 warps (and three tiles
     of 16 warps), clusters of 1-4
     along K (M * 8 pairs of 4096 / rows blocks each: 1-16 waves at M = 1), the steps in flight in registers (8 or 16)
-    or in the codes' ring (12 or 24), x whole, or in a ring of 2 chunks of 2 steps with 8 steps in flight."""
+    or in the codes' ring (12, 16 or 24: 12 won every M on the H100, session 30), x whole, or in a ring of 2 chunks
+    of 2 steps with 8 steps in flight."""
     out = []
     for nwn, nwk, cl, pf, ch, tpw, ring in itertools.product(
             (2, 4), (2, 4), (1, 2, 4), (8, 12, 16, 24), (2, 4), (1, 2), (False, True)):
         tile = CudaTile(nwn, nwk, cl, pf, ch, tpw, ring=ring)
-        in_flight = (12, 24) if ring else (8, 16)
+        in_flight = (12, 16, 24) if ring else (8, 16)
         if (tile.fits_gate_up(2 * INTER, HIDDEN) and nwn * nwk == 8 and pf in in_flight and tile.rows <= 64
                 and (tpw == 1 or nwn == 2 and not ring)):
             out.append(tile)
