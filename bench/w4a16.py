@@ -1024,9 +1024,8 @@ CUDA_GAIN = 0.03
 def dense_cuda_tables(rows: list[dict], anchors: list[dict]) -> dict[str, list]:
     """DENSE_SHAPE_CONFIGS ({"KxN": table}, configs.json's form) with --cuda-sweep's winners (rows within the bf16
     tolerance; only an M that is a bound of the shape's table, the last one read as MS's last M, decides that bound's
-    entry): the best tile where it is
-    CUDA_GAIN ahead of the committed call timed beside it (whichever kernel that ran), the entry's Triton keys kept
-    for the calls the CUDA kernel cannot take."""
+    entry): the best tile where it is CUDA_GAIN ahead of the committed call timed beside it (whichever kernel that
+    ran), the entry's Triton keys kept for the calls the CUDA kernel cannot take."""
     ok = [r for r in rows if r["rel_err"] <= verify.TOLERANCE[torch.bfloat16]]
     tables = {}
     for (k, n), table in DENSE_SHAPE_CONFIGS.items():
