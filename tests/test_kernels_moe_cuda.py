@@ -313,7 +313,8 @@ def test_experts_get_the_copy_only_where_the_format_allows():
     assert random_experts(2, 128, 64, 32, "bfloat16", gen, "cpu").cuda13 is None
 
 
-def test_a_bf16_engine_copies_the_experts_only_where_a_moe_config_names_the_cuda_kernel(monkeypatch):
+def test_moe_names_cuda_only_where_a_moe_config_names_a_cuda_tile(monkeypatch):
+    """What decides whether a bf16 engine makes the experts' CUDA-order copies (model.routed_experts)."""
     from k2vec.engines.gpu_triton.kernels import configs
     triton_only = [(bound, tuple({k: v for k, v in cfg.items() if k != "CUDA"} for cfg in pair))
                    for bound, pair in configs.MOE_CONFIGS]
