@@ -18,17 +18,17 @@
 // Compile-time constants (w4a16_cuda.py defines them): NWN warps along N, TPW 16-row tiles per warp (each B operand
 // read from shared memory serves TPW MMAs), NWK warps along K in a block, CL blocks along K in a cluster, STEPS K steps
 // of 64 per warp, MT m8 tiles of x's rows, XROWS of them in shared memory (MT * 8, or 1, 2 or 4 for M up to that: the
-// other columns of B read those rows again, and their outputs are dropped), PF steps of codes in flight, CH steps of x per copy to shared
-// memory; NXR 0: a K warp group's whole slice of x in shared memory, else a ring of NXR (>= 2) chunks of it, each
-// refilled with a later chunk once the group's warps are past it; RING 1: codes and scales in flight through shared
-// memory rather than registers (below); MINB blocks per SM the registers are budgeted for (__launch_bounds__); SF32 1
-// for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s rounded to bf16 as the
-// Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the accumulator registers
-// and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost). XMC > 1 (NXR 0 only): the cluster
-// also spans XMC blocks along N, which share x: each copies every XMC-th row of its K slice with one bulk copy per row
-// and chunk, multicast into the same place in all XMC blocks' shared memory, and a chunk's mbarrier (its bytes of all M
-// rows expected) says when it has landed, so that the blocks read x from L2 once per cluster rather than once per
-// block.
+// other columns of B read those rows again, and their outputs are dropped), PF steps of codes in flight, CH steps of x
+// per copy to shared memory; NXR 0: a K warp group's whole slice of x in shared memory, else a ring of NXR (>= 2)
+// chunks of it, each refilled with a later chunk once the group's warps are past it; RING 1: codes and scales in flight
+// through shared memory rather than registers (below); MINB blocks per SM the registers are budgeted for
+// (__launch_bounds__); SF32 1 for float32 scales (else bf16); FOLD 1: each weight is scaled before the MMA, (q - 8) * s
+// rounded to bf16 as the Triton tiles do, so that the MMAs accumulate in place (no per-group product to scale: half the
+// accumulator registers and no FMAs per x row, which at 32-64 rows of x outweighs the rounding's cost). XMC > 1 (NXR 0
+// only): the cluster also spans XMC blocks along N, which share x: each copies every XMC-th row of its K slice with one
+// bulk copy per row and chunk, multicast into the same place in all XMC blocks' shared memory, and a chunk's mbarrier
+// (its bytes of all M rows expected) says when it has landed, so that the blocks read x from L2 once per cluster rather
+// than once per block.
 //
 // MOE 1: the fused MoE's gate/up launch, one (token, expert) pair per blockIdx.z: x's row is pair / TOPK, the expert
 // ids[pair] (int64 where IDS64, else int32), which picks the weight, the experts' copies stacked (N rows each), each
